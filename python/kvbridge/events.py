@@ -1,0 +1,189 @@
+"""The KV-cache event schema, wire-identical to vLLM 0.33's ``vllm/distributed/kv_events.py``.
+
+One msgspec Struct per concept. The struct options are part of the wire format: a batch is
+array-like (``[ts, [events...], data_parallel_rank]``), events are tagged maps (``{"type":
+"BlockStored", ...}``) whose trailing optional fields are omitted when they hold their default.
+``lora_id``, ``medium`` and ``lora_name`` have no default in vLLM, so they are always written
+(as nil when unset) -- giving them defaults here would change the bytes.
+
+Decoding is more forgiving than encoding: it also accepts the older positional (array-encoded)
+events that vLLM < 0.10 and SGLang publish, int or bytes block hashes, and unknown extra fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodeError",
+    "ExternalBlockHash",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "MEDIUM_GPU",
+    "decode_batch",
+    "encode_batch",
+]
+
+#: vLLM publishes 64-bit ints (the last 8 bytes of the digest) or, in some modes, full digests.
+ExternalBlockHash = Union[int, bytes]
+MEDIUM_GPU = "GPU"
+Format = Literal["msgpack", "json"]
+
+
+class DecodeError(ValueError):
+    """A payload that is not a KV event batch. The message says what was wrong."""
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged event union; the tag field is ``type`` and holds the class name."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks became cached, as one chain: ``block_hashes[0]``'s parent is ``parent_block_hash``."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    #: One entry per block: what vLLM mixed into that block's hash (LoRA name, mm hashes, salt).
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    #: SGLang's typed block metadata (``BlockStoredWithMetadata``), carried through as a map.
+    #: vLLM 0.33's BlockStored has 15 fields, which makes msgspec write a map16 header
+    #: (``de 00 0n``) rather than a fixmap: the field count is part of the bytes.
+    metadata: dict[str, Any] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks were evicted from ``medium``."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The worker's whole prefix cache was reset."""
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one engine step produced; one NATS message carries one batch."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+# --- the older positional encoding (vLLM < 0.10, SGLang) -------------------------------------
+# msgspec cannot mix array-like and map-like structs in one union, so these decode in a second
+# pass, only when the fast map-encoded pass fails.
+
+
+class _PosEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _PosBlockStored(_PosEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    # vLLM writes lora_name here; SGLang's BlockStoredWithMetadata writes a metadata map instead.
+    lora_name_or_metadata: Any = None
+
+
+class _PosBlockRemoved(_PosEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+
+
+class _PosAllBlocksCleared(_PosEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _PosBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_PosBlockStored, _PosBlockRemoved, _PosAllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+def _from_positional(batch: _PosBatch) -> KVEventBatch:
+    events: list[Event] = []
+    for ev in batch.events:
+        if isinstance(ev, _PosBlockStored):
+            extra = ev.lora_name_or_metadata
+            events.append(
+                BlockStored(
+                    block_hashes=ev.block_hashes,
+                    parent_block_hash=ev.parent_block_hash,
+                    token_ids=ev.token_ids,
+                    block_size=ev.block_size,
+                    lora_id=ev.lora_id,
+                    medium=ev.medium,
+                    lora_name=extra if isinstance(extra, str) else None,
+                    metadata=extra if isinstance(extra, dict) else None,
+                )
+            )
+        elif isinstance(ev, _PosBlockRemoved):
+            events.append(BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
+
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_decoders = {
+    "msgpack": (msgspec.msgpack.Decoder(KVEventBatch), msgspec.msgpack.Decoder(_PosBatch)),
+    "json": (msgspec.json.Decoder(KVEventBatch), msgspec.json.Decoder(_PosBatch)),
+}
+
+
+def _check_format(format: str) -> None:
+    if format not in _decoders:
+        raise ValueError(f"format must be 'msgpack' or 'json', got {format!r}")
+
+
+def encode_batch(batch: KVEventBatch, format: Format = "msgpack") -> bytes:
+    """Encode ``batch`` to the exact bytes vLLM publishes (msgpack), or the same structure as JSON."""
+    _check_format(format)
+    if not isinstance(batch, KVEventBatch):
+        raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
+    encoder = _msgpack_encoder if format == "msgpack" else _json_encoder
+    return encoder.encode(batch)
+
+
+def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> KVEventBatch:
+    """Decode one batch. Anything that is not a batch raises :class:`DecodeError`, nothing else."""
+    _check_format(format)
+    current, positional = _decoders[format]
+    try:
+        return current.decode(payload)
+    except (msgspec.DecodeError, TypeError) as exc:
+        first_error = exc
+    # Only worth a second pass when the events are arrays; otherwise report the first error.
+    try:
+        return _from_positional(positional.decode(payload))
+    except (msgspec.DecodeError, TypeError):
+        pass
+    raise DecodeError(f"not a KVEventBatch ({format}): {first_error}") from None
