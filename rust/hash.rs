@@ -4,6 +4,8 @@
 mod algo;
 mod cbor;
 mod pickle;
+mod scratch;
+mod tokenbytes;
 mod tokens;
 mod value;
 
@@ -12,7 +14,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 use xxhash_rust::xxh3::xxh3_64;
 
+use std::cell::Cell;
+
 use algo::{Algo, Chain, Digest, ALGORITHMS};
+use scratch::Recycled;
 use value::{Id, Value};
 
 /// Below this many tokens a call is over before releasing the GIL would pay off.
@@ -20,6 +25,10 @@ const DETACH_MIN_TOKENS: usize = 1 << 16;
 
 /// vLLM's DEFAULT_NONE_HASH_SEED, used when neither `seed` nor PYTHONHASHSEED is given.
 const VLLM_DEFAULT_SEED: &str = "vllm-none-hash";
+
+thread_local! {
+    static DIGESTS: Cell<Vec<Digest>> = const { Cell::new(Vec::new()) };
+}
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
@@ -310,12 +319,12 @@ fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks: usi
 
 /// Hashes full blocks, without the GIL when the input is long. Tokens still inside a Python
 /// buffer are copied first, since other threads may write the buffer once the GIL is released.
-fn run(py: Python<'_>, chain: &mut Chain, tokens: &[u32], shared: bool, extras: Option<&[Option<Value>]>, parent_id: Id) -> Vec<Digest> {
-    let mut out = Vec::new();
+fn run(py: Python<'_>, chain: &mut Chain, tokens: &[u32], shared: bool, extras: Option<&[Option<Value>]>, parent_id: Id) -> Recycled<Digest> {
+    let mut out = Recycled::take(&DIGESTS);
     if tokens.len() < DETACH_MIN_TOKENS {
         chain.run(tokens, extras, parent_id, &mut out);
     } else if shared {
-        let copy = tokens.to_vec();
+        let copy = tokens::copied(tokens);
         py.detach(|| chain.run(&copy, extras, parent_id, &mut out));
     } else {
         py.detach(|| chain.run(tokens, extras, parent_id, &mut out));

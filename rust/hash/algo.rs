@@ -173,43 +173,50 @@ impl Chain {
     /// extra keys.
     pub fn run(&mut self, tokens: &[u32], extras: Option<&[Option<Value>]>, parent_id: Id, out: &mut Vec<Digest>) {
         out.reserve(tokens.len() / self.block_size);
-        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
-            let extra = extras.and_then(|e| e[i].as_ref());
-            let digest = self.next(block, extra, if i == 0 { parent_id } else { 0 });
-            self.parent = Some(digest);
-            out.push(digest);
+        let extra = |i: usize| extras.and_then(|e| e[i].as_ref());
+        let blocks = tokens.chunks_exact(self.block_size).enumerate();
+        // The parent lives in a local: reading it back from the last pushed digest would put a
+        // store-to-load round trip on the critical path of every block.
+        if self.algo.is_vllm() {
+            let mut parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
+            for (i, block) in blocks {
+                let algo = self.algo;
+                let id = if i == 0 { parent_id } else { 0 };
+                parent = algo.digest(self.serialize(parent.as_bytes(), id, block, extra(i), false));
+                out.push(parent);
+                self.parent = Some(parent);
+            }
+        } else {
+            let mut parent = self.parent.map(|p| p.event_hash());
+            for (i, block) in blocks {
+                let h = self.next_word(block, extra(i), parent);
+                parent = Some(h);
+                out.push(Digest::from_u64(h));
+            }
+            self.parent = parent.map(Digest::from_u64);
         }
     }
 
-    #[inline]
-    fn next(&mut self, block: &[u32], extra: Option<&Value>, parent_id: Id) -> Digest {
+    #[inline(always)]
+    fn next_word(&mut self, block: &[u32], extra: Option<&Value>, parent: Option<u64>) -> u64 {
         match self.algo {
             Algo::Xxh3 => {
-                let mut seed = self.parent.map_or(self.seed, |p| p.event_hash());
+                let mut seed = parent.unwrap_or(self.seed);
                 if let Some(v) = extra {
                     self.scratch.clear();
                     cbor::value(&mut self.scratch, v);
                     seed = xxh3_64_with_seed(&self.scratch, seed);
                 }
-                Digest::from_u64(xxh3_64_with_seed(le_bytes(block, &mut self.scratch), seed))
+                xxh3_64_with_seed(le_bytes(block, &mut self.scratch), seed)
             }
-            Algo::Dynamo => Digest::from_u64(self.local_hash(block, extra)),
-            Algo::DynamoSeq => {
-                let local = self.local_hash(block, extra);
-                Digest::from_u64(match self.parent {
-                    None => local,
-                    Some(p) => {
-                        let mut pair = [0u8; 16];
-                        pair[..8].copy_from_slice(&p.event_hash().to_le_bytes());
-                        pair[8..].copy_from_slice(&local.to_le_bytes());
-                        xxh3_64_with_seed(&pair, DYNAMO_SEED)
-                    }
-                })
-            }
+            Algo::Dynamo => self.local_hash(block, extra),
             _ => {
-                let parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
-                let algo = self.algo;
-                algo.digest(self.serialize(parent.as_bytes(), parent_id, block, extra, false))
+                let local = self.local_hash(block, extra);
+                let Some(p) = parent else { return local };
+                let mut pair = [0u8; 16];
+                pair[..8].copy_from_slice(&p.to_le_bytes());
+                pair[8..].copy_from_slice(&local.to_le_bytes());
+                xxh3_64_with_seed(&pair, DYNAMO_SEED)
             }
         }
     }

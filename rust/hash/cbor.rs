@@ -4,6 +4,7 @@
 //! plain CBOR with shortest-form heads: tuples are arrays, ints use the smallest head (major 0,
 //! or major 1 holding -1-n), ints beyond 64 bits are bignums (tag 2/3 over big-endian magnitude).
 
+use super::tokenbytes;
 use super::value::Value;
 
 const BYTES: u8 = 2;
@@ -37,14 +38,11 @@ pub fn head(out: &mut Vec<u8>, major: u8, n: u64) {
 /// `[parent, [tokens...], extra]` into `out` (cleared first).
 pub fn block(out: &mut Vec<u8>, parent: &[u8], tokens: &[u32], extra: Option<&Value>) {
     out.clear();
-    out.reserve(parent.len() + tokens.len() * 5 + 16);
     head(out, ARRAY, 3);
     head(out, BYTES, parent.len() as u64);
     out.extend_from_slice(parent);
     head(out, ARRAY, tokens.len() as u64);
-    for &t in tokens {
-        head(out, 0, t as u64);
-    }
+    tokenbytes::extend(out, tokens, tokenbytes::cbor);
     match extra {
         None => out.push(NULL),
         Some(v) => value(out, v),

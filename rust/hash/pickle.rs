@@ -13,6 +13,7 @@
 //!   the same object is a BINGET/LONG_BINGET. Empty tuples, ints, bools and None are not.
 //! - ints: BININT1 (0..=0xff), BININT2 (..=0xffff), BININT (i32 range), else LONG1/LONG4.
 
+use super::tokenbytes::{self, MAX_TOKEN_BYTES};
 use super::value::{long_bytes, Id, Value};
 
 const FRAME_HEADER: usize = 9;
@@ -25,8 +26,6 @@ const STOP: u8 = b'.';
 const NONE: u8 = b'N';
 const NEWTRUE: u8 = 0x88;
 const NEWFALSE: u8 = 0x89;
-const BININT1: u8 = b'K';
-const BININT2: u8 = b'M';
 const BININT: u8 = b'J';
 const LONG1: u8 = 0x8a;
 const LONG4: u8 = 0x8b;
@@ -97,11 +96,17 @@ impl Pickler {
 
     #[inline(always)]
     fn write(&mut self, data: &[u8]) {
+        self.open_frame();
+        self.buf.extend_from_slice(data);
+    }
+
+    /// What any write does first: with framing on and no frame open, reserve a frame header.
+    #[inline(always)]
+    fn open_frame(&mut self) {
         if self.framing && self.frame_start.is_none() {
             self.frame_start = Some(self.buf.len());
             self.buf.extend_from_slice(&[0u8; FRAME_HEADER]);
         }
-        self.buf.extend_from_slice(data);
     }
 
     fn commit_frame(&mut self) {
@@ -225,31 +230,26 @@ impl Pickler {
         if tokens.len() > 3 {
             self.write(&[MARK]);
         }
-        for &t in tokens {
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            // A boundary check precedes every token, but none can commit while the frame stays
+            // under the target, so the tokens that provably fit are written in one run.
             self.boundary();
-            self.write_token(t);
+            self.open_frame();
+            let used = self.buf.len() - self.frame_start.unwrap() - FRAME_HEADER;
+            let fit = (FRAME_SIZE_TARGET - 1 - used) / MAX_TOKEN_BYTES + 1;
+            let (now, later) = rest.split_at(fit.min(rest.len()));
+            tokenbytes::extend(&mut self.buf, now, tokenbytes::pickle);
+            rest = later;
         }
         self.close_tuple(tokens.len());
         self.memoize(0);
     }
 
-    #[inline(always)]
-    fn write_token(&mut self, t: u32) {
-        let b = t.to_le_bytes();
-        if t <= 0xff {
-            self.write(&[BININT1, b[0]]);
-        } else if t <= 0xffff {
-            self.write(&[BININT2, b[0], b[1]]);
-        } else if t <= i32::MAX as u32 {
-            self.write(&[BININT, b[0], b[1], b[2], b[3]]);
-        } else {
-            self.write(&[LONG1, 5, b[0], b[1], b[2], b[3], 0]);
-        }
-    }
-
     fn write_int(&mut self, v: i64) {
-        if (0..=0xffff_ffff).contains(&v) {
-            self.write_token(v as u32);
+        if let Ok(t) = u32::try_from(v) {
+            let (word, n) = tokenbytes::pickle(t);
+            self.write(&word.to_le_bytes()[..n]);
         } else if let Ok(small) = i32::try_from(v) {
             let b = small.to_le_bytes();
             self.write(&[BININT, b[0], b[1], b[2], b[3]]);

@@ -2,6 +2,7 @@
 //! any 1-D buffer of 32- or 64-bit ints (array.array, numpy, memoryview; no numpy import),
 //! or any other iterable of ints. Every id must be in 0..2**32-1.
 
+use std::cell::Cell;
 use std::ffi::CStr;
 use std::ptr::addr_of_mut;
 
@@ -9,9 +10,15 @@ use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use super::scratch::Recycled;
+
+thread_local! {
+    static POOL: Cell<Vec<u32>> = const { Cell::new(Vec::new()) };
+}
+
 /// Token ids, either copied out or viewed in place in a Python buffer.
 pub enum Tokens {
-    Owned(Vec<u32>),
+    Owned(Recycled<u32>),
     /// A native-endian, aligned, contiguous u32-compatible buffer; the export stays held (and
     /// the memory valid) until this is dropped, which needs the GIL, hence !Send.
     Shared(Buffer),
@@ -20,7 +27,7 @@ pub enum Tokens {
 impl Tokens {
     pub fn as_slice(&self) -> &[u32] {
         match self {
-            Tokens::Owned(v) => v,
+            Tokens::Owned(v) => v.as_slice(),
             Tokens::Shared(b) => {
                 // SAFETY: `read` only builds Shared for aligned, contiguous 4-byte items.
                 unsafe { std::slice::from_raw_parts(b.view.buf as *const u32, b.len()) }
@@ -32,6 +39,13 @@ impl Tokens {
     pub fn is_shared(&self) -> bool {
         matches!(self, Tokens::Shared(_))
     }
+}
+
+/// A private copy of tokens, from this thread's pool.
+pub fn copied(tokens: &[u32]) -> Recycled<u32> {
+    let mut out = Recycled::take(&POOL);
+    out.extend_from_slice(tokens);
+    out
 }
 
 pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
@@ -54,7 +68,7 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
             return from_buffer(obj);
         }
     }
-    let mut out = Vec::new();
+    let mut out = Recycled::take(&POOL);
     for (i, item) in obj.try_iter()?.enumerate() {
         let item = item?;
         // SAFETY: item is an owned, live reference.
@@ -65,8 +79,9 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
 
 /// Collects n items, fetching each by index: a non-int's __index__ may mutate the container, so
 /// no pointer is kept across items.
-unsafe fn collect_items(py: Python<'_>, n: usize, item: impl Fn(usize) -> *mut ffi::PyObject) -> PyResult<Vec<u32>> {
-    let mut out = Vec::with_capacity(n);
+unsafe fn collect_items(py: Python<'_>, n: usize, item: impl Fn(usize) -> *mut ffi::PyObject) -> PyResult<Recycled<u32>> {
+    let mut out = Recycled::take(&POOL);
+    out.reserve(n);
     for i in 0..n {
         let p = item(i);
         if p.is_null() {
@@ -231,16 +246,18 @@ macro_rules! item {
 item!(u32, i32, u64, i64);
 
 /// Converts to u32 with a range check; contiguous aligned native data takes a vectorisable path.
-unsafe fn convert<T: Item>(base: *const u8, n: usize, stride: isize, swap: bool, contiguous: bool) -> Result<Vec<u32>, (usize, i128)> {
+unsafe fn convert<T: Item>(base: *const u8, n: usize, stride: isize, swap: bool, contiguous: bool) -> Result<Recycled<u32>, (usize, i128)> {
     let ok = |x: i128| (0..=u32::MAX as i128).contains(&x);
+    let mut out = Recycled::take(&POOL);
     if contiguous && !swap {
         let items = std::slice::from_raw_parts(base as *const T, n);
         if let Some(i) = items.iter().position(|x| !ok(x.wide())) {
             return Err((i, items[i].wide()));
         }
-        return Ok(items.iter().map(|x| x.wide() as u32).collect());
+        out.extend(items.iter().map(|x| x.wide() as u32));
+        return Ok(out);
     }
-    let mut out = Vec::with_capacity(n);
+    out.reserve(n);
     for i in 0..n {
         let mut x = std::ptr::read_unaligned(base.offset(i as isize * stride) as *const T);
         if swap {
