@@ -2,6 +2,7 @@
 //! Arguments are checked and copied into Rust data here; the algorithms live in `algo`.
 
 mod algo;
+mod buffer;
 mod cbor;
 mod pickle;
 mod scratch;
@@ -16,7 +17,10 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use std::cell::Cell;
 
+use pyo3::ffi;
+
 use algo::{Algo, Chain, Digest, ALGORITHMS};
+use buffer::Buffer;
 use scratch::Recycled;
 use value::{Id, Value};
 
@@ -38,9 +42,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// One chained hash per full block of `tokens`; see kvbridge.hashing for the algorithms.
+/// With `out`, the 64-bit hashes go into that uint64 buffer and the block count is returned.
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size, *, algo = "xxh3", seed = None, parent = None,
-    extra_keys = None, as_bytes = false, lora_name = None, cache_namespace = None))]
+    extra_keys = None, as_bytes = false, lora_name = None, cache_namespace = None, out = None))]
 #[allow(clippy::too_many_arguments)]
 fn hash_blocks<'py>(
     py: Python<'py>,
@@ -53,15 +58,51 @@ fn hash_blocks<'py>(
     as_bytes: bool,
     lora_name: Option<&str>,
     cache_namespace: Option<&str>,
-) -> PyResult<Bound<'py, PyList>> {
+    out: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
     let mut chain = new_chain(algo, block_size, seed, lora_name, cache_namespace)?;
     let parent_id = set_parent(&mut chain, parent)?;
     let tokens = tokens::read(tokens)?;
     let all = tokens.as_slice();
-    let full = all.len() / chain.block_size * chain.block_size;
-    let extras = parse_extras(chain.algo, extra_keys, full / chain.block_size)?;
-    let digests = run(py, &mut chain, &all[..full], tokens.is_shared(), extras.as_deref(), parent_id);
-    to_list(py, &digests, as_bytes)
+    let n_blocks = all.len() / chain.block_size;
+    let extras = parse_extras(chain.algo, extra_keys, n_blocks)?;
+    let out = out.map(|o| out_buffer(o, n_blocks, as_bytes)).transpose()?;
+    let full = &all[..n_blocks * chain.block_size];
+    let digests = run(py, &mut chain, full, tokens.is_shared(), extras.as_deref(), parent_id);
+    match out {
+        Some(buffer) => {
+            // SAFETY: out_buffer checked a writable, aligned, contiguous u64 buffer of at least
+            // n_blocks items, and its export is held.
+            let dst = unsafe { std::slice::from_raw_parts_mut(buffer.ptr() as *mut u64, n_blocks) };
+            for (d, digest) in dst.iter_mut().zip(digests.iter()) {
+                *d = digest.event_hash();
+            }
+            Ok(n_blocks.into_pyobject(py)?.into_any())
+        }
+        None => Ok(to_list(py, &digests, as_bytes)?.into_any()),
+    }
+}
+
+/// The `out` argument: a writable, contiguous, native uint64 buffer with room for every block.
+fn out_buffer(out: &Bound<'_, PyAny>, n_blocks: usize, as_bytes: bool) -> PyResult<Buffer> {
+    if as_bytes {
+        return Err(PyValueError::new_err("out receives 64-bit hashes; it cannot be combined with as_bytes=True"));
+    }
+    let buffer = Buffer::get(out, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)?;
+    let native_u64 = buffer.int_layout().is_some_and(|l| l.size == 8 && !l.signed && !l.swap);
+    if !native_u64 || !(buffer.ptr() as usize).is_multiple_of(8) {
+        return Err(PyTypeError::new_err(format!(
+            "out must be an aligned native uint64 buffer (numpy uint64, array('Q')), not format '{}'",
+            buffer.format()
+        )));
+    }
+    if buffer.len() < n_blocks {
+        return Err(PyValueError::new_err(format!(
+            "out has room for {} hashes but the tokens make {n_blocks} full blocks",
+            buffer.len()
+        )));
+    }
+    Ok(buffer)
 }
 
 /// Incremental hashing of one growing sequence: feed tokens as they arrive, get the hashes of

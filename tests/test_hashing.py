@@ -298,6 +298,40 @@ def test_input_kinds_agree():
             assert hash_blocks(kind, 8, algo=algo) == want_small[algo]
 
 
+def test_empty_inputs():
+    np = pytest.importorskip("numpy")
+    for tokens in ([], (), array.array("I"), np.array([], dtype=np.uint32), np.array([], dtype=np.int64), iter([])):
+        assert hash_blocks(tokens, 16, algo="sha256") == []
+
+
+def test_out_buffer():
+    np = pytest.importorskip("numpy")
+    tokens = np.arange(16 * 10 + 3, dtype=np.uint32)
+    for algo in ALGORITHMS:
+        want = hash_blocks(tokens, 16, algo=algo)
+        out = np.zeros(12, dtype=np.uint64)
+        assert hash_blocks(tokens, 16, algo=algo, out=out) == 10
+        assert out[:10].tolist() == want and out[10:].tolist() == [0, 0]
+        q = array.array("Q", [0] * 10)
+        assert hash_blocks(tokens.tolist(), 16, algo=algo, out=q) == 10 and q.tolist() == want
+
+
+def test_out_buffer_errors():
+    np = pytest.importorskip("numpy")
+    tokens = list(range(64))
+    with pytest.raises(ValueError, match="out has room for 3 hashes but the tokens make 4 full blocks"):
+        hash_blocks(tokens, 16, out=np.zeros(3, dtype=np.uint64))
+    for bad in (np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.uint32), np.zeros(4, dtype=">u8")):
+        with pytest.raises(TypeError, match="out must be an aligned native uint64 buffer"):
+            hash_blocks(tokens, 16, out=bad)
+    with pytest.raises(ValueError, match="as_bytes"):
+        hash_blocks(tokens, 16, out=np.zeros(4, dtype=np.uint64), as_bytes=True)
+    with pytest.raises(BufferError):
+        hash_blocks(tokens, 16, out=bytes(32))
+    with pytest.raises(BufferError, match="1-dimensional"):
+        hash_blocks(tokens, 16, out=np.zeros((2, 2), dtype=np.uint64))
+
+
 def test_unaligned_buffer():
     raw = bytearray(1 + 4 * 32)
     raw[1:] = struct.pack("<32I", *range(32))

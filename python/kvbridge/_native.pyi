@@ -49,6 +49,21 @@ def hash_blocks(
     lora_name: str | None = None,
     cache_namespace: str | None = None,
 ) -> list[bytes]: ...
+@overload
+def hash_blocks(
+    tokens: Tokens,
+    block_size: int,
+    *,
+    algo: Algorithm = "xxh3",
+    seed: Seed | None = None,
+    parent: bytes | int | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    as_bytes: Literal[False] = False,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+    out: Buffer,
+) -> int:
+    """Writes the 64-bit hashes into `out` (numpy uint64 / array('Q')); returns the block count."""
 
 class BlockHasher:
     """One growing sequence's chain: update() returns the hashes of newly completed blocks."""

@@ -29,7 +29,9 @@ are defined for readers. A trailing partial block is never hashed.
 Outputs: by default ints, vLLM's 64-bit event hash (``int.from_bytes(d, "big") & (2**64-1)``,
 i.e. the digest's last 8 bytes); the 64-bit algorithms' hash is that int itself. With
 ``as_bytes=True``: full digests (32 bytes for sha256*, 16 for xxhash*, 8 big-endian bytes for
-xxh3/dynamo*).
+xxh3/dynamo*). ``out=`` takes a writable uint64 buffer (numpy ``uint64``, ``array('Q')``)
+instead: the 64-bit hashes are written into it and the number of blocks is returned, which
+skips creating a Python int per block (the main cost once tokens come from a buffer).
 
 ``parent`` continues a chain instead of starting one, so a growing request is hashed block by
 block, never from the start: for vLLM algorithms the previous block's full digest (bytes; the

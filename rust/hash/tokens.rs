@@ -3,13 +3,13 @@
 //! or any other iterable of ints. Every id must be in 0..2**32-1.
 
 use std::cell::Cell;
-use std::ffi::CStr;
 use std::ptr::addr_of_mut;
 
-use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
+use super::buffer::Buffer;
 use super::scratch::Recycled;
 
 thread_local! {
@@ -30,7 +30,7 @@ impl Tokens {
             Tokens::Owned(v) => v.as_slice(),
             Tokens::Shared(b) => {
                 // SAFETY: `read` only builds Shared for aligned, contiguous 4-byte items.
-                unsafe { std::slice::from_raw_parts(b.view.buf as *const u32, b.len()) }
+                unsafe { std::slice::from_raw_parts(b.ptr() as *const u32, b.len()) }
             }
         }
     }
@@ -139,74 +139,16 @@ fn range_error(index: usize, value: &dyn std::fmt::Display) -> PyErr {
     PyValueError::new_err(format!("token at index {index} is {value}, outside 0..4294967295"))
 }
 
-/// A held buffer export, released on drop. Boxed because exporters may point `shape`/`strides`
-/// into the Py_buffer itself.
-pub struct Buffer {
-    view: Box<ffi::Py_buffer>,
-}
-
-impl Buffer {
-    fn len(&self) -> usize {
-        // SAFETY: ndim == 1 was checked when the Buffer was built.
-        unsafe { *self.view.shape as usize }
-    }
-}
-
-impl Drop for Buffer {
-    fn drop(&mut self) {
-        // SAFETY: the view was filled by a successful PyObject_GetBuffer; Buffer is !Send, so
-        // this runs on the thread that holds the GIL.
-        unsafe { ffi::PyBuffer_Release(&mut *self.view) }
-    }
-}
-
-/// How buffer items are laid out, from the struct-module format string.
-#[derive(Clone, Copy)]
-struct Layout {
-    size: usize,
-    signed: bool,
-    swap: bool,
-}
-
-fn layout(format: &str, itemsize: usize) -> Option<Layout> {
-    let (prefix, code) = match format.as_bytes() {
-        [c] => (b'@', *c),
-        [p @ (b'@' | b'=' | b'<' | b'>' | b'!'), c] => (*p, *c),
-        _ => return None,
-    };
-    if !b"iIlLqQnN".contains(&code) || !(itemsize == 4 || itemsize == 8) {
-        return None;
-    }
-    let big = matches!(prefix, b'>' | b'!');
-    let little = prefix == b'<';
-    Some(Layout {
-        size: itemsize,
-        signed: code.is_ascii_lowercase(),
-        swap: if cfg!(target_endian = "little") { big } else { little },
-    })
-}
-
 fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
-    let mut view = Box::new(ffi::Py_buffer::new());
-    // SAFETY: view is a valid out-pointer; on success the export is released by Buffer::drop.
-    if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_RECORDS_RO) } != 0 {
-        return Err(PyErr::fetch(obj.py()));
-    }
-    let buffer = Buffer { view };
-    let v = &*buffer.view;
-    if v.ndim != 1 {
-        return Err(PyBufferError::new_err(format!("token buffer must be 1-dimensional, not {}-dimensional", v.ndim)));
-    }
-    let format = if v.format.is_null() { "B" } else { unsafe { CStr::from_ptr(v.format) }.to_str().unwrap_or("?") };
-    let Some(layout) = layout(format, v.itemsize as usize) else {
+    let buffer = Buffer::get(obj, ffi::PyBUF_RECORDS_RO)?;
+    let Some(layout) = buffer.int_layout() else {
         return Err(PyTypeError::new_err(format!(
-            "token buffer format '{format}' (itemsize {}) unsupported: need 32- or 64-bit ints (i, I, l, L, q, Q)",
-            v.itemsize
+            "token buffer format '{}' (itemsize {}) unsupported: need 32- or 64-bit ints (i, I, l, L, q, Q)",
+            buffer.format(),
+            buffer.itemsize()
         )));
     };
-    // SAFETY: ndim == 1 and PyBUF_STRIDES was requested, so shape and strides have one entry.
-    let (n, stride) = unsafe { (*v.shape as usize, *v.strides) };
-    let base = v.buf as *const u8;
+    let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
     let contiguous = stride == layout.size as isize && (base as usize).is_multiple_of(layout.size);
     if contiguous && layout.size == 4 && !layout.swap {
         // SAFETY: aligned, contiguous, n items of 4 bytes.
