@@ -10,9 +10,12 @@ from kvbridge.events import (
     decode_batch,
     encode_batch,
 )
+from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
 
 __all__ = [
+    "ALGORITHMS",
     "AllBlocksCleared",
+    "BlockHasher",
     "BlockRemoved",
     "BlockStored",
     "DecodeError",
@@ -20,4 +23,5 @@ __all__ = [
     "__version__",
     "decode_batch",
     "encode_batch",
+    "hash_blocks",
 ]
