@@ -1,7 +1,10 @@
 use pyo3::prelude::*;
 
+mod encode;
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    encode::register(m)?;
     Ok(())
 }
