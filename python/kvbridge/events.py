@@ -9,6 +9,8 @@ array-like (``[ts, [events...], data_parallel_rank]``), events are tagged maps (
 Decoding is more forgiving than encoding: it also accepts the older positional (array-encoded)
 events that vLLM < 0.10 and SGLang publish, SGLang's map events, map-encoded batches, int or
 bytes block hashes, and unknown extra fields (``kvbridge._compat``).
+
+Encoding uses the native (Rust) encoder when it can, msgspec otherwise; the bytes are the same.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 import msgspec
+
+from kvbridge import _native
 
 __all__ = [
     "AllBlocksCleared",
@@ -95,6 +99,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
+_native_encode = _native.encode_batch_msgpack
 _decoders = {"msgpack": msgspec.msgpack.Decoder(KVEventBatch), "json": msgspec.json.Decoder(KVEventBatch)}
 
 
@@ -103,13 +108,30 @@ def _check_format(format: str) -> None:
         raise ValueError(f"format must be 'msgpack' or 'json', got {format!r}")
 
 
-def encode_batch(batch: KVEventBatch, format: Format = "msgpack") -> bytes:
-    """Encode ``batch`` to the exact bytes vLLM publishes (msgpack), or the same structure as JSON."""
+def encode_batch(batch: KVEventBatch, format: Format = "msgpack", *, native: bool | None = None) -> bytes:
+    """Encode ``batch`` to the exact bytes vLLM publishes (msgpack), or the same structure as JSON.
+
+    ``native`` chooses the msgpack encoder; both write identical bytes. ``None`` (the default, and
+    the fastest) uses the Rust encoder and quietly hands the batch to msgspec when it holds a value
+    the Rust encoder does not represent (it raises TypeError for those, never other bytes).
+    ``True`` insists on the Rust encoder and lets that TypeError through; ``False`` is msgspec.
+    Errors msgspec would raise too (an int beyond 64 bits, a lone surrogate) propagate either way.
+    """
     _check_format(format)
     if not isinstance(batch, KVEventBatch):
         raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
-    encoder = _msgpack_encoder if format == "msgpack" else _json_encoder
-    return encoder.encode(batch)
+    if format == "json":
+        if native:
+            raise ValueError("the native encoder writes msgpack only")
+        return _json_encoder.encode(batch)
+    if native is False:
+        return _msgpack_encoder.encode(batch)
+    try:
+        return _native_encode(batch)
+    except TypeError:
+        if native:
+            raise
+    return _msgpack_encoder.encode(batch)
 
 
 def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> KVEventBatch:
