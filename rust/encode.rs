@@ -55,31 +55,33 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 // --- msgpack writers (the byte rules; no Python here) ---------------------------------------
 
-/// (marker, payload bytes) for a value needing `bits` bits, indexed by bit count (9..=64).
+/// The int marker for a value needing `bits` bits (9..=64 are the ones used). The payload width
+/// is in the marker's low two bits: uint8..uint64 are 0xcc..0xcf, int8..int64 0xd0..0xd3.
 /// Token ids straddle the uint16/uint32 boundary at random, so a lookup beats a branch there.
-const fn size_classes(signed: bool) -> [(u8, usize); 65] {
-    let mut table = [(0u8, 0usize); 65];
+const fn size_classes(signed: bool) -> [u8; 65] {
+    let mut table = [0u8; 65];
     let mut bits = 0;
     while bits <= 64 {
-        let (base, width) = match bits {
-            0..=8 => (0xcc, 1),
-            9..=16 => (0xcd, 2),
-            17..=32 => (0xce, 4),
-            _ => (0xcf, 8),
+        let marker = match bits {
+            0..=8 => 0xcc,
+            9..=16 => 0xcd,
+            17..=32 => 0xce,
+            _ => 0xcf,
         };
-        // int8..int64 (0xd0..0xd3) sit 4 above uint8..uint64.
-        table[bits] = (if signed { base + 4 } else { base }, width);
+        table[bits] = if signed { marker + 4 } else { marker };
         bits += 1;
     }
     table
 }
 
-const UINT_CLASS: [(u8, usize); 65] = size_classes(false);
-const INT_CLASS: [(u8, usize); 65] = size_classes(true);
+const UINT_CLASS: [u8; 65] = size_classes(false);
+const INT_CLASS: [u8; 65] = size_classes(true);
 
-/// Marker plus the low `width` bytes of `v`, big-endian, with one unconditional 8-byte store.
+/// Marker plus the low bytes of `v` the marker calls for, big-endian, with one unconditional
+/// 8-byte store.
 #[inline(always)]
-fn put_sized(out: &mut Vec<u8>, (marker, width): (u8, usize), v: u64) {
+fn put_sized(out: &mut Vec<u8>, marker: u8, v: u64) {
+    let width = 1usize << (marker & 3);
     out.reserve(9);
     // SAFETY: 9 bytes are reserved; only 1 + width of them become part of the vector.
     unsafe {
@@ -310,14 +312,17 @@ impl Encoder<'_, '_> {
         }
     }
 
+    #[inline(always)]
     unsafe fn int(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
         match cpython::int_parts(self.layout, obj) {
-            Some((false, magnitude)) => return Ok(put_uint(self.out, magnitude)),
-            Some((true, magnitude)) if magnitude <= 1 << 63 => {
-                return Ok(put_int(self.out, magnitude.wrapping_neg() as i64));
-            }
-            _ => {}
+            Some((false, magnitude)) => Ok(put_uint(self.out, magnitude)),
+            Some((true, magnitude)) if magnitude <= 1 << 63 => Ok(put_int(self.out, magnitude.wrapping_neg() as i64)),
+            _ => self.int_via_api(obj),
         }
+    }
+
+    #[inline(never)]
+    unsafe fn int_via_api(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
         let mut overflow: c_int = 0;
         let v = ffi::PyLong_AsLongLongAndOverflow(obj, &mut overflow);
         if overflow == 0 {
@@ -360,7 +365,12 @@ impl Encoder<'_, '_> {
             put_array_header(self.out, items.len())?;
             self.enter()?;
             for &item in items {
-                self.value(item)?;
+                // Token id lists are most of a batch: skip the general dispatch for their ints.
+                if ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyLong_Type) {
+                    self.int(item)?;
+                } else {
+                    self.value(item)?;
+                }
             }
             self.depth -= 1;
             return Ok(());

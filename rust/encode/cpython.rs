@@ -37,16 +37,23 @@ pub unsafe fn int_parts(layout: Layout, obj: *mut ffi::PyObject) -> Option<(bool
         Layout::Api => return None,
     };
     let digits = (obj as *const u8).add(PAYLOAD) as *const u32;
-    let magnitude = match ndigits {
-        0 => 0,
-        1 => *digits as u64,
-        2 => *digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS,
-        3 if *digits.add(2) < 16 => {
-            *digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS | (*digits.add(2) as u64) << (2 * DIGIT_BITS)
-        }
-        _ => return None,
-    };
+    // One digit (below 2**30: token ids, small fields) is the hot case; keeping the rest out of
+    // line stops LLVM from turning the digit count into a jump table that mispredicts whenever
+    // token ids and 64-bit hashes alternate.
+    let magnitude = if ndigits == 1 { *digits as u64 } else { wide_magnitude(ndigits, digits)? };
     Some((negative, magnitude))
+}
+
+#[inline(never)]
+unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
+    match ndigits {
+        0 => Some(0),
+        2 => Some(*digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS),
+        3 if *digits.add(2) < 16 => Some(
+            *digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
+        ),
+        _ => None,
+    }
 }
 
 /// A list's items without a call per item.
