@@ -49,8 +49,19 @@ pub fn encode_batch_msgpack<'py>(
     })
 }
 
+/// Which int/list reader this interpreter got ("api" when the fast path is off), for tests.
+#[pyfunction]
+fn _encode_layout(py: Python<'_>) -> PyResult<&'static str> {
+    Ok(match setup(py)?.layout {
+        cpython::Layout::Api => "api",
+        cpython::Layout::SignedSize => "signed-size",
+        cpython::Layout::TaggedValue => "tagged-value",
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(encode_batch_msgpack, m)?)
+    m.add_function(wrap_pyfunction!(encode_batch_msgpack, m)?)?;
+    m.add_function(wrap_pyfunction!(_encode_layout, m)?)
 }
 
 // --- msgpack writers (the byte rules; no Python here) ---------------------------------------

@@ -174,6 +174,14 @@ def test_buffer_reuse_after_a_huge_batch():
     assert native(small) == reference(small)
 
 
+def test_fast_path_on_known_interpreters():
+    expected = {(3, 11): "signed-size", (3, 12): "tagged-value", (3, 13): "tagged-value", (3, 14): "tagged-value"}
+    if os.environ.get("KVBRIDGE_ENCODE_STABLE_API"):
+        assert _native._encode_layout() == "api"
+    elif sys.version_info[:2] in expected:
+        assert _native._encode_layout() == expected[sys.version_info[:2]]
+
+
 def test_stable_api_path_identical():
     """The fast reads of interpreter internals are optional: this whole file passes without them."""
     env = {**os.environ, "KVBRIDGE_ENCODE_STABLE_API": "1"}

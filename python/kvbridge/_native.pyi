@@ -7,6 +7,8 @@ __version__: str
 
 # --- batch encoding (rust/encode.rs; used through kvbridge.events.encode_batch) ---------------
 
+from typing import Literal
+
 from kvbridge.events import KVEventBatch
 
 def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
@@ -20,3 +22,6 @@ def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
     Set KVBRIDGE_ENCODE_STABLE_API=1 before the first call to skip the direct reads of
     CPython int/list internals (a testing knob; the bytes are the same).
     """
+
+def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
+    """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""
