@@ -372,28 +372,25 @@ impl Encoder<'_, '_> {
     }
 
     unsafe fn list(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
-        if let Some(items) = cpython::list_items(self.layout, obj) {
-            put_array_header(self.out, items.len())?;
-            self.enter()?;
-            for &item in items {
-                // Token id lists are most of a batch: skip the general dispatch for their ints.
-                if ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyLong_Type) {
-                    self.int(item)?;
-                } else {
-                    self.value(item)?;
-                }
-            }
-            self.depth -= 1;
-            return Ok(());
-        }
         let len = ffi::PyList_Size(obj);
         put_array_header(self.out, len as usize)?;
         self.enter()?;
-        for i in 0..len {
-            self.value(ffi::PyList_GetItem(obj, i))?;
+        match cpython::list_items(self.layout, obj) {
+            Some(items) => items.iter().try_for_each(|&item| self.item(item))?,
+            None => (0..len).try_for_each(|i| self.item(ffi::PyList_GetItem(obj, i)))?,
         }
         self.depth -= 1;
         Ok(())
+    }
+
+    /// A list item. Token id lists are most of a batch: their ints skip the general dispatch.
+    #[inline(always)]
+    unsafe fn item(&mut self, item: *mut ffi::PyObject) -> PyResult<()> {
+        if ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyLong_Type) {
+            self.int(item)
+        } else {
+            self.value(item)
+        }
     }
 
     unsafe fn tuple(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
@@ -439,14 +436,13 @@ impl Encoder<'_, '_> {
             if val.is_null() {
                 return Err(PyAttributeError::new_err(format!("Struct field {:?} is unset", field.attr)));
             }
-            if plan.array_like {
-                if val == self.unset {
-                    return Err(PyTypeError::new_err("the native encoder cannot write UNSET in an array-like Struct"));
+            if !plan.array_like {
+                if val == self.unset || (i >= plan.omit_none_from && val == ffi::Py_None()) {
+                    continue;
                 }
-            } else if val == self.unset || (i >= plan.omit_none_from && val == ffi::Py_None()) {
-                continue;
-            } else {
                 self.out.extend_from_slice(&field.key);
+            } else if val == self.unset {
+                return Err(PyTypeError::new_err("the native encoder cannot write UNSET in an array-like Struct"));
             }
             self.value(val)?;
             written += 1;
