@@ -326,10 +326,11 @@ impl Encoder<'_, '_> {
     #[inline(always)]
     unsafe fn int(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
         match cpython::int_parts(self.layout, obj) {
-            Some((false, magnitude)) => Ok(put_uint(self.out, magnitude)),
-            Some((true, magnitude)) if magnitude <= 1 << 63 => Ok(put_int(self.out, magnitude.wrapping_neg() as i64)),
-            _ => self.int_via_api(obj),
+            Some((false, magnitude)) => put_uint(self.out, magnitude),
+            Some((true, magnitude)) if magnitude <= 1 << 63 => put_int(self.out, magnitude.wrapping_neg() as i64),
+            _ => return self.int_via_api(obj),
         }
+        Ok(())
     }
 
     #[inline(never)]
@@ -342,7 +343,7 @@ impl Encoder<'_, '_> {
         }
         if overflow > 0 {
             let u = ffi::PyLong_AsUnsignedLongLong(obj);
-            if !(u == u64::MAX && !ffi::PyErr_Occurred().is_null()) {
+            if u != u64::MAX || ffi::PyErr_Occurred().is_null() {
                 put_uint(self.out, u);
                 return Ok(());
             }
