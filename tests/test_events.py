@@ -134,8 +134,9 @@ def test_corrupted_payloads(batch, data):
 
 
 def test_every_truncation_of_every_vector(load_vectors):
-    for vec in load_vectors("vllm_event_batches.json")["vectors"]:
-        payload = bytes.fromhex(vec["payload_hex"])
+    payloads = [v["payload_hex"] for v in load_vectors("vllm_event_batches.json")["vectors"]]
+    payloads += [f["payload_hex"] for f in load_vectors("vllm_zmq_frames.json")["frames"]]
+    for payload in map(bytes.fromhex, payloads):
         as_json = events.encode_batch(events.decode_batch(payload), "json")
         for format, full in (("msgpack", payload), ("json", as_json)):
             for end in range(len(full)):
