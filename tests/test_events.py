@@ -1,5 +1,10 @@
+import os
+
 import msgspec
 import pytest
+from event_strategies import batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge import events
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch
@@ -85,12 +90,6 @@ def test_bad_format_and_batch_type():
 
 
 # --- properties over random batches ---------------------------------------------------------
-
-import os  # noqa: E402
-
-from event_strategies import batches  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
