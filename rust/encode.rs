@@ -14,7 +14,6 @@
 //! before a single wrong byte could be returned, so callers can fall back to msgspec.
 
 use std::cell::RefCell;
-use std::ffi::CStr;
 use std::os::raw::c_int;
 use std::ptr::addr_of_mut;
 use std::rc::Rc;
@@ -23,9 +22,16 @@ use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyTuple, PyType};
+use pyo3::types::PyBytes;
 
 mod cpython;
+mod msgpack;
+mod plan;
+
+use msgpack::{
+    patch_map_header, put_array_header, put_bin, put_int, put_map_header, put_str, put_uint,
+};
+use plan::{build_plan, Plan};
 
 /// msgspec recurses up to Python's recursion limit; past this depth we hand over to it.
 const MAX_DEPTH: u32 = 256;
@@ -62,140 +68,6 @@ fn _encode_layout(py: Python<'_>) -> PyResult<&'static str> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_batch_msgpack, m)?)?;
     m.add_function(wrap_pyfunction!(_encode_layout, m)?)
-}
-
-// --- msgpack writers (the byte rules; no Python here) ---------------------------------------
-
-/// The int marker for a value needing `bits` bits (9..=64 are the ones used). The payload width
-/// is in the marker's low two bits: uint8..uint64 are 0xcc..0xcf, int8..int64 0xd0..0xd3.
-/// Token ids straddle the uint16/uint32 boundary at random, so a lookup beats a branch there.
-const fn size_classes(signed: bool) -> [u8; 65] {
-    let mut table = [0u8; 65];
-    let mut bits = 0;
-    while bits <= 64 {
-        let marker = match bits {
-            0..=8 => 0xcc,
-            9..=16 => 0xcd,
-            17..=32 => 0xce,
-            _ => 0xcf,
-        };
-        table[bits] = if signed { marker + 4 } else { marker };
-        bits += 1;
-    }
-    table
-}
-
-const UINT_CLASS: [u8; 65] = size_classes(false);
-const INT_CLASS: [u8; 65] = size_classes(true);
-
-/// Marker plus the low bytes of `v` the marker calls for, big-endian, with one unconditional
-/// 8-byte store.
-#[inline(always)]
-fn put_sized(out: &mut Vec<u8>, marker: u8, v: u64) {
-    let width = 1usize << (marker & 3);
-    out.reserve(9);
-    // SAFETY: 9 bytes are reserved; only 1 + width of them become part of the vector.
-    unsafe {
-        let len = out.len();
-        let p = out.as_mut_ptr().add(len);
-        *p = marker;
-        std::ptr::write_unaligned(p.add(1) as *mut [u8; 8], (v << (64 - 8 * width)).to_be_bytes());
-        out.set_len(len + 1 + width);
-    }
-}
-
-#[inline(always)]
-fn put_uint(out: &mut Vec<u8>, v: u64) {
-    if v < 0x80 {
-        out.push(v as u8);
-    } else {
-        put_sized(out, UINT_CLASS[(64 - v.leading_zeros()) as usize], v);
-    }
-}
-
-#[inline(always)]
-fn put_int(out: &mut Vec<u8>, v: i64) {
-    if v >= 0 {
-        put_uint(out, v as u64);
-    } else if v >= -32 {
-        out.push(v as u8);
-    } else {
-        // A negative v fits a signed width w when !v needs at most w - 1 bits.
-        put_sized(out, INT_CLASS[(65 - (!v).leading_zeros()) as usize], v as u64);
-    }
-}
-
-/// Header of a str/bin/array/map. `fix` is the fix-form base and `fix_max` its exclusive
-/// bound (bin has no fix form); `first` is the 8-bit form's marker (0 when there is none).
-fn put_header(out: &mut Vec<u8>, len: usize, fix: u8, fix_max: usize, first: u8, wide: [u8; 2]) -> PyResult<()> {
-    if len < fix_max {
-        out.push(fix | len as u8);
-    } else if first != 0 && len <= 0xff {
-        out.extend_from_slice(&[first, len as u8]);
-    } else if len <= 0xffff {
-        out.push(wide[0]);
-        out.extend_from_slice(&(len as u16).to_be_bytes());
-    } else if len <= 0xffff_ffff {
-        out.push(wide[1]);
-        out.extend_from_slice(&(len as u32).to_be_bytes());
-    } else {
-        return Err(PyTypeError::new_err("msgpack cannot hold a value longer than 2**32 - 1"));
-    }
-    Ok(())
-}
-
-fn put_str(out: &mut Vec<u8>, s: &[u8]) -> PyResult<()> {
-    put_header(out, s.len(), 0xa0, 32, 0xd9, [0xda, 0xdb])?;
-    out.extend_from_slice(s);
-    Ok(())
-}
-
-fn put_bin(out: &mut Vec<u8>, b: &[u8]) -> PyResult<()> {
-    put_header(out, b.len(), 0, 0, 0xc4, [0xc5, 0xc6])?;
-    out.extend_from_slice(b);
-    Ok(())
-}
-
-fn put_array_header(out: &mut Vec<u8>, len: usize) -> PyResult<()> {
-    put_header(out, len, 0x90, 16, 0, [0xdc, 0xdd])
-}
-
-fn put_map_header(out: &mut Vec<u8>, len: usize) -> PyResult<()> {
-    put_header(out, len, 0x80, 16, 0, [0xde, 0xdf])
-}
-
-/// Rewrite the count of a map header written for `sized_for` entries, keeping its width.
-fn patch_map_header(out: &mut [u8], at: usize, sized_for: usize, count: usize) {
-    if sized_for < 16 {
-        out[at] = 0x80 | count as u8;
-    } else if sized_for <= 0xffff {
-        out[at + 1..at + 3].copy_from_slice(&(count as u16).to_be_bytes());
-    } else {
-        out[at + 1..at + 5].copy_from_slice(&(count as u32).to_be_bytes());
-    }
-}
-
-// --- per-type plans ----------------------------------------------------------------------
-
-struct Field {
-    /// The encoded name (msgpack str), written as-is in map mode.
-    key: Vec<u8>,
-    offset: isize,
-    attr: String,
-}
-
-/// How to write one msgspec Struct type, derived once from its `__struct_config__`.
-struct Plan {
-    /// Owned reference, never released, so the address can never name another type.
-    ty: *mut ffi::PyTypeObject,
-    array_like: bool,
-    /// Fields plus the tag: sizes the header even when fields are omitted.
-    len: usize,
-    /// Written right after the header: the tag value (array) or tag key and value (map).
-    prefix: Vec<u8>,
-    fields: Vec<Field>,
-    /// Fields from here on are skipped when None (map mode with `omit_defaults`).
-    omit_none_from: usize,
 }
 
 /// What every call needs from the interpreter, looked up once.
@@ -285,7 +157,8 @@ impl Encoder<'_, '_> {
             self.out.extend_from_slice(&x.to_bits().to_be_bytes());
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyBool_Type) {
-            self.out.push(if obj == ffi::Py_True() { 0xc3 } else { 0xc2 });
+            self.out
+                .push(if obj == ffi::Py_True() { 0xc3 } else { 0xc2 });
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyBytes_Type) {
             let data = ffi::PyBytes_AsString(obj) as *const u8;
@@ -304,7 +177,11 @@ impl Encoder<'_, '_> {
         }
     }
 
-    unsafe fn uncommon(&mut self, obj: *mut ffi::PyObject, ty: *mut ffi::PyTypeObject) -> PyResult<()> {
+    unsafe fn uncommon(
+        &mut self,
+        obj: *mut ffi::PyObject,
+        ty: *mut ffi::PyTypeObject,
+    ) -> PyResult<()> {
         if let Some(plan) = self.plan_for(obj, ty)? {
             return self.strukt(obj, &plan);
         }
@@ -327,7 +204,9 @@ impl Encoder<'_, '_> {
     unsafe fn int(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
         match cpython::int_parts(self.layout, obj) {
             Some((false, magnitude)) => put_uint(self.out, magnitude),
-            Some((true, magnitude)) if magnitude <= 1 << 63 => put_int(self.out, magnitude.wrapping_neg() as i64),
+            Some((true, magnitude)) if magnitude <= 1 << 63 => {
+                put_int(self.out, magnitude.wrapping_neg() as i64)
+            }
             _ => return self.int_via_api(obj),
         }
         Ok(())
@@ -350,7 +229,9 @@ impl Encoder<'_, '_> {
             ffi::PyErr_Clear();
         }
         // msgspec's own error for the same value.
-        Err(PyOverflowError::new_err("can't serialize ints < -2**63 or > 2**64 - 1"))
+        Err(PyOverflowError::new_err(
+            "can't serialize ints < -2**63 or > 2**64 - 1",
+        ))
     }
 
     unsafe fn str(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
@@ -359,7 +240,10 @@ impl Encoder<'_, '_> {
         if data.is_null() {
             return Err(PyErr::fetch(self.py)); // lone surrogates: msgspec fails the same way
         }
-        put_str(self.out, std::slice::from_raw_parts(data as *const u8, len as usize))
+        put_str(
+            self.out,
+            std::slice::from_raw_parts(data as *const u8, len as usize),
+        )
     }
 
     fn enter(&mut self) -> PyResult<()> {
@@ -435,7 +319,10 @@ impl Encoder<'_, '_> {
         for (i, field) in plan.fields.iter().enumerate() {
             let val = *((obj as *const u8).offset(field.offset) as *const *mut ffi::PyObject);
             if val.is_null() {
-                return Err(PyAttributeError::new_err(format!("Struct field {:?} is unset", field.attr)));
+                return Err(PyAttributeError::new_err(format!(
+                    "Struct field {:?} is unset",
+                    field.attr
+                )));
             }
             if !plan.array_like {
                 if val == self.unset || (i >= plan.omit_none_from && val == ffi::Py_None()) {
@@ -443,7 +330,9 @@ impl Encoder<'_, '_> {
                 }
                 self.out.extend_from_slice(&field.key);
             } else if val == self.unset {
-                return Err(PyTypeError::new_err("the native encoder cannot write UNSET in an array-like Struct"));
+                return Err(PyTypeError::new_err(
+                    "the native encoder cannot write UNSET in an array-like Struct",
+                ));
             }
             self.value(val)?;
             written += 1;
@@ -456,7 +345,11 @@ impl Encoder<'_, '_> {
     }
 
     /// The plan for `ty` if it is a msgspec Struct type, building it on first sight.
-    unsafe fn plan_for(&mut self, obj: *mut ffi::PyObject, ty: *mut ffi::PyTypeObject) -> PyResult<Option<Rc<Plan>>> {
+    unsafe fn plan_for(
+        &mut self,
+        obj: *mut ffi::PyObject,
+        ty: *mut ffi::PyTypeObject,
+    ) -> PyResult<Option<Rc<Plan>>> {
         if let Some(plan) = self.plans.iter().find(|p| p.ty == ty) {
             return Ok(Some(plan.clone()));
         }
@@ -465,95 +358,12 @@ impl Encoder<'_, '_> {
             return Ok(None);
         }
         if self.plans.len() >= MAX_PLANS {
-            return Err(PyTypeError::new_err(format!("the native encoder caches at most {MAX_PLANS} Struct types")));
+            return Err(PyTypeError::new_err(format!(
+                "the native encoder caches at most {MAX_PLANS} Struct types"
+            )));
         }
         let plan = Rc::new(build_plan(Bound::from_borrowed_ptr(self.py, obj))?);
-        ffi::Py_IncRef(ty as *mut ffi::PyObject);
         self.plans.push(plan.clone());
         Ok(Some(plan))
     }
-}
-
-fn build_plan(obj: Bound<'_, PyAny>) -> PyResult<Plan> {
-    let ty = obj.get_type();
-    let unsupported = |why: &str| {
-        PyTypeError::new_err(format!("the native encoder cannot write {}: {why}", ty.name().map(|n| n.to_string()).unwrap_or_default()))
-    };
-    let config = ty.getattr("__struct_config__")?;
-    let array_like: bool = config.getattr("array_like")?.extract()?;
-    let omit_defaults: bool = config.getattr("omit_defaults")?.extract()?;
-    let tag = config.getattr("tag")?;
-    let names = ty.getattr("__struct_fields__")?.cast_into::<PyTuple>()?;
-    let keys = ty.getattr("__struct_encode_fields__")?.cast_into::<PyTuple>()?;
-    let defaults = ty.getattr("__struct_defaults__")?.cast_into::<PyTuple>()?;
-
-    let mut omit_none_from = names.len();
-    if omit_defaults && !array_like {
-        // msgspec compares against each default; only None defaults reduce to a pointer test.
-        if defaults.iter().any(|d| !d.is_none()) {
-            return Err(unsupported("omit_defaults with a default other than None"));
-        }
-        omit_none_from = names.len() - defaults.len();
-    }
-
-    let mut prefix = Vec::new();
-    if !tag.is_none() {
-        if !array_like {
-            put_str(&mut prefix, config.getattr("tag_field")?.extract::<String>()?.as_bytes())?;
-        }
-        if let Ok(s) = tag.extract::<String>() {
-            put_str(&mut prefix, s.as_bytes())?;
-        } else {
-            put_int(&mut prefix, tag.extract::<i64>()?);
-        }
-    }
-
-    let slots = slot_offsets(&ty)?;
-    let mut fields = Vec::with_capacity(names.len());
-    for (name, key) in names.iter().zip(keys.iter()) {
-        let attr: String = name.extract()?;
-        let offset = slots
-            .iter()
-            .find(|(n, _)| *n == attr)
-            .map(|(_, off)| *off)
-            .ok_or_else(|| unsupported(&format!("field {attr:?} is not a plain slot")))?;
-        // The one check that the slot really holds what getattr returns, before trusting it.
-        let via_getattr = obj.getattr(attr.as_str())?;
-        let in_slot = unsafe { *((obj.as_ptr() as *const u8).offset(offset) as *const *mut ffi::PyObject) };
-        if via_getattr.as_ptr() != in_slot {
-            return Err(unsupported(&format!("field {attr:?} does not live in its slot")));
-        }
-        let mut encoded = Vec::new();
-        put_str(&mut encoded, key.extract::<String>()?.as_bytes())?;
-        fields.push(Field { key: encoded, offset, attr });
-    }
-    Ok(Plan {
-        ty: ty.as_ptr() as *mut ffi::PyTypeObject,
-        array_like,
-        len: fields.len() + usize::from(!tag.is_none()),
-        prefix,
-        fields,
-        omit_none_from,
-    })
-}
-
-/// (name, offset) of every writable object slot declared along `ty`'s MRO.
-fn slot_offsets(ty: &Bound<'_, PyType>) -> PyResult<Vec<(String, isize)>> {
-    let mut slots = Vec::new();
-    for base in ty.getattr("__mro__")?.cast_into::<PyTuple>()?.iter() {
-        // SAFETY: a type's tp_members is a NULL-name-terminated PyMemberDef array or NULL.
-        unsafe {
-            let mut member = ffi::PyType_GetSlot(base.as_ptr() as *mut ffi::PyTypeObject, ffi::Py_tp_members)
-                as *const ffi::PyMemberDef;
-            while !member.is_null() && !(*member).name.is_null() {
-                let m = &*member;
-                if m.type_code == ffi::Py_T_OBJECT_EX && m.flags & ffi::Py_READONLY == 0 {
-                    let name = CStr::from_ptr(m.name).to_string_lossy().into_owned();
-                    slots.push((name, m.offset as isize));
-                }
-                member = member.add(1);
-            }
-        }
-    }
-    Ok(slots)
 }

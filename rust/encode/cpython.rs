@@ -40,7 +40,11 @@ pub unsafe fn int_parts(layout: Layout, obj: *mut ffi::PyObject) -> Option<(bool
     // One digit (below 2**30: token ids, small fields) is the hot case; keeping the rest out of
     // line stops LLVM from turning the digit count into a jump table that mispredicts whenever
     // token ids and 64-bit hashes alternate.
-    let magnitude = if ndigits == 1 { *digits as u64 } else { wide_magnitude(ndigits, digits)? };
+    let magnitude = if ndigits == 1 {
+        *digits as u64
+    } else {
+        wide_magnitude(ndigits, digits)?
+    };
     Some((negative, magnitude))
 }
 
@@ -50,7 +54,9 @@ unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
         0 => Some(0),
         2 => Some(*digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS),
         3 if *digits.add(2) < 16 => Some(
-            *digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
+            *digits as u64
+                | (*digits.add(1) as u64) << DIGIT_BITS
+                | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
         ),
         _ => None,
     }
@@ -58,19 +64,28 @@ unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
 
 /// A list's items without a call per item.
 #[inline(always)]
-pub unsafe fn list_items<'a>(layout: Layout, obj: *mut ffi::PyObject) -> Option<&'a [*mut ffi::PyObject]> {
+pub unsafe fn list_items<'a>(
+    layout: Layout,
+    obj: *mut ffi::PyObject,
+) -> Option<&'a [*mut ffi::PyObject]> {
     if layout == Layout::Api {
         return None;
     }
     let len = *((obj as *const u8).add(WORD) as *const isize) as usize;
     let items = *((obj as *const u8).add(PAYLOAD) as *const *const *mut ffi::PyObject);
-    Some(if len == 0 { &[] } else { std::slice::from_raw_parts(items, len) })
+    Some(if len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(items, len)
+    })
 }
 
 /// The layout to use on this interpreter, proven on sample values before it is trusted.
 /// `KVBRIDGE_ENCODE_STABLE_API` forces the API path, so tests can cover both.
 pub fn detect(py: Python<'_>) -> Layout {
-    if cfg!(not(target_pointer_width = "64")) || std::env::var_os("KVBRIDGE_ENCODE_STABLE_API").is_some() {
+    if cfg!(not(target_pointer_width = "64"))
+        || std::env::var_os("KVBRIDGE_ENCODE_STABLE_API").is_some()
+    {
         return Layout::Api;
     }
     let version = py.version_info();
@@ -88,8 +103,22 @@ pub fn detect(py: Python<'_>) -> Layout {
 
 fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
     let samples: [i128; 16] = [
-        0, 1, 7, 127, -1, -32, (1 << 30) - 1, 1 << 30, (1 << 31) + 7, (1 << 60) - 1,
-        (1 << 60) + 3, i64::MAX as i128, 1 << 63, u64::MAX as i128, -(1 << 40) - 5, i64::MIN as i128,
+        0,
+        1,
+        7,
+        127,
+        -1,
+        -32,
+        (1 << 30) - 1,
+        1 << 30,
+        (1 << 31) + 7,
+        (1 << 60) - 1,
+        (1 << 60) + 3,
+        i64::MAX as i128,
+        1 << 63,
+        u64::MAX as i128,
+        -(1 << 40) - 5,
+        i64::MIN as i128,
     ];
     let list = PyList::empty(py);
     for value in samples {
@@ -110,5 +139,8 @@ fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
     }
     let items = unsafe { list_items(layout, list.as_ptr()) }.unwrap_or(&[]);
     Ok(items.len() == samples.len()
-        && items.iter().zip(list.iter()).all(|(raw, item)| *raw == item.as_ptr()))
+        && items
+            .iter()
+            .zip(list.iter())
+            .all(|(raw, item)| *raw == item.as_ptr()))
 }
