@@ -302,8 +302,6 @@ class KvEventSubscriber:
     async def _deliver(
         self, w: _Worker, seq: int, batch: KVEventBatch, source: str, reset: bool = False
     ) -> None:
-        if not batch.events and not reset:
-            return  # heartbeats only move the seq
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
         if w.view is not None:
             w.view.apply(update)
