@@ -17,6 +17,7 @@ Everything runs on the subscriber's asyncio loop; one resync task per worker at 
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import logging
@@ -428,7 +429,7 @@ class KvEventSubscriber:
             events: list[Any] = []
             ts, rank = time.time(), None
             for m in chunks:
-                batch = decode_batch(m.data, FORMATS.get(m.headers.get(HDR_CONTENT_TYPE), "msgpack"))
+                batch = _decode(m.data, FORMATS.get(m.headers.get(HDR_CONTENT_TYPE), "msgpack"))
                 events.extend(batch.events)
                 ts, rank = batch.ts, batch.data_parallel_rank
         except (KeyError, ValueError):
@@ -468,4 +469,17 @@ def _parse_event_msg(msg: Any) -> tuple[str, int, KVEventBatch]:
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
         raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, decode_batch(msg.data, fmt)
+    return epoch, seq, _decode(msg.data, fmt)
+
+
+def _decode(payload: bytes, fmt: str) -> KVEventBatch:
+    # A batch is thousands of small lists (token ids): letting the cyclic GC run in the middle of
+    # decoding them more than doubles the cost, and they cannot form cycles. Pausing it for the
+    # call changes nothing else; the objects stay tracked and are collected as usual afterwards.
+    if gc.isenabled():
+        gc.disable()
+        try:
+            return decode_batch(payload, fmt)
+        finally:
+            gc.enable()
+    return decode_batch(payload, fmt)
