@@ -38,6 +38,7 @@ class Engine(threading.Thread):
         self.published = 0
         self.max_publish_s = 0.0
         self.publish_calls = 0
+        self.call_times: list[float] = []
         self.error: BaseException | None = None
         self.stop_flag = threading.Event()
         # A few shared prefixes so requests hit (and evict) each other's blocks.
@@ -80,9 +81,16 @@ class Engine(threading.Thread):
             pub.publish(events)
             dt = time.perf_counter() - t0
             self.publish_calls += 1
+            self.call_times.append(dt)
             if dt > self.max_publish_s:
                 self.max_publish_s = dt
         return len(events)
+
+    def publish_summary(self) -> str:
+        """publish() wall time: p50 / p99 / max. The max includes GIL preemption by other threads."""
+        t = sorted(self.call_times) or [0.0]
+        return (f"publish() p50 {t[len(t) // 2] * 1e6:.1f} us, p99 {t[int(len(t) * 0.99)] * 1e6:.1f} us, "
+                f"max {t[-1] * 1e6:.1f} us over {len(t)} calls")
 
     def run(self) -> None:
         try:

@@ -64,7 +64,7 @@ async def test_30s_broker_outage(own_nats_server):
     max_rss = max(s[2] for s in samples)
     print(
         f"\noutage {OUTAGE_S:.0f}s: engine published {published_during} events during it, "
-        f"{engine.publish_calls} publish() calls, max publish() {engine.max_publish_s * 1e6:.1f} us\n"
+        f"{engine.publish_summary()}\n"
         f"ring max {max_ring} B (bound {RING}), hand-off queue max {max_queue}, "
         f"RSS {rss_before:.1f} -> max {max_rss:.1f} MB\n"
         f"publisher: evicted unsent {stats['evicted_unsent']}, dropped hand-offs {stats['dropped_batches']}, "

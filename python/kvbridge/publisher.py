@@ -61,6 +61,9 @@ from kvbridge.subjects import (
 
 __all__ = ["BackgroundPublisher", "KvEventPublisher"]
 
+# Marks a snapshot's position in the hand-off queue.
+_CUT = object()
+
 # After this long without hand-offs the loop stops polling every linger interval and sleeps until
 # the next publish() wakes it (a cross-thread wake costs the engine ~5 us, a poll costs nothing).
 _IDLE_BEFORE_SLEEP_S = 0.05
@@ -123,11 +126,12 @@ class KvEventPublisher:
         self.lock = threading.RLock()
         self.metric_labels = {"model": config.model, "worker": config.worker_id}
 
-        # Shared with engine threads, guarded by _hlock.
-        self._hlock = threading.Lock()
-        self._queue: deque[tuple[float, Sequence[Any]]] = deque()
+        # Shared with engine threads. deque.append/popleft are atomic, so the common path takes no
+        # lock: a lock the loop thread holds can be held across a GIL switch, which would make
+        # publish() wait for a whole scheduling slice. _drop_lock only serialises overflow drops.
+        self._queue: deque[Any] = deque()
         self._queue_max = config.queue_max_batches
-        self._handed = 0
+        self._drop_lock = threading.Lock()
         self._dropped_batches = 0
         self._dropped_events = 0
         self._sleeping = False  # read without the lock by publish(): a stale read costs one wake
@@ -168,13 +172,10 @@ class KvEventPublisher:
             item = (time.time(), batch_or_events)
         if not item[1]:
             return
-        with self._hlock:
-            q = self._queue
-            q.append(item)
-            self._handed += 1
-            if len(q) > self._queue_max:
-                self._dropped_batches += 1
-                self._dropped_events += len(q.popleft()[1])
+        q = self._queue
+        q.append(item)
+        if len(q) > self._queue_max:
+            self._drop_oldest()
         if self._sleeping:
             self._sleeping = False
             loop = self._loop
@@ -183,6 +184,20 @@ class KvEventPublisher:
                     loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
                 except RuntimeError:  # loop closed: the hand-off stays queued, bounded
                     pass
+
+    def _drop_oldest(self) -> None:
+        q = self._queue
+        with self._drop_lock:
+            while len(q) > self._queue_max:
+                try:
+                    old = q.popleft()
+                except IndexError:  # the loop drained it meanwhile
+                    return
+                if old is _CUT:  # a snapshot's position must survive; rare, so just stop here
+                    q.appendleft(old)
+                    return
+                self._dropped_batches += 1
+                self._dropped_events += len(old[1])
 
     def attach(self, manager: Any) -> None:
         """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
@@ -261,44 +276,49 @@ class KvEventPublisher:
 
     # -- loop side: hand-offs -> messages -------------------------------------------------------------
 
-    def _drain(self, cut: int | None = None) -> int:
-        """Turn queued hand-offs into ring messages. With ``cut`` (a hand-off count), return the seq
-        of the last message made of hand-offs before it. Runs on the loop without awaiting, so
-        nothing else on the loop sees a half-drained state."""
-        with self._hlock:
-            q, self._queue = self._queue, deque()
-            first_no = self._handed - len(q)
-            dropped = self._dropped_batches
-        at_cut = self._next_seq - 1 if cut is not None and cut <= first_no else None
-        if dropped != self._dropped_seen:
-            # Placed after a cut that precedes the drop: a consumer that snapshotted there sees the
-            # hole and resyncs rather than silently missing the dropped events.
-            self._dropped_seen = dropped
-            self._skip_seq()
-        if q:
-            max_events = self._max_events
-            ts = 0.0
-            pending: list[Any] = []
-            no = first_no
-            for item_ts, events in q:
-                if no == cut:
-                    if pending:
-                        self._emit(ts, pending)
-                        pending = []
-                    at_cut = self._next_seq - 1
-                if not pending:
-                    ts = item_ts
-                pending.extend(events)
-                if len(pending) >= max_events:
+    def _drain(self) -> int:
+        """Turn queued hand-offs into ring messages; returns the seq of the last message made before
+        a snapshot's cut marker (or the last seq, without one). Runs on the loop without awaiting,
+        so nothing else on the loop sees a half-drained state."""
+        q = self._queue
+        at_cut = None
+        max_events = self._max_events
+        ts = 0.0
+        pending: list[Any] = []
+        popleft = q.popleft
+        for _ in range(len(q)):  # only what is there now: engines may keep appending
+            if self._dropped_batches != self._dropped_seen:
+                # Engine hand-offs were dropped ahead of what follows: put the hole right here so
+                # consumers resync. (A cut still queued is behind the drops: its seq lands after.)
+                if pending:
                     self._emit(ts, pending)
                     pending = []
-                no += 1
-            if pending:
+                self._dropped_seen = self._dropped_batches
+                self._skip_seq()
+            try:
+                item = popleft()
+            except IndexError:  # dropped under us
+                break
+            if item is _CUT:
+                if pending:
+                    self._emit(ts, pending)
+                    pending = []
+                at_cut = self._next_seq - 1
+                continue
+            if not pending:
+                ts = item[0]
+            pending.extend(item[1])
+            if len(pending) >= max_events:
                 self._emit(ts, pending)
+                pending = []
+        if pending:
+            self._emit(ts, pending)
+        if self._dropped_batches != self._dropped_seen:
+            self._dropped_seen = self._dropped_batches
+            self._skip_seq()
+        if self._ring.end > self._send_seq:
             self._wake.set()  # type: ignore[union-attr]
-        if cut is not None and at_cut is None:
-            at_cut = self._next_seq - 1
-        return at_cut if at_cut is not None else self._next_seq - 1
+        return self._next_seq - 1 if at_cut is None else at_cut
 
     def _encode(self, ts: float, events: list[Any]) -> list[tuple[bytes, int]]:
         """``(payload, events in it)`` within the event and byte limits, in order."""
@@ -485,9 +505,8 @@ class KvEventPublisher:
             if events:
                 self.publish(events)
             blocks = list(manager.snapshot())
-            with self._hlock:
-                cut = self._handed
-        return blocks, self._drain(cut)
+            self._queue.append(_CUT)
+        return blocks, self._drain()
 
 
 class BackgroundPublisher:
