@@ -35,6 +35,16 @@ async def test_30s_broker_outage(own_nats_server):
     pub = BackgroundPublisher(config).start()
     engine = Engine(pub, 10**12, seed=50, step_sleep=0.0005)
     engine.start()
+    try:
+        await _outage(server, sub, pub, engine)
+    finally:
+        engine.stop_flag.set()
+        await asyncio.to_thread(engine.join, 30)
+        await asyncio.to_thread(pub.close)
+        await sub.close()
+
+
+async def _outage(server, sub, pub, engine):
     await wait_until(lambda: engine.published > 5000, 30, "some events before the outage")
 
     samples = []
@@ -75,5 +85,3 @@ async def test_30s_broker_outage(own_nats_server):
     assert max_rss - rss_before < 64
     assert stats["evicted_unsent"] > 0  # the outage outlasted the ring, and that was counted
     assert sub.stats["snapshots"] >= 2  # first contact + recovery after the range was gone
-    pub.close()
-    await sub.close()

@@ -50,7 +50,7 @@ async def connect(
             await error_cb(exc)
 
     opts = config.connect_options()
-    policy = {k: opts[k] for k in ("allow_reconnect", "max_reconnect_attempts")}
+    policy = {k: opts[k] for k in ("allow_reconnect", "max_reconnect_attempts", "reconnect_time_wait")}
     opts.update(allow_reconnect=True, max_reconnect_attempts=1, reconnect_time_wait=0)
     nc = Client()
     # A server that accepts TCP but never answers (or a wrong TLS setup) must not hang start-up.

@@ -316,8 +316,6 @@ class KvEventPublisher:
         if self._dropped_batches != self._dropped_seen:
             self._dropped_seen = self._dropped_batches
             self._skip_seq()
-        if self._ring.end > self._send_seq:
-            self._wake.set()  # type: ignore[union-attr]
         return self._next_seq - 1 if at_cut is None else at_cut
 
     def _encode(self, ts: float, events: list[Any]) -> list[tuple[bytes, int]]:
@@ -380,6 +378,7 @@ class KvEventPublisher:
         last_busy = loop.time()
         while True:
             wake.clear()
+            handed = len(self._queue)
             self._drain()
             sent = await self._send_pending()
             if self._closing:
@@ -387,7 +386,7 @@ class KvEventPublisher:
                     await self._js_acks.settle(self, timeout=2.0)
                 return
             now = loop.time()
-            if sent or self._queue:
+            if handed or sent or self._queue:
                 last_busy = now
             if self._queue:
                 await asyncio.sleep(0)
@@ -457,6 +456,7 @@ class KvEventPublisher:
         if not msg.reply:
             return
         self._drain()
+        self._wake.set()  # type: ignore[union-attr]
         last = self._next_seq - 1
         ring = self._ring
         try:
@@ -488,6 +488,7 @@ class KvEventPublisher:
             await self._reply(msg.reply, b"no pool attached", {HDR_REPLY: REPLY_UNAVAILABLE, HDR_EPOCH: self.epoch})
             return
         blocks, seq = self.take_snapshot()
+        self._wake.set()  # type: ignore[union-attr]  # the sender has new messages
         self._counts["snapshots"] += 1
         headers = {HDR_REPLY: REPLY_SNAPSHOT, HDR_EPOCH: self.epoch, HDR_CONTENT_TYPE: self._content_type}
         payloads = [p for p, _ in self._encode(time.time(), blocks)] if blocks else []
