@@ -159,7 +159,6 @@ class KvEventPublisher:
              "replays_gone", "snapshots"),
             0,
         )  # fmt: skip
-        self._js_acks: Any = None
         metrics.register("publisher", self)
 
     # -- engine side (any thread) -------------------------------------------------------------------
@@ -218,6 +217,8 @@ class KvEventPublisher:
     async def start(self) -> KvEventPublisher:
         if self._nc is not None:
             return self
+        if self.config.jetstream:
+            raise NotImplementedError("kvbridge: JetStream mode (jetstream=True) is not implemented yet")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected)
@@ -225,10 +226,6 @@ class KvEventPublisher:
         self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
         await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
         await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
-        if self.config.jetstream:
-            from kvbridge.jetstream import JetStreamAcks
-
-            self._js_acks = await JetStreamAcks.create(self._nc, self.config)
         await self._nc.flush()
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
@@ -246,8 +243,6 @@ class KvEventPublisher:
         except (asyncio.TimeoutError, Exception):
             self._sender.cancel()  # type: ignore[union-attr]
         try:
-            if self._js_acks is not None:
-                await self._js_acks.close()
             if self._nc.is_connected:
                 await self._nc.flush(timeout=max(timeout, 1))
         except Exception:
@@ -382,8 +377,6 @@ class KvEventPublisher:
             self._drain()
             sent = await self._send_pending()
             if self._closing:
-                if self._js_acks is not None:
-                    await self._js_acks.settle(self, timeout=2.0)
                 return
             now = loop.time()
             if handed or sent or self._queue:
@@ -412,8 +405,6 @@ class KvEventPublisher:
         nc = self._nc
         ring = self._ring
         sent = 0
-        if self._js_acks is not None:
-            return await self._js_acks.send(self)
         subject = self.subjects.events
         counts = self._counts
         while self._send_seq < ring.end and nc.is_connected:
@@ -436,8 +427,6 @@ class KvEventPublisher:
 
     async def _on_reconnected(self) -> None:
         self._counts["reconnects"] += 1
-        if self._js_acks is not None:
-            self._js_acks.rewind(self)
         # Messages the dead broker swallowed leave a hole only a later message reveals.
         self._drain()
         self._emit(time.time(), [])
