@@ -37,7 +37,10 @@ thread_local! {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
     m.add_class::<BlockHasher>()?;
-    m.add("ALGORITHMS", PyTuple::new(m.py(), ALGORITHMS.iter().map(|(name, _)| *name))?)?;
+    m.add(
+        "ALGORITHMS",
+        PyTuple::new(m.py(), ALGORITHMS.iter().map(|(name, _)| *name))?,
+    )?;
     Ok(())
 }
 
@@ -68,7 +71,14 @@ fn hash_blocks<'py>(
     let extras = parse_extras(chain.algo, extra_keys, n_blocks)?;
     let out = out.map(|o| out_buffer(o, n_blocks, as_bytes)).transpose()?;
     let full = &all[..n_blocks * chain.block_size];
-    let digests = run(py, &mut chain, full, tokens.is_shared(), extras.as_deref(), parent_id);
+    let digests = run(
+        py,
+        &mut chain,
+        full,
+        tokens.is_shared(),
+        extras.as_deref(),
+        parent_id,
+    );
     match out {
         Some(buffer) => {
             // SAFETY: out_buffer checked a writable, aligned, contiguous u64 buffer of at least
@@ -86,10 +96,14 @@ fn hash_blocks<'py>(
 /// The `out` argument: a writable, contiguous, native uint64 buffer with room for every block.
 fn out_buffer(out: &Bound<'_, PyAny>, n_blocks: usize, as_bytes: bool) -> PyResult<Buffer> {
     if as_bytes {
-        return Err(PyValueError::new_err("out receives 64-bit hashes; it cannot be combined with as_bytes=True"));
+        return Err(PyValueError::new_err(
+            "out receives 64-bit hashes; it cannot be combined with as_bytes=True",
+        ));
     }
     let buffer = Buffer::get(out, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)?;
-    let native_u64 = buffer.int_layout().is_some_and(|l| l.size == 8 && !l.signed && !l.swap);
+    let native_u64 = buffer
+        .int_layout()
+        .is_some_and(|l| l.size == 8 && !l.signed && !l.swap);
     if !native_u64 || !(buffer.ptr() as usize).is_multiple_of(8) {
         return Err(PyTypeError::new_err(format!(
             "out must be an aligned native uint64 buffer (numpy uint64, array('Q')), not format '{}'",
@@ -131,7 +145,11 @@ impl BlockHasher {
     ) -> PyResult<Self> {
         let mut chain = new_chain(algo, block_size, seed, lora_name, cache_namespace)?;
         set_parent(&mut chain, parent)?;
-        Ok(BlockHasher { chain, pending: Vec::new(), num_blocks: 0 })
+        Ok(BlockHasher {
+            chain,
+            pending: Vec::new(),
+            num_blocks: 0,
+        })
     }
 
     /// Appends tokens; returns the hashes of the blocks completed by them. `extra_keys` has one
@@ -151,13 +169,27 @@ impl BlockHasher {
         let digests = if self.pending.is_empty() {
             let new = tokens.as_slice();
             let full = n_blocks * bs;
-            let digests = run(py, &mut self.chain, &new[..full], tokens.is_shared(), extras.as_deref(), 0);
+            let digests = run(
+                py,
+                &mut self.chain,
+                &new[..full],
+                tokens.is_shared(),
+                extras.as_deref(),
+                0,
+            );
             self.pending.extend_from_slice(&new[full..]);
             digests
         } else {
             self.pending.extend_from_slice(tokens.as_slice());
             let full = n_blocks * bs;
-            let digests = run(py, &mut self.chain, &self.pending[..full], false, extras.as_deref(), 0);
+            let digests = run(
+                py,
+                &mut self.chain,
+                &self.pending[..full],
+                false,
+                extras.as_deref(),
+                0,
+            );
             self.pending.drain(..full);
             digests
         };
@@ -234,7 +266,9 @@ fn new_chain(
         )));
     };
     if block_size < 1 {
-        return Err(PyValueError::new_err(format!("block_size must be >= 1, got {block_size}")));
+        return Err(PyValueError::new_err(format!(
+            "block_size must be >= 1, got {block_size}"
+        )));
     }
     let seed = seed.filter(|s| !s.is_none());
     if algo.is_vllm() && (lora_name.is_some() || cache_namespace.is_some()) {
@@ -243,18 +277,25 @@ fn new_chain(
         )));
     }
     if algo.is_dynamo() && seed.is_some() {
-        return Err(PyValueError::new_err(format!("{algo_name} takes no seed: Dynamo's seed is fixed at 1337")));
+        return Err(PyValueError::new_err(format!(
+            "{algo_name} takes no seed: Dynamo's seed is fixed at 1337"
+        )));
     }
     let mut start_seed = 0;
     let mut vllm_seed = None;
     if algo.is_vllm() {
         vllm_seed = Some(match seed {
-            Some(s) if s.is_instance_of::<PyString>() || s.is_instance_of::<PyBytes>() || s.is_instance_of::<PyInt>() => {
+            Some(s)
+                if s.is_instance_of::<PyString>()
+                    || s.is_instance_of::<PyBytes>()
+                    || s.is_instance_of::<PyInt>() =>
+            {
                 Value::from_py(s, algo.cbor_extras())?
             }
             Some(s) => return Err(seed_type_error(s)),
             None => {
-                let env = std::env::var_os("PYTHONHASHSEED").map(|v| v.to_string_lossy().into_owned());
+                let env =
+                    std::env::var_os("PYTHONHASHSEED").map(|v| v.to_string_lossy().into_owned());
                 let text = env.unwrap_or_else(|| VLLM_DEFAULT_SEED.to_string());
                 Value::Str(text.into_bytes(), 0)
             }
@@ -265,22 +306,35 @@ fn new_chain(
         } else if let Ok(b) = s.cast::<PyBytes>() {
             xxh3_64(b.as_bytes())
         } else if s.is_instance_of::<PyInt>() {
-            s.extract::<u64>().map_err(|_| PyValueError::new_err("an int seed must be in 0..2**64-1"))?
+            s.extract::<u64>()
+                .map_err(|_| PyValueError::new_err("an int seed must be in 0..2**64-1"))?
         } else {
             return Err(seed_type_error(s));
         };
     }
-    Ok(Chain::new(algo, block_size as usize, start_seed, vllm_seed.as_ref(), lora_name, cache_namespace))
+    Ok(Chain::new(
+        algo,
+        block_size as usize,
+        start_seed,
+        vllm_seed.as_ref(),
+        lora_name,
+        cache_namespace,
+    ))
 }
 
 fn seed_type_error(s: &Bound<'_, PyAny>) -> PyErr {
-    let name = s.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+    let name = s
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string());
     PyTypeError::new_err(format!("seed must be str, bytes or int, not {name}"))
 }
 
 /// Sets the chain's parent from the `parent` argument; returns its identity for pickle's memo.
 fn set_parent(chain: &mut Chain, parent: Option<&Bound<'_, PyAny>>) -> PyResult<Id> {
-    let Some(p) = parent.filter(|p| !p.is_none()) else { return Ok(0) };
+    let Some(p) = parent.filter(|p| !p.is_none()) else {
+        return Ok(0);
+    };
     let algo = chain.algo;
     let name = algo.name();
     if algo == Algo::Dynamo {
@@ -304,18 +358,29 @@ fn set_parent(chain: &mut Chain, parent: Option<&Bound<'_, PyAny>>) -> PyResult<
                  the 64-bit event hash cannot continue a vLLM chain"
             )));
         }
-        Digest::from_u64(p.extract::<u64>().map_err(|_| PyValueError::new_err("an int parent must be in 0..2**64-1"))?)
+        Digest::from_u64(
+            p.extract::<u64>()
+                .map_err(|_| PyValueError::new_err("an int parent must be in 0..2**64-1"))?,
+        )
     } else {
         let kind = p.get_type().name()?;
-        return Err(PyTypeError::new_err(format!("parent must be bytes or int, not {kind}")));
+        return Err(PyTypeError::new_err(format!(
+            "parent must be bytes or int, not {kind}"
+        )));
     };
     chain.parent = Some(digest);
     Ok(p.as_ptr() as Id)
 }
 
 /// `extra_keys`: None, or a list/tuple with one entry (None or a tuple) per full block.
-fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks: usize) -> PyResult<Option<Vec<Option<Value>>>> {
-    let Some(keys) = extra_keys.filter(|k| !k.is_none()) else { return Ok(None) };
+fn parse_extras(
+    algo: Algo,
+    extra_keys: Option<&Bound<'_, PyAny>>,
+    n_blocks: usize,
+) -> PyResult<Option<Vec<Option<Value>>>> {
+    let Some(keys) = extra_keys.filter(|k| !k.is_none()) else {
+        return Ok(None);
+    };
     if !(keys.is_instance_of::<PyList>() || keys.is_instance_of::<PyTuple>()) {
         let kind = keys.get_type().name()?;
         return Err(PyTypeError::new_err(format!(
@@ -337,15 +402,23 @@ fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks: usi
         }
         let context = |e: PyErr| {
             let msg = format!("extra_keys[{i}]: {}", e.value(key.py()));
-            if e.is_instance_of::<PyTypeError>(key.py()) { PyTypeError::new_err(msg) } else { PyValueError::new_err(msg) }
+            if e.is_instance_of::<PyTypeError>(key.py()) {
+                PyTypeError::new_err(msg)
+            } else {
+                PyValueError::new_err(msg)
+            }
         };
         if !key.is_exact_instance_of::<PyTuple>() {
             let kind = key.get_type().name()?;
-            return Err(PyTypeError::new_err(format!("extra_keys[{i}] must be None or a tuple, not {kind}")));
+            return Err(PyTypeError::new_err(format!(
+                "extra_keys[{i}] must be None or a tuple, not {kind}"
+            )));
         }
         let v = Value::from_py(&key, algo.cbor_extras()).map_err(context)?;
         if algo.is_dynamo() {
-            let Value::Tuple(items, _) = &v else { unreachable!() };
+            let Value::Tuple(items, _) = &v else {
+                unreachable!()
+            };
             if let Some(bad) = items.iter().position(|x| x.as_u64().is_none()) {
                 return Err(PyValueError::new_err(format!(
                     "extra_keys[{i}][{bad}]: {} takes multimodal object hashes, ints in 0..2**64-1",
@@ -360,7 +433,14 @@ fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks: usi
 
 /// Hashes full blocks, without the GIL when the input is long. Tokens still inside a Python
 /// buffer are copied first, since other threads may write the buffer once the GIL is released.
-fn run(py: Python<'_>, chain: &mut Chain, tokens: &[u32], shared: bool, extras: Option<&[Option<Value>]>, parent_id: Id) -> Recycled<Digest> {
+fn run(
+    py: Python<'_>,
+    chain: &mut Chain,
+    tokens: &[u32],
+    shared: bool,
+    extras: Option<&[Option<Value>]>,
+    parent_id: Id,
+) -> Recycled<Digest> {
     let mut out = Recycled::take(&DIGESTS);
     if tokens.len() < DETACH_MIN_TOKENS {
         chain.run(tokens, extras, parent_id, &mut out);
@@ -373,7 +453,11 @@ fn run(py: Python<'_>, chain: &mut Chain, tokens: &[u32], shared: bool, extras: 
     out
 }
 
-fn to_list<'py>(py: Python<'py>, digests: &[Digest], as_bytes: bool) -> PyResult<Bound<'py, PyList>> {
+fn to_list<'py>(
+    py: Python<'py>,
+    digests: &[Digest],
+    as_bytes: bool,
+) -> PyResult<Bound<'py, PyList>> {
     if as_bytes {
         PyList::new(py, digests.iter().map(|d| PyBytes::new(py, d.as_bytes())))
     } else {

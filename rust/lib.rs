@@ -2,11 +2,15 @@ use pyo3::prelude::*;
 
 mod encode;
 mod hash;
+mod scan;
+mod wake;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
     encode::register(m)?;
+    scan::register(m)?;
+    wake::register(m)?;
     Ok(())
 }

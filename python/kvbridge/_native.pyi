@@ -122,3 +122,17 @@ def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
 
 def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
     """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""
+
+# --- hash-only batch reading (rust/scan.rs; used by kvbridge.consumer) -------------------------
+
+#: (ts, data_parallel_rank, n_events, n_blocks, [(kind, hashes), ...]) with kind 0 = stored,
+#: 1 = removed, 2 = all cleared, consecutive events of one kind merged; None when the payload is
+#: not vLLM's msgpack shape and needs a full decode.
+def scan_batch_msgpack(
+    payload: bytes, /
+) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
+
+# --- publisher wake-up (rust/wake.rs) -------------------------------------------------------------
+
+#: Add 1 to a non-blocking eventfd without releasing the GIL; False if the write failed.
+def eventfd_signal(fd: int, /) -> bool: ...

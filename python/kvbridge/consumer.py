@@ -22,10 +22,9 @@ import inspect
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from kvbridge import metrics
+from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import connect
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
@@ -56,21 +55,121 @@ _MAX_PARKED = 65536
 _MAX_RETIRED = 64
 
 
-@dataclass(slots=True)
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+
+
+class _Body:
+    """A message's batch, decoded only as far as someone needs it.
+
+    Views need only the block hashes; a full decode builds a Python int for every token id, which
+    is most of a subscriber's work. vLLM-shaped msgpack payloads are scanned natively instead
+    (``_native.scan_batch_msgpack``, which validates the whole payload against the schema), and
+    the KVEventBatch is decoded on first access to ``batch``. Everything else is decoded at once,
+    as before, so a malformed payload is still rejected on arrival.
+    """
+
+    __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
+
+    def __init__(self, payload: bytes, fmt: str) -> None:
+        self.payload, self.fmt = payload, fmt
+        scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
+        if scanned is None:
+            self._set_batch(_decode(payload, fmt))
+        else:
+            self._batch = None
+            self.ts, self.rank, self.n_events, self.n_blocks, self.ops = scanned
+
+    @classmethod
+    def of(cls, batch: KVEventBatch) -> _Body:
+        body = cls.__new__(cls)
+        body.payload, body.fmt = None, None
+        body._set_batch(batch)
+        return body
+
+    def _set_batch(self, batch: KVEventBatch) -> None:
+        self._batch = batch
+        self.ts, self.rank, self.n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
+        self.ops, self.n_blocks = _ops_of(batch.events)
+
+    @property
+    def batch(self) -> KVEventBatch:
+        batch = self._batch
+        if batch is None:
+            # The scan vouched for these bytes, so this decode cannot fail.
+            batch = self._batch = _decode(self.payload, self.fmt)  # type: ignore[arg-type]
+        return batch
+
+
+def _ops_of(events: list[Any]) -> tuple[list[tuple[int, list[Any]]], int]:
+    """The scan's ``(kind, hashes)`` ops for decoded events, and the block count."""
+    ops: list[tuple[int, list[Any]]] = []
+    n_blocks = 0
+    for ev in events:
+        cls = ev.__class__
+        if cls is BlockStored:
+            kind, hashes = _STORED, ev.block_hashes
+        elif cls is BlockRemoved:
+            kind, hashes = _REMOVED, ev.block_hashes
+        elif cls is AllBlocksCleared:
+            kind, hashes = _CLEARED, []
+        else:
+            continue
+        n_blocks += len(hashes)
+        if ops and ops[-1][0] == kind:
+            ops[-1][1].extend(hashes)
+        else:
+            ops.append((kind, list(hashes)))
+    return ops, n_blocks
+
+
 class Update:
     """One step of one worker's event stream, delivered exactly once, in seq order.
 
     ``reset=True`` (snapshots): forget everything known about this worker, then apply ``batch``;
-    ``seq`` is then the seq the snapshot is consistent with.
+    ``seq`` is then the seq the snapshot is consistent with. ``source``: "live" | "replay" |
+    "snapshot".
+
+    ``batch`` (the KVEventBatch) is decoded on first access; ``ts``, ``n_events`` and
+    ``n_blocks`` (block hashes stored + removed) are known without decoding it.
     """
 
-    model: str
-    worker: str
-    epoch: str
-    seq: int
-    batch: KVEventBatch
-    reset: bool = False
-    source: str = "live"  # "live" | "replay" | "snapshot"
+    __slots__ = ("model", "worker", "epoch", "seq", "reset", "source", "_body")
+
+    def __init__(
+        self,
+        model: str,
+        worker: str,
+        epoch: str,
+        seq: int,
+        batch: KVEventBatch | _Body,
+        reset: bool = False,
+        source: str = "live",
+    ) -> None:
+        self.model, self.worker, self.epoch, self.seq = model, worker, epoch, seq
+        self.reset, self.source = reset, source
+        self._body = batch if batch.__class__ is _Body else _Body.of(batch)  # type: ignore[arg-type]
+
+    @property
+    def batch(self) -> KVEventBatch:
+        return self._body.batch
+
+    @property
+    def ts(self) -> float:
+        return self._body.ts
+
+    @property
+    def n_events(self) -> int:
+        return self._body.n_events
+
+    @property
+    def n_blocks(self) -> int:
+        return self._body.n_blocks
+
+    def __repr__(self) -> str:
+        return (
+            f"Update(model={self.model!r}, worker={self.worker!r}, epoch={self.epoch!r}, seq={self.seq}, "
+            f"events={self.n_events}, blocks={self.n_blocks}, reset={self.reset}, source={self.source!r})"
+        )
 
 
 class WorkerView:
@@ -86,7 +185,14 @@ class WorkerView:
     def apply(self, update: Update) -> None:
         if update.reset:
             self.blocks.clear()
-        self.apply_events(update.batch.events)
+        blocks = self.blocks
+        for kind, hashes in update._body.ops:
+            if kind == _STORED:
+                blocks.update(hashes)
+            elif kind == _REMOVED:
+                blocks.difference_update(hashes)
+            else:
+                blocks.clear()
         self.epoch, self.seq = update.epoch, update.seq
 
     def apply_events(self, events: list[Any]) -> None:
@@ -116,7 +222,7 @@ class _Worker:
         self.subjects = WorkerSubjects.build(prefix, model, worker)
         self.epoch: str | None = None
         self.next_seq = 0
-        self.parked: dict[int, KVEventBatch] = {}
+        self.parked: dict[int, _Body] = {}
         self.parked_epoch: str | None = None
         self.retired: list[str] = []
         self.need_snapshot = True
@@ -281,7 +387,7 @@ class KvEventSubscriber:
         self._park(w, seq, batch)
         self._ensure_sync(w)
 
-    def _park(self, w: _Worker, seq: int, batch: KVEventBatch) -> None:
+    def _park(self, w: _Worker, seq: int, batch: _Body) -> None:
         parked = w.parked
         parked[seq] = batch
         if len(parked) > _MAX_PARKED:
@@ -301,12 +407,12 @@ class KvEventSubscriber:
             await self._deliver(w, seq, batch, "live")
 
     async def _deliver(
-        self, w: _Worker, seq: int, batch: KVEventBatch, source: str, reset: bool = False
+        self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False
     ) -> None:
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
         if w.view is not None:
             w.view.apply(update)
-        self._counts["events"] += len(batch.events)
+        self._counts["events"] += update.n_events
         if self.on_update is not None:
             try:
                 result = self.on_update(update)
@@ -451,7 +557,7 @@ class KvEventSubscriber:
         w.epoch = w.parked_epoch = epoch
 
 
-def _parse_event_msg(msg: Any) -> tuple[str, int, KVEventBatch]:
+def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
     headers = msg.headers
     if not headers:
         raise _Malformed("no headers")
@@ -469,7 +575,10 @@ def _parse_event_msg(msg: Any) -> tuple[str, int, KVEventBatch]:
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
         raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, _decode(msg.data, fmt)
+    return epoch, seq, _Body(msg.data, fmt)
+
+
+_scan = _native.scan_batch_msgpack
 
 
 def _decode(payload: bytes, fmt: str) -> KVEventBatch:

@@ -50,11 +50,18 @@ impl Algo {
     }
 
     pub fn name(self) -> &'static str {
-        ALGORITHMS.iter().find(|(_, a)| *a == self).map(|&(n, _)| n).unwrap()
+        ALGORITHMS
+            .iter()
+            .find(|(_, a)| *a == self)
+            .map(|&(n, _)| n)
+            .unwrap()
     }
 
     pub fn is_vllm(self) -> bool {
-        matches!(self, Algo::Sha256 | Algo::Sha256Cbor | Algo::Xxhash | Algo::XxhashCbor)
+        matches!(
+            self,
+            Algo::Sha256 | Algo::Sha256Cbor | Algo::Xxhash | Algo::XxhashCbor
+        )
     }
 
     pub fn is_dynamo(self) -> bool {
@@ -108,7 +115,10 @@ impl Digest {
     pub fn new(b: &[u8]) -> Digest {
         let mut bytes = [0u8; 32];
         bytes[..b.len()].copy_from_slice(b);
-        Digest { bytes, len: b.len() as u8 }
+        Digest {
+            bytes,
+            len: b.len() as u8,
+        }
     }
 
     pub fn from_u64(v: u64) -> Digest {
@@ -154,7 +164,11 @@ impl Chain {
         let mut chain = Chain {
             algo,
             block_size,
-            seed: salted(if algo.is_dynamo() { DYNAMO_SEED } else { seed }, lora_name, cache_namespace),
+            seed: salted(
+                if algo.is_dynamo() { DYNAMO_SEED } else { seed },
+                lora_name,
+                cache_namespace,
+            ),
             none_hash: None,
             parent: None,
             pickler: Pickler::default(),
@@ -171,14 +185,23 @@ impl Chain {
     /// continuing from `self.parent`. `extras` has one entry per block. `parent_id` is the
     /// identity of a caller-supplied parent object, which pickle could meet again in block 0's
     /// extra keys.
-    pub fn run(&mut self, tokens: &[u32], extras: Option<&[Option<Value>]>, parent_id: Id, out: &mut Vec<Digest>) {
+    pub fn run(
+        &mut self,
+        tokens: &[u32],
+        extras: Option<&[Option<Value>]>,
+        parent_id: Id,
+        out: &mut Vec<Digest>,
+    ) {
         out.reserve(tokens.len() / self.block_size);
         let extra = |i: usize| extras.and_then(|e| e[i].as_ref());
         let blocks = tokens.chunks_exact(self.block_size).enumerate();
         // The parent lives in a local: reading it back from the last pushed digest would put a
         // store-to-load round trip on the critical path of every block.
         if self.algo.is_vllm() {
-            let mut parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
+            let mut parent = self
+                .parent
+                .or(self.none_hash)
+                .expect("vLLM chain without NONE_HASH");
             for (i, block) in blocks {
                 let algo = self.algo;
                 let id = if i == 0 { parent_id } else { 0 };
@@ -225,16 +248,27 @@ impl Chain {
         let Some(Value::Tuple(items, _)) = extra else {
             return xxh3_64_with_seed(le_bytes(block, &mut self.scratch), self.seed);
         };
-        let mut mm: Vec<u64> = items.iter().map(|v| v.as_u64().expect("validated mm hash")).collect();
+        let mut mm: Vec<u64> = items
+            .iter()
+            .map(|v| v.as_u64().expect("validated mm hash"))
+            .collect();
         mm.sort_unstable();
         self.scratch.clear();
-        self.scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+        self.scratch
+            .extend(block.iter().flat_map(|t| t.to_le_bytes()));
         self.scratch.extend(mm.iter().flat_map(|h| h.to_le_bytes()));
         xxh3_64_with_seed(&self.scratch, self.seed)
     }
 
     /// The vLLM serialisation of a block, or of the lone seed value when `lone` is set.
-    fn serialize(&mut self, parent: &[u8], parent_id: Id, block: &[u32], extra: Option<&Value>, lone: bool) -> &[u8] {
+    fn serialize(
+        &mut self,
+        parent: &[u8],
+        parent_id: Id,
+        block: &[u32],
+        extra: Option<&Value>,
+        lone: bool,
+    ) -> &[u8] {
         let pickle = matches!(self.algo, Algo::Sha256 | Algo::Xxhash);
         match (pickle, lone) {
             (true, true) => self.pickler.value(extra.unwrap()),
@@ -257,7 +291,9 @@ impl Chain {
 fn le_bytes<'a>(block: &'a [u32], scratch: &'a mut Vec<u8>) -> &'a [u8] {
     if cfg!(target_endian = "little") {
         // SAFETY: u32 has no padding and any byte pattern is a valid u8.
-        unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block)) }
+        unsafe {
+            std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block))
+        }
     } else {
         scratch.clear();
         scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));

@@ -26,13 +26,17 @@ impl Buffer {
     pub fn get(obj: &Bound<'_, PyAny>, flags: i32) -> PyResult<Buffer> {
         let mut view = Box::new(ffi::Py_buffer::new());
         // SAFETY: view is a valid out-pointer; on success Drop releases the export.
-        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags | ffi::PyBUF_FORMAT) } != 0 {
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags | ffi::PyBUF_FORMAT) }
+            != 0
+        {
             return Err(PyErr::fetch(obj.py()));
         }
         let buffer = Buffer { view };
         if buffer.view.ndim != 1 {
             let ndim = buffer.view.ndim;
-            return Err(PyBufferError::new_err(format!("buffer must be 1-dimensional, not {ndim}-dimensional")));
+            return Err(PyBufferError::new_err(format!(
+                "buffer must be 1-dimensional, not {ndim}-dimensional"
+            )));
         }
         Ok(buffer)
     }
@@ -65,7 +69,9 @@ impl Buffer {
             return "B";
         }
         // SAFETY: a non-null format is a NUL-terminated string owned by the export.
-        unsafe { CStr::from_ptr(self.view.format) }.to_str().unwrap_or("?")
+        unsafe { CStr::from_ptr(self.view.format) }
+            .to_str()
+            .unwrap_or("?")
     }
 
     /// The layout if the items are 32- or 64-bit integers.
@@ -84,7 +90,11 @@ impl Buffer {
         Some(IntLayout {
             size,
             signed: code.is_ascii_lowercase(),
-            swap: if cfg!(target_endian = "little") { big } else { little },
+            swap: if cfg!(target_endian = "little") {
+                big
+            } else {
+                little
+            },
         })
     }
 }

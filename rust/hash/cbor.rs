@@ -78,7 +78,11 @@ pub fn value(out: &mut Vec<u8>, v: &Value) {
 fn big_int(out: &mut Vec<u8>, le: &[u8]) {
     let negative = le.last().is_some_and(|b| b & 0x80 != 0);
     // CBOR stores n for n >= 0 and -1-n for n < 0; for two's complement the latter is !n.
-    let mut magnitude: Vec<u8> = le.iter().rev().map(|&b| if negative { !b } else { b }).collect();
+    let mut magnitude: Vec<u8> = le
+        .iter()
+        .rev()
+        .map(|&b| if negative { !b } else { b })
+        .collect();
     let leading = magnitude.iter().take_while(|&&b| b == 0).count();
     magnitude.drain(..leading);
     if magnitude.len() <= 8 {
@@ -86,7 +90,11 @@ fn big_int(out: &mut Vec<u8>, le: &[u8]) {
         be[8 - magnitude.len()..].copy_from_slice(&magnitude);
         head(out, negative as u8, u64::from_be_bytes(be));
     } else {
-        out.push(if negative { NEGATIVE_BIGNUM } else { POSITIVE_BIGNUM });
+        out.push(if negative {
+            NEGATIVE_BIGNUM
+        } else {
+            POSITIVE_BIGNUM
+        });
         head(out, BYTES, magnitude.len() as u64);
         out.extend_from_slice(&magnitude);
     }

@@ -57,7 +57,13 @@ pub struct Pickler {
 impl Pickler {
     /// The pickle of `(parent, tuple(tokens), extra)`. `parent_id` is the identity of the parent
     /// object if the caller handed us one (it could reappear inside `extra`), else 0.
-    pub fn block(&mut self, parent: &[u8], parent_id: Id, tokens: &[u32], extra: Option<&Value>) -> &[u8] {
+    pub fn block(
+        &mut self,
+        parent: &[u8],
+        parent_id: Id,
+        tokens: &[u32],
+        extra: Option<&Value>,
+    ) -> &[u8] {
         self.begin(parent.len() + tokens.len() * 6 + 32);
         self.boundary();
         self.save_bytes(parent, parent_id);
@@ -110,7 +116,9 @@ impl Pickler {
     }
 
     fn commit_frame(&mut self) {
-        let Some(start) = self.frame_start.take() else { return };
+        let Some(start) = self.frame_start.take() else {
+            return;
+        };
         let len = self.buf.len() - start - FRAME_HEADER;
         if len >= FRAME_SIZE_MIN {
             self.buf[start] = FRAME;
@@ -152,7 +160,9 @@ impl Pickler {
         if id == 0 {
             return false;
         }
-        let Some(index) = self.memo.iter().position(|&m| m == id) else { return false };
+        let Some(index) = self.memo.iter().position(|&m| m == id) else {
+            return false;
+        };
         if index < 256 {
             self.write(&[BINGET, index as u8]);
         } else {
@@ -176,7 +186,8 @@ impl Pickler {
             Value::BigInt(b) => self.write_long(b),
             Value::Str(s, id) => {
                 if !self.memo_get(*id) {
-                    let (head, n) = sized_header(SHORT_BINUNICODE, BINUNICODE, BINUNICODE8, s.len());
+                    let (head, n) =
+                        sized_header(SHORT_BINUNICODE, BINUNICODE, BINUNICODE8, s.len());
                     self.write_payload(&head[..n], s);
                     self.memoize(*id);
                 }

@@ -19,7 +19,10 @@ pub struct Recycled<T: 'static> {
 
 impl<T: 'static> Recycled<T> {
     pub fn take(home: &'static Home<T>) -> Self {
-        Recycled { vec: home.take(), home }
+        Recycled {
+            vec: home.take(),
+            home,
+        }
     }
 }
 

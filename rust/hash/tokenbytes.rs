@@ -49,6 +49,10 @@ pub fn cbor(t: u32) -> (u64, usize) {
     const LEN: [usize; 4] = [1, 2, 3, 5];
     let class = (t >= 24) as usize + (t > 0xff) as usize + (t > 0xffff) as usize;
     let big_endian = t.swap_bytes() as u64;
-    let word = if class == 0 { t as u64 } else { HEAD[class] | (big_endian >> SHIFT[class]) << 8 };
+    let word = if class == 0 {
+        t as u64
+    } else {
+        HEAD[class] | (big_endian >> SHIFT[class]) << 8
+    };
     (word, LEN[class])
 }

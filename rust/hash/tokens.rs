@@ -55,14 +55,22 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     unsafe {
         if ffi::PyList_Check(ptr) != 0 {
             let n = ffi::PyList_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)).map(Tokens::Owned);
+            return collect_items(obj.py(), n, |i| {
+                ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)
+            })
+            .map(Tokens::Owned);
         }
         if ffi::PyTuple_Check(ptr) != 0 {
             let n = ffi::PyTuple_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t)).map(Tokens::Owned);
+            return collect_items(obj.py(), n, |i| {
+                ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t)
+            })
+            .map(Tokens::Owned);
         }
         if ffi::PyUnicode_Check(ptr) != 0 {
-            return Err(PyTypeError::new_err("tokens must be a sequence of int, not str"));
+            return Err(PyTypeError::new_err(
+                "tokens must be a sequence of int, not str",
+            ));
         }
         if ffi::PyObject_CheckBuffer(ptr) != 0 {
             return from_buffer(obj);
@@ -79,7 +87,11 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
 
 /// Collects n items, fetching each by index: a non-int's __index__ may mutate the container, so
 /// no pointer is kept across items.
-unsafe fn collect_items(py: Python<'_>, n: usize, item: impl Fn(usize) -> *mut ffi::PyObject) -> PyResult<Recycled<u32>> {
+unsafe fn collect_items(
+    py: Python<'_>,
+    n: usize,
+    item: impl Fn(usize) -> *mut ffi::PyObject,
+) -> PyResult<Recycled<u32>> {
     let mut out = Recycled::take(&POOL);
     out.reserve(n);
     for i in 0..n {
@@ -111,7 +123,11 @@ unsafe fn token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyRes
 unsafe fn slow_token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyResult<u32> {
     let obj = Bound::from_borrowed_ptr(py, item);
     // bool is an int subclass, but a True token id is a bug, not token 1.
-    let index_value = if ffi::PyBool_Check(item) != 0 { std::ptr::null_mut() } else { ffi::PyNumber_Index(item) };
+    let index_value = if ffi::PyBool_Check(item) != 0 {
+        std::ptr::null_mut()
+    } else {
+        ffi::PyNumber_Index(item)
+    };
     let Some(value) = Bound::from_owned_ptr_or_opt(py, index_value) else {
         PyErr::take(py);
         return Err(PyTypeError::new_err(format!(
@@ -136,7 +152,9 @@ unsafe fn out_of_range(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -
 }
 
 fn range_error(index: usize, value: &dyn std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!("token at index {index} is {value}, outside 0..4294967295"))
+    PyValueError::new_err(format!(
+        "token at index {index} is {value}, outside 0..4294967295"
+    ))
 }
 
 fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
@@ -153,7 +171,11 @@ fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     if contiguous && layout.size == 4 && !layout.swap {
         // SAFETY: aligned, contiguous, n items of 4 bytes.
         let items = unsafe { std::slice::from_raw_parts(base as *const i32, n) };
-        if let Some(i) = layout.signed.then(|| items.iter().position(|&x| x < 0)).flatten() {
+        if let Some(i) = layout
+            .signed
+            .then(|| items.iter().position(|&x| x < 0))
+            .flatten()
+        {
             return Err(range_error(i, &items[i]));
         }
         return Ok(Tokens::Shared(buffer));
@@ -188,7 +210,13 @@ macro_rules! item {
 item!(u32, i32, u64, i64);
 
 /// Converts to u32 with a range check; contiguous aligned native data takes a vectorisable path.
-unsafe fn convert<T: Item>(base: *const u8, n: usize, stride: isize, swap: bool, contiguous: bool) -> Result<Recycled<u32>, (usize, i128)> {
+unsafe fn convert<T: Item>(
+    base: *const u8,
+    n: usize,
+    stride: isize,
+    swap: bool,
+    contiguous: bool,
+) -> Result<Recycled<u32>, (usize, i128)> {
     let ok = |x: i128| (0..=u32::MAX as i128).contains(&x);
     let mut out = Recycled::take(&POOL);
     if contiguous && !swap {

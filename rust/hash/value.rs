@@ -116,5 +116,8 @@ fn big_int_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     let negative = obj.lt(0)?;
     let kwargs = [("signed", true)].into_py_dict(obj.py())?;
     let raw = obj.call_method("to_bytes", ((bits >> 3) + 1, "little"), Some(&kwargs))?;
-    Ok(trim_negative(raw.cast_into::<PyBytes>()?.as_bytes().to_vec(), negative))
+    Ok(trim_negative(
+        raw.cast_into::<PyBytes>()?.as_bytes().to_vec(),
+        negative,
+    ))
 }

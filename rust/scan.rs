@@ -1,0 +1,424 @@
+//! A hash-only reading of a msgpack `KVEventBatch`, for consumers that keep sets of block hashes.
+//!
+//! A full decode builds a Python int for every token id (16 per block), which is most of what a
+//! subscriber spends; a view needs only the block hashes, in order, per event kind. This reader
+//! walks the bytes once, validates the whole payload against the schema msgspec decodes with
+//! (`kvbridge.events`), and only then builds Python objects: the ops and the counts.
+//!
+//! The contract with the Python side: when this returns a result, `decode_batch` on the same
+//! bytes succeeds and yields the same ts, rank, event count and hashes. So it accepts only vLLM
+//! 0.33's shape, written the way msgspec and vLLM write it (tag first, known fields, no
+//! duplicates, valid UTF-8, no ext types), and answers `None` for anything else -- older
+//! positional events, SGLang fields, JSON, garbage -- which the caller then decodes in full.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+/// Deeper `Any` values than this (inside extra_keys / metadata) are left to msgspec.
+const MAX_DEPTH: u32 = 32;
+
+const STORED: u8 = 0;
+const REMOVED: u8 = 1;
+const CLEARED: u8 = 2;
+
+#[derive(Clone, Copy)]
+enum Hash {
+    U(u64),
+    I(i64),
+    B(usize, usize),
+}
+
+#[derive(Clone, Copy)]
+enum Ty {
+    Hashes,
+    OptHash,
+    Ints,
+    Int,
+    OptInt,
+    OptStr,
+    OptExtraKeys,
+    OptMetadata,
+}
+
+// (name, type, required). Order matches the Struct definitions; bit i of `seen` is field i.
+const STORED_FIELDS: &[(&[u8], Ty, bool)] = &[
+    (b"block_hashes", Ty::Hashes, true),
+    (b"parent_block_hash", Ty::OptHash, true),
+    (b"token_ids", Ty::Ints, true),
+    (b"block_size", Ty::Int, true),
+    (b"lora_id", Ty::OptInt, true),
+    (b"medium", Ty::OptStr, true),
+    (b"lora_name", Ty::OptStr, true),
+    (b"extra_keys", Ty::OptExtraKeys, false),
+    (b"group_idx", Ty::OptInt, false),
+    (b"kv_cache_spec_kind", Ty::OptStr, false),
+    (b"kv_cache_spec_sliding_window", Ty::OptInt, false),
+    (b"locality", Ty::OptStr, false),
+    (b"ownership", Ty::OptStr, false),
+    (b"session_id", Ty::OptStr, false),
+    (b"metadata", Ty::OptMetadata, false),
+];
+const REMOVED_FIELDS: &[(&[u8], Ty, bool)] = &[
+    (b"block_hashes", Ty::Hashes, true),
+    (b"medium", Ty::OptStr, true),
+    (b"group_idx", Ty::OptInt, false),
+    (b"locality", Ty::OptStr, false),
+    (b"ownership", Ty::OptStr, false),
+];
+
+struct Reader<'a> {
+    b: &'a [u8],
+    p: usize,
+}
+
+/// `None` everywhere below means "not the fast shape": the caller falls back to a full decode.
+impl<'a> Reader<'a> {
+    #[inline]
+    fn byte(&mut self) -> Option<u8> {
+        let v = *self.b.get(self.p)?;
+        self.p += 1;
+        Some(v)
+    }
+
+    #[inline]
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.p.checked_add(n)?;
+        let s = self.b.get(self.p..end)?;
+        self.p = end;
+        Some(s)
+    }
+
+    #[inline]
+    fn be(&mut self, n: usize) -> Option<u64> {
+        Some(
+            self.take(n)?
+                .iter()
+                .fold(0u64, |acc, &x| (acc << 8) | x as u64),
+        )
+    }
+
+    #[inline]
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.p).copied()
+    }
+
+    fn nil(&mut self) -> bool {
+        if self.peek() == Some(0xc0) {
+            self.p += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn array_len(&mut self) -> Option<usize> {
+        match self.byte()? {
+            m @ 0x90..=0x9f => Some((m & 0x0f) as usize),
+            0xdc => Some(self.be(2)? as usize),
+            0xdd => Some(self.be(4)? as usize),
+            _ => None,
+        }
+    }
+
+    fn map_len(&mut self) -> Option<usize> {
+        match self.byte()? {
+            m @ 0x80..=0x8f => Some((m & 0x0f) as usize),
+            0xde => Some(self.be(2)? as usize),
+            0xdf => Some(self.be(4)? as usize),
+            _ => None,
+        }
+    }
+
+    /// A str, UTF-8 checked (msgspec rejects invalid UTF-8).
+    fn str(&mut self) -> Option<&'a [u8]> {
+        let s = self.raw_str()?;
+        if !s.is_ascii() {
+            std::str::from_utf8(s).ok()?;
+        }
+        Some(s)
+    }
+
+    /// A str's bytes, unchecked: for keys, which must equal a known ASCII name anyway.
+    #[inline]
+    fn raw_str(&mut self) -> Option<&'a [u8]> {
+        let n = match self.byte()? {
+            m @ 0xa0..=0xbf => (m & 0x1f) as usize,
+            0xd9 => self.be(1)? as usize,
+            0xda => self.be(2)? as usize,
+            0xdb => self.be(4)? as usize,
+            _ => return None,
+        };
+        self.take(n)
+    }
+
+    fn int(&mut self) -> Option<Hash> {
+        Some(match self.byte()? {
+            m @ 0x00..=0x7f => Hash::U(m as u64),
+            m @ 0xe0..=0xff => Hash::I(m as i8 as i64),
+            0xcc => Hash::U(self.be(1)?),
+            0xcd => Hash::U(self.be(2)?),
+            0xce => Hash::U(self.be(4)?),
+            0xcf => Hash::U(self.be(8)?),
+            0xd0 => Hash::I(self.be(1)? as u8 as i8 as i64),
+            0xd1 => Hash::I(self.be(2)? as u16 as i16 as i64),
+            0xd2 => Hash::I(self.be(4)? as u32 as i32 as i64),
+            0xd3 => Hash::I(self.be(8)? as i64),
+            _ => return None,
+        })
+    }
+
+    /// `int | bytes` (ExternalBlockHash).
+    fn hash(&mut self) -> Option<Hash> {
+        let n = match self.peek()? {
+            0xc4 => {
+                self.p += 1;
+                self.be(1)? as usize
+            }
+            0xc5 => {
+                self.p += 1;
+                self.be(2)? as usize
+            }
+            0xc6 => {
+                self.p += 1;
+                self.be(4)? as usize
+            }
+            _ => return self.int(),
+        };
+        let start = self.p;
+        self.take(n)?;
+        Some(Hash::B(start, start + n))
+    }
+
+    /// Any msgpack value msgspec decodes into a plain Python object without question.
+    fn any(&mut self, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        match self.peek()? {
+            0xc0 | 0xc2 | 0xc3 => self.p += 1,
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => {
+                self.int()?;
+            }
+            0xca => {
+                self.take(5)?;
+            }
+            0xcb => {
+                self.take(9)?;
+            }
+            0xa0..=0xbf | 0xd9..=0xdb => {
+                self.str()?;
+            }
+            0xc4..=0xc6 => {
+                self.hash()?;
+            }
+            0x90..=0x9f | 0xdc | 0xdd => {
+                for _ in 0..self.array_len()? {
+                    self.any(depth + 1)?;
+                }
+            }
+            0x80..=0x8f | 0xde | 0xdf => self.str_map(depth)?,
+            _ => return None, // ext types, 0xc1
+        }
+        Some(())
+    }
+
+    /// A map with str keys (hashable for certain, so msgspec builds a dict from it).
+    fn str_map(&mut self, depth: u32) -> Option<()> {
+        for _ in 0..self.map_len()? {
+            self.str()?;
+            self.any(depth + 1)?;
+        }
+        Some(())
+    }
+
+    fn value(&mut self, ty: Ty, hashes: &mut Vec<Hash>) -> Option<()> {
+        match ty {
+            Ty::Hashes => {
+                let n = self.array_len()?;
+                hashes.reserve(n);
+                for _ in 0..n {
+                    let h = self.hash()?;
+                    hashes.push(h);
+                }
+            }
+            Ty::OptHash => {
+                if !self.nil() {
+                    self.hash()?;
+                }
+            }
+            Ty::Ints => {
+                for _ in 0..self.array_len()? {
+                    // Token ids: just the marker and its width; this loop is most of the bytes.
+                    match self.byte()? {
+                        0x00..=0x7f | 0xe0..=0xff => {}
+                        0xcc | 0xd0 => self.p += 1,
+                        0xcd | 0xd1 => self.p += 2,
+                        0xce | 0xd2 => self.p += 4,
+                        0xcf | 0xd3 => self.p += 8,
+                        _ => return None,
+                    }
+                }
+                if self.p > self.b.len() {
+                    return None;
+                }
+            }
+            Ty::Int => {
+                self.int()?;
+            }
+            Ty::OptInt => {
+                if !self.nil() {
+                    self.int()?;
+                }
+            }
+            Ty::OptStr => {
+                if !self.nil() {
+                    self.str()?;
+                }
+            }
+            Ty::OptExtraKeys => {
+                if !self.nil() {
+                    for _ in 0..self.array_len()? {
+                        if !self.nil() {
+                            // tuple[Any, ...]
+                            for _ in 0..self.array_len()? {
+                                self.any(1)?;
+                            }
+                        }
+                    }
+                }
+            }
+            Ty::OptMetadata => {
+                if !self.nil() {
+                    self.str_map(0)?;
+                }
+            }
+        }
+        Some(())
+    }
+
+    /// One event; its hashes go to `hashes`. Returns its kind.
+    fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<u8> {
+        let n = self.map_len()?;
+        if n == 0 || self.raw_str()? != b"type" {
+            return None;
+        }
+        let (kind, fields) = match self.raw_str()? {
+            b"BlockStored" => (STORED, STORED_FIELDS),
+            b"BlockRemoved" => (REMOVED, REMOVED_FIELDS),
+            b"AllBlocksCleared" => (CLEARED, &[][..]),
+            _ => return None,
+        };
+        let mut seen = 0u32;
+        let mut next = 0;
+        for _ in 1..n {
+            let key = self.raw_str()?;
+            // Writers emit fields in declaration order: try the next one before searching.
+            let i = if fields.get(next).is_some_and(|f| f.0 == key) {
+                next
+            } else {
+                fields.iter().position(|f| f.0 == key)?
+            };
+            next = i + 1;
+            if seen & (1 << i) != 0 {
+                return None;
+            }
+            seen |= 1 << i;
+            self.value(fields[i].1, hashes)?;
+        }
+        for (i, f) in fields.iter().enumerate() {
+            if f.2 && seen & (1 << i) == 0 {
+                return None;
+            }
+        }
+        Some(kind)
+    }
+}
+
+struct Scan {
+    ts: f64,
+    rank: Option<Hash>,
+    n_events: usize,
+    hashes: Vec<Hash>,
+    /// (kind, end index into `hashes`): consecutive events of one kind merged into one op.
+    ops: Vec<(u8, usize)>,
+}
+
+fn scan(b: &[u8]) -> Option<Scan> {
+    let mut r = Reader { b, p: 0 };
+    let len = r.array_len()?;
+    if !(2..=3).contains(&len) {
+        return None;
+    }
+    let ts = match r.byte()? {
+        0xcb => f64::from_bits(r.be(8)?),
+        0xca => f32::from_bits(r.be(4)? as u32) as f64,
+        _ => return None,
+    };
+    let n_events = r.array_len()?;
+    let mut hashes = Vec::new();
+    let mut ops: Vec<(u8, usize)> = Vec::new();
+    for _ in 0..n_events {
+        let kind = r.event(&mut hashes)?;
+        match ops.last_mut() {
+            Some(last) if last.0 == kind => last.1 = hashes.len(),
+            _ => ops.push((kind, hashes.len())),
+        }
+    }
+    let rank = if len == 3 && !r.nil() {
+        Some(r.int()?)
+    } else {
+        None
+    };
+    if r.p != b.len() {
+        return None; // msgspec rejects trailing bytes
+    }
+    Some(Scan {
+        ts,
+        rank,
+        n_events,
+        hashes,
+        ops,
+    })
+}
+
+fn hash_obj<'py>(py: Python<'py>, b: &[u8], h: Hash) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match h {
+        Hash::U(v) => v.into_pyobject(py)?.into_any(),
+        Hash::I(v) => v.into_pyobject(py)?.into_any(),
+        Hash::B(s, e) => PyBytes::new(py, &b[s..e]).into_any(),
+    })
+}
+
+/// `(ts, data_parallel_rank, n_events, n_blocks, ops)` for a vLLM-shaped msgpack batch, where
+/// `ops` is a list of `(kind, hashes)` in event order (0 stored, 1 removed, 2 all cleared;
+/// consecutive events of one kind merged) -- or `None` when the payload needs a full decode.
+#[pyfunction]
+fn scan_batch_msgpack<'py>(
+    py: Python<'py>,
+    payload: &Bound<'py, PyBytes>,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    let b = payload.as_bytes();
+    let Some(s) = scan(b) else {
+        return Ok(None);
+    };
+    let ops = PyList::empty(py);
+    let mut start = 0;
+    for &(kind, end) in &s.ops {
+        let list = PyList::empty(py);
+        for &h in &s.hashes[start..end] {
+            list.append(hash_obj(py, b, h)?)?;
+        }
+        ops.append((kind, list))?;
+        start = end;
+    }
+    let rank = match s.rank {
+        Some(h) => hash_obj(py, b, h)?,
+        None => py.None().into_bound(py),
+    };
+    let out = (s.ts, rank, s.n_events, s.hashes.len(), ops).into_pyobject(py)?;
+    Ok(Some(out))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(scan_batch_msgpack, m)?)
+}

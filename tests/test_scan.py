@@ -1,0 +1,87 @@
+"""The native hash-only scan (``_native.scan_batch_msgpack``) that subscribers use for their views.
+
+Its contract: whenever it returns a result, ``decode_batch`` accepts the same bytes and gives the
+same ts, rank, event count and block hashes in order; anything it is unsure of is ``None``.
+"""
+
+import random
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from event_strategies import batches
+from kvbridge import _native
+from kvbridge.consumer import _ops_of
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
+
+
+def _check_agrees(payload: bytes) -> bool:
+    """True if the scan accepted ``payload``; asserts it agrees with the full decode."""
+    scanned = _native.scan_batch_msgpack(payload)
+    if scanned is None:
+        return False
+    batch = decode_batch(payload)  # must not raise
+    ts, rank, n_events, n_blocks, ops = scanned
+    assert (ts, rank, n_events) == (batch.ts, batch.data_parallel_rank, len(batch.events))
+    assert (ops, n_blocks) == _ops_of(batch.events)
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches("vllm"))
+def test_scan_agrees_with_decode_on_vllm_batches(batch):
+    assert _check_agrees(encode_batch(batch))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches("vllm"), st.randoms(use_true_random=False))
+def test_scan_never_accepts_what_decode_rejects(batch, rnd):
+    payload = bytearray(encode_batch(batch))
+    for _ in range(rnd.randrange(1, 4)):
+        i = rnd.randrange(len(payload))
+        payload[i] = rnd.randrange(256)
+    if rnd.random() < 0.3:
+        del payload[rnd.randrange(len(payload)) :]
+    payload = bytes(payload)
+    try:
+        decode_batch(payload)
+    except DecodeError:
+        assert _native.scan_batch_msgpack(payload) is None
+    else:
+        _check_agrees(payload)
+
+
+def test_scan_merges_runs_and_keeps_order():
+    events = [
+        BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None),
+        BlockStored([3], 2, [1, 2, 3, 4], 4, None, "GPU", None),
+        BlockRemoved([1], "GPU"),
+        AllBlocksCleared(),
+        BlockStored([b"\x00" * 32], None, [5, 6, 7, 8], 4, 7, None, "lora"),
+    ]
+    ts, rank, n_events, n_blocks, ops = _native.scan_batch_msgpack(encode_batch(KVEventBatch(2.5, events, 3)))
+    assert (ts, rank, n_events, n_blocks) == (2.5, 3, 5, 5)
+    assert ops == [(0, [1, 2, 3]), (1, [1]), (2, []), (0, [b"\x00" * 32])]
+
+
+def test_scan_declines_other_shapes():
+    good = KVEventBatch(1.0, [BlockStored([1], None, [1, 2], 2, None, "GPU", None)])
+    for payload in [
+        b"",
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]),  # required fields missing
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 1, None]]]),  # positional event
+        msgspec.msgpack.encode({"ts": 1.0, "events": []}),  # map-encoded batch
+        msgspec.msgpack.encode([1, []]),  # int ts: msgspec may take it, the scan leaves it to msgspec
+        encode_batch(good) + b"\x00",  # trailing bytes
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                                       "token_ids": [1], "block_size": 1, "lora_id": None, "medium": "GPU",
+                                       "lora_name": None, "cache_salt": "x"}]]),  # unknown field (SGLang)
+    ]:
+        assert _native.scan_batch_msgpack(payload) is None, payload
+
+
+def test_scan_rejects_invalid_utf8_like_msgspec():
+    payload = encode_batch(KVEventBatch(1.0, [BlockRemoved([1], "GPU")]))
+    bad = payload.replace(b"\xa3GPU", b"\xa3G\xffU")
+    assert _native.scan_batch_msgpack(bad) is None
