@@ -50,11 +50,12 @@ class Config:
     dp_rank: int | None = None
     encoding: str = "msgpack"
 
-    #: A NATS message carries at most this many events / bytes; linger is how long the publisher
-    #: lets small hand-offs accumulate before sending (0: wake per hand-off, lowest latency).
+    #: A NATS message carries at most this many events / bytes. linger_ms 0 (default): an idle
+    #: publisher sends each hand-off at once, a busy one coalesces what arrives while it sends;
+    #: > 0: poll for hand-offs at that interval while busy (fewer, larger messages, more latency).
     max_batch_events: int = 1024
     max_batch_bytes: int = 512 * 1024
-    linger_ms: float = 1.0
+    linger_ms: float = 0.0
     #: Bytes of encoded messages kept for replay and for re-sending after an outage.
     ring_buffer_bytes: int = 64 * 1024 * 1024
     #: Engine hand-offs not yet taken by the publisher loop; beyond it the oldest are dropped.

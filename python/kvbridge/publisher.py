@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any, Sequence
 
 from nats.errors import Error as NatsError
 
-from kvbridge import metrics
+from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import connect
 from kvbridge.events import KVEventBatch, encode_batch
@@ -64,9 +65,34 @@ __all__ = ["BackgroundPublisher", "KvEventPublisher"]
 # Marks a snapshot's position in the hand-off queue.
 _CUT = object()
 
-# After this long without hand-offs the loop stops polling every linger interval and sleeps until
-# the next publish() wakes it (a cross-thread wake costs the engine ~5 us, a poll costs nothing).
+# With linger_ms > 0: after this long without hand-offs the loop stops polling every linger
+# interval and sleeps until the next publish() wakes it.
 _IDLE_BEFORE_SLEEP_S = 0.05
+# Messages are cut to this share of max_batch_bytes by the running bytes-per-event estimate, so
+# that an oversized encode (thrown away and redone in halves) stays rare.
+_BYTES_HEADROOM = 0.8
+
+
+class _Waker:
+    """Wakes the loop from the engine thread through an eventfd written with the GIL held
+    (``rust/wake.rs`` says why that matters). The fd is closed only when the last reference goes,
+    so a publish() racing with close() can never write into a reused fd number."""
+
+    __slots__ = ("fd", "signal")
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        fd, signal = self.fd, _native.eventfd_signal
+        self.signal = lambda: signal(fd)
+
+    def consume(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 class _Ring:
@@ -135,6 +161,7 @@ class KvEventPublisher:
         self._dropped_batches = 0
         self._dropped_events = 0
         self._sleeping = False  # read without the lock by publish(): a stale read costs one wake
+        self._waker: _Waker | None = None
 
         # Loop side only.
         self._manager: Any = None
@@ -150,6 +177,7 @@ class KvEventPublisher:
         self._last_emit = 0.0
         self._max_events = config.max_batch_events
         self._max_bytes = config.max_batch_bytes
+        self._bytes_per_event = 0.0  # running estimate, sizes messages before encoding them
         self._max_payload = 1 << 20
         self._format = config.encoding
         self._content_type = CONTENT_TYPES[config.encoding]
@@ -177,6 +205,10 @@ class KvEventPublisher:
             self._drop_oldest()
         if self._sleeping:
             self._sleeping = False
+            waker = self._waker
+            if waker is not None:
+                waker.signal()
+                return
             loop = self._loop
             if loop is not None:
                 try:
@@ -317,8 +349,13 @@ class KvEventPublisher:
         """``(payload, events in it)`` within the event and byte limits, in order."""
         out: list[tuple[bytes, int]] = []
         step = self._max_events
+        if self._bytes_per_event > 0:
+            step = max(1, min(step, int(self._max_bytes * _BYTES_HEADROOM / self._bytes_per_event)))
         for i in range(0, max(len(events), 1), step):
             self._encode_within_bytes(ts, events[i : i + step], out)
+        if events:
+            size = sum(len(p) for p, _ in out)
+            self._bytes_per_event = 0.7 * self._bytes_per_event + 0.3 * size / len(events) if self._bytes_per_event else size / len(events)
         return out
 
     def _encode_within_bytes(self, ts: float, events: list[Any], out: list[tuple[bytes, int]]) -> None:
@@ -370,6 +407,36 @@ class KvEventPublisher:
         heartbeat = self.config.heartbeat_s
         wake = self._wake
         assert wake is not None
+        waker = self._install_waker(loop, wake)
+        try:
+            await self._send_loop(loop, linger, heartbeat, wake)
+        finally:
+            if waker is not None:
+                self._waker = None
+                loop.remove_reader(waker.fd)
+
+    def _install_waker(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> _Waker | None:
+        if not hasattr(os, "eventfd"):
+            return None  # not Linux: publish() falls back to call_soon_threadsafe
+        waker = _Waker()
+
+        def on_wake() -> None:
+            waker.consume()
+            wake.set()
+
+        try:
+            loop.add_reader(waker.fd, on_wake)
+        except NotImplementedError:  # a loop without add_reader (Windows proactor)
+            return None
+        self._waker = waker
+        return waker
+
+    async def _send_loop(
+        self, loop: asyncio.AbstractEventLoop, linger: float, heartbeat: float, wake: asyncio.Event
+    ) -> None:
+        # linger 0 (the default) adapts by itself: an idle loop sleeps until publish() wakes it
+        # and sends at once; under load, what arrives while the loop encodes and sends is
+        # coalesced into the next messages, and publish() skips the wake (the loop is not asleep).
         last_busy = loop.time()
         while True:
             wake.clear()
