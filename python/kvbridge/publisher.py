@@ -444,6 +444,8 @@ class KvEventPublisher:
             self._drain()
             sent = await self._send_pending()
             if self._closing:
+                if self._queue:  # handed over while we were sending: close() promises those too
+                    continue
                 return
             now = loop.time()
             if handed or sent or self._queue:
