@@ -10,12 +10,15 @@ from kvbridge.events import (
     decode_batch,
     encode_batch,
 )
+from kvbridge.pool import BlockPool, KVCacheManager
 
 __all__ = [
     "AllBlocksCleared",
+    "BlockPool",
     "BlockRemoved",
     "BlockStored",
     "DecodeError",
+    "KVCacheManager",
     "KVEventBatch",
     "__version__",
     "decode_batch",
