@@ -11,8 +11,10 @@ from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def chain(tokens, block_size, lora_name=None, **kw):
-    """Event hashes of a whole sequence, from its start: what incremental hashing must equal."""
-    return kvbridge.hash_blocks(tokens, block_size, lora_name=lora_name, **kw)
+    """Event hashes of a whole sequence, from its start: what incremental hashing must equal.
+    LoRA salts each block's hash through extra keys ``(lora_name,)``, as vLLM does."""
+    extra = None if lora_name is None else [(lora_name,)] * (len(tokens) // block_size)
+    return kvbridge.hash_blocks(tokens, block_size, extra_keys=extra, **kw)
 
 
 class View:
@@ -321,21 +323,23 @@ def test_append_hashes_incrementally_and_equals_whole_sequence_hash():
         assert ev.parent_block_hash == prev.block_hashes[-1]
 
 
-def test_append_hashes_each_new_block_once(monkeypatch):
+def test_each_token_goes_to_the_native_hash_once(monkeypatch):
     m = KVCacheManager(64, 4)
-    calls = []
-    real = m.pool._hash_fn
+    fed, blocks = [], []
+    real = m.pool.hash_tokens
 
-    def spy(tokens, block_size, **kw):
-        calls.append(len(tokens) // block_size)
-        return real(tokens, block_size, **kw)
+    def spy(hasher, tokens, lora_name=None):
+        fed.append(len(tokens))
+        hashes, chains = real(hasher, tokens, lora_name)
+        blocks.append(len(hashes))
+        return hashes, chains
 
-    monkeypatch.setattr(m.pool, "_hash_fn", spy)
-    m.allocate("a", list(range(18)))  # 4 full blocks, hashed in one call
+    monkeypatch.setattr(m.pool, "hash_tokens", spy)
+    m.allocate("a", list(range(18)))  # 4 full blocks, one call
     for t in range(40):
         m.append("a", [t])
-    assert calls[0] == 4 and sum(calls[1:]) == (18 + 40) // 4 - 4
-    assert all(c == 1 for c in calls[1:])
+    assert len(fed) == 41 and sum(fed) == 58  # one call each, never from the start
+    assert blocks[0] == 4 and sum(blocks) == 58 // 4
 
 
 def test_lru_eviction_tail_first_and_one_removal_per_reuse():
@@ -436,6 +440,7 @@ def test_lora_salts_the_hash_and_fills_the_event():
     assert m.allocate("a", [1, 2, 3, 4], lora_name="adapter-a") == 0
     assert m.allocate("a2", [1, 2, 3, 4], lora_name="adapter-a") == 4
     assert m.allocate("b", [1, 2], lora_name="adapter-b", lora_id=42) == 0
+    assert m.allocate("a3", [1, 2], lora_name="adapter-a") == 2
     base, a, b = stored(m.take_events())
     assert a.block_hashes == chain([1, 2, 3, 4], 2, "adapter-a") != base.block_hashes
     assert (a.lora_name, a.lora_id, a.extra_keys) == ("adapter-a", 1, [("adapter-a",)] * 2)
@@ -455,14 +460,41 @@ def test_vllm_algorithms_publish_the_digest_tail_and_chain_on_full_digests(algo)
     seq = list(range(23))
     m.allocate("a", seq[:6], lora_name="lora-x")
     m.append("a", seq[6:])
+    extra = [("lora-x",)] * 5
     digests = kvbridge.hash_blocks(
-        seq, 4, algo=algo, seed="test-seed", as_bytes=True, lora_name="lora-x"
+        seq, 4, algo=algo, seed="test-seed", as_bytes=True, extra_keys=extra
     )
     events = stored(m.take_events())
     assert [h for e in events for h in e.block_hashes] == [
         int.from_bytes(d[-8:], "big") for d in digests
     ]
+    assert events[0].extra_keys == [("lora-x",)]
     assert m.allocate("b", seq[:9], lora_name="lora-x") == 8
+    # The pool keeps each cached block's full digest, so a chain can continue from it.
+    h = m.pool.new_hasher(after=events[-1].block_hashes[-1])
+    assert h.parent == digests[-1]
+
+
+def test_a_chain_continues_from_a_cached_block():
+    m = KVCacheManager(16, 4)
+    seq = list(range(40))
+    m.allocate("a", seq[:12])
+    third = chain(seq, 4)[2]
+    rest, _ = m.pool.hash_tokens(m.pool.new_hasher(after=third), seq[12:])
+    assert rest == chain(seq, 4)[3:]
+    with pytest.raises(KeyError, match="not cached"):
+        m.pool.new_hasher(after=12345)
+
+
+def test_dynamo_algorithms():
+    with pytest.raises(ValueError, match="dynamo_seq"):
+        KVCacheManager(4, 4, algo="dynamo")
+    m = KVCacheManager(8, 4, algo="dynamo_seq")
+    seq = list(range(12))
+    m.allocate("a", seq, lora_name="x")
+    (ev,) = m.take_events()
+    assert ev.block_hashes == kvbridge.hash_blocks(seq, 4, algo="dynamo_seq", lora_name="x")
+    assert (ev.lora_name, ev.extra_keys) == ("x", None)  # Dynamo salts with the name itself
 
 
 def test_snapshot_merges_chains_and_replays_to_the_cached_set():
@@ -503,19 +535,23 @@ def test_misuse_raises_clear_errors():
             call()
     with pytest.raises(ValueError, match="empty"):
         m.allocate("b", [])
-    with pytest.raises(ValueError, match=r"token_ids\[1\] = -1"):
-        m.allocate("b", [1, -1, 3])  # in a full block: found by the native hash
-    with pytest.raises(ValueError, match=r"token_ids\[2\] = 4294967296"):
+    with pytest.raises(ValueError, match="index 1 is -1"):
+        m.allocate("b", [1, -1, 3])  # in a full block
+    with pytest.raises(ValueError, match="index 2 is 4294967296"):
         m.allocate("b", [1, 2, 2**32])  # in the partial tail
-    with pytest.raises(TypeError, match=r"token_ids\[0\] is str"):
+    with pytest.raises(TypeError):
         m.allocate("b", ["x"])
-    with pytest.raises(ValueError, match=r"new_token_ids\[0\] = -5"):
+    with pytest.raises(ValueError, match="index 0 is -5"):
         m.append("a", [-5, 1])  # completes a block
-    with pytest.raises(ValueError, match=r"new_token_ids\[1\] = 4294967296"):
+    with pytest.raises(ValueError, match="index 1 is 4294967296"):
         m.append("a", [1, 2**32])  # second token lands in a new partial block
+    m2 = KVCacheManager(1, 2)
+    m2.allocate("a", [1, 2])
+    with pytest.raises(ValueError, match="index 0 is -1"):
+        m2.append("a", [-1])  # no block left, but a bad token is still an error
     with pytest.raises(TypeError, match="lora_name"):
         m.allocate("b", [1], lora_name=5)
-    assert "b" not in m and m.num_tokens("a") == 3
+    assert "b" not in m and m.num_tokens("a") == 3 and m2.append("a", [3]) is False
     assert m.append("a", [4]) and m.num_tokens("a") == 4
     with pytest.raises(ValueError, match="positive"):
         KVCacheManager(0, 16)

@@ -36,33 +36,15 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from operator import index as _as_index
 from typing import Any, Iterable, Sequence
 
 from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.hashing import BlockHasher
 
 __all__ = ["Block", "BlockPool", "KVCacheManager"]
 
 # vLLM's own algorithms chain on full digests; their 64-bit event hash is the digest's tail.
 _VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
-_MAX_TOKEN = 2**32 - 1
-
-
-def _check_tokens(tokens: Sequence[Any], start: int = 0, what: str = "token_ids") -> None:
-    """Validate ``tokens[start:]`` in Python: only used where the native hash does not look."""
-    for i in range(start, len(tokens)):
-        t = tokens[i]
-        if type(t) is not int:
-            try:
-                t = _as_index(t)
-            except TypeError:
-                raise TypeError(
-                    f"{what}[{i}] is {type(t).__name__}, expected an int token id"
-                ) from None
-            if isinstance(t, bool):
-                raise TypeError(f"{what}[{i}] is bool, expected an int token id")
-        if not 0 <= t <= _MAX_TOKEN:
-            raise ValueError(f"{what}[{i}] = {t} is outside the token id range 0..2**32-1")
 
 
 def _as_token_list(token_ids: Any) -> list[int]:
@@ -105,16 +87,18 @@ class BlockPool:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        import kvbridge  # resolved late: the package imports this module
-
+        if algo == "dynamo":
+            raise ValueError("algo 'dynamo' hashes blocks without their prefix; use 'dynamo_seq'")
+        BlockHasher(block_size, algo=algo, seed=seed)  # a bad algo or seed fails here
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.algo = algo
         self.seed = seed
         self.medium = medium
-        self._hash_fn = kvbridge.hash_blocks
         self._as_bytes = algo in _VLLM_ALGOS
-        self._hash_fn([], block_size, algo=algo, seed=seed)  # a bad algo/seed fails here
+        # vLLM salts a LoRA block's hash with extra keys (lora_name,), and so do we, except for
+        # Dynamo's hash, whose extra keys are multimodal hashes and which salts with the name.
+        self._lora_in_extra_keys = algo != "dynamo_seq"
         self.blocks = [Block(i) for i in range(num_blocks)]
         # An OrderedDict is a C doubly linked list: O(1) popleft, append, prepend and removal.
         self._free: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
@@ -166,21 +150,34 @@ class BlockPool:
                 evictable += 1
         return hit, evictable
 
-    def hash_blocks(
-        self, token_ids: Sequence[int], *, parent: Any = None, lora_name: str | None = None
+    def new_hasher(self, lora_name: str | None = None, after: int | None = None) -> BlockHasher:
+        """A chain for one sequence with this pool's algorithm and seed, starting at the root or
+        continuing the cached block ``after`` (so a cached prefix need not be hashed again)."""
+        parent = None
+        if after is not None:
+            entry = self._cached.get(after)
+            if entry is None:
+                raise KeyError(f"block hash {after} is not cached")
+            parent = entry[4]
+        if self._lora_in_extra_keys:
+            return BlockHasher(self.block_size, algo=self.algo, seed=self.seed, parent=parent)
+        return BlockHasher(
+            self.block_size, algo=self.algo, seed=self.seed, parent=parent, lora_name=lora_name
+        )
+
+    def hash_tokens(
+        self, hasher: BlockHasher, token_ids: Sequence[int], lora_name: str | None = None
     ) -> tuple[list[int], list[Any]]:
-        """Hash the full blocks of ``token_ids`` in one native call, continuing from ``parent``
-        (a chain value). Returns (64-bit event hashes, chain values to continue from)."""
+        """Feed a sequence's next tokens to its chain in one native call (which validates every
+        token and changes nothing if one is bad). Returns the 64-bit event hashes of the blocks
+        they complete and the chain values (full digests for vLLM's algorithms) to continue."""
+        extra = None
+        if lora_name is not None and self._lora_in_extra_keys:
+            extra = [(lora_name,)] * ((hasher.num_pending + len(token_ids)) // self.block_size)
         if self._as_bytes:
-            digests = self._hash_fn(
-                token_ids, self.block_size, algo=self.algo, seed=self.seed,
-                parent=parent, lora_name=lora_name, as_bytes=True,
-            )  # fmt: skip
+            digests = hasher.update(token_ids, extra, as_bytes=True)
             return [int.from_bytes(d[-8:], "big") for d in digests], digests
-        hashes = self._hash_fn(
-            token_ids, self.block_size, algo=self.algo, seed=self.seed,
-            parent=parent, lora_name=lora_name,
-        )  # fmt: skip
+        hashes = hasher.update(token_ids, extra)
         return hashes, hashes
 
     # --- block lifecycle ---------------------------------------------------------------------
@@ -289,9 +286,15 @@ class BlockPool:
                     lora_id=lora_id,
                     medium=self.medium,
                     lora_name=lora_name,
-                    extra_keys=None if lora_name is None else [(lora_name,)] * (end - start),
+                    extra_keys=self._extra_keys(lora_name, end - start),
                 )
             )
+
+    def _extra_keys(self, lora_name: str | None, n: int) -> list | None:
+        # What vLLM 0.33 publishes: per block, what was mixed into its hash.
+        if lora_name is None or not self._lora_in_extra_keys:
+            return None
+        return [(lora_name,)] * n
 
     def free_blocks(self, ordered_blocks: Iterable[Block]) -> None:
         """Drop one reference per block; ``ordered_blocks`` is eviction order, first evicted
@@ -373,18 +376,18 @@ class BlockPool:
             lora_id=lora_id,
             medium=self.medium,
             lora_name=lora_name,
-            extra_keys=None if lora_name is None else [(lora_name,)] * len(hashes),
+            extra_keys=self._extra_keys(lora_name, len(hashes)),
         )
 
 
 class _Request:
-    __slots__ = ("blocks", "tokens", "chain", "last_hash", "lora_name", "lora_id")
+    __slots__ = ("blocks", "tokens", "hasher", "last_hash", "lora_name", "lora_id")
 
-    def __init__(self, blocks, tokens, chain, last_hash, lora_name, lora_id) -> None:
+    def __init__(self, blocks, tokens, hasher, last_hash, lora_name, lora_id) -> None:
         self.blocks: list[Block] = blocks
         self.tokens: list[int] = tokens
-        self.chain = chain  # chain value of the last full block: the next hash continues it
-        self.last_hash: int | None = last_hash  # its event hash: the next BlockStored's parent
+        self.hasher: BlockHasher = hasher  # the chain so far, plus the partial block's tokens
+        self.last_hash: int | None = last_hash  # the last full block's: the next event's parent
         self.lora_name = lora_name
         self.lora_id = lora_id
 
@@ -434,12 +437,8 @@ class KVCacheManager:
             pool = self.pool
             bs = self.block_size
             num_full = len(tokens) // bs
-            try:
-                hashes, chains = pool.hash_blocks(tokens, lora_name=lora_name)
-            except (ValueError, TypeError, OverflowError):
-                _check_tokens(tokens)  # the same error, worded like the others
-                raise
-            _check_tokens(tokens, num_full * bs)  # the partial tail was not hashed
+            hasher = pool.new_hasher(lora_name)
+            hashes, chains = pool.hash_tokens(hasher, tokens, lora_name)
             hit, evictable = pool.find_cached_prefix(hashes)
             num_hit = len(hit)
             num_new = -(-len(tokens) // bs) - num_hit
@@ -459,12 +458,7 @@ class KVCacheManager:
                 )
             hit += new
             self._requests[request_id] = _Request(
-                hit,
-                tokens,
-                chains[-1] if num_full else None,
-                hashes[-1] if num_full else None,
-                lora_name,
-                lora_id,
+                hit, tokens, hasher, hashes[-1] if num_full else None, lora_name, lora_id
             )
             return num_hit * bs
 
@@ -479,37 +473,27 @@ class KVCacheManager:
             pool = self.pool
             bs = self.block_size
             tokens = req.tokens
-            n0 = len(tokens)
-            n1 = n0 + len(new)
-            full0, full1 = n0 // bs, n1 // bs
-            hashed = full1 * bs - n0  # how many of the new tokens complete blocks
-            if full1 > full0:
-                segment = tokens[full0 * bs :] + new[:hashed]
-                try:
-                    hashes, chains = pool.hash_blocks(
-                        segment, parent=req.chain, lora_name=req.lora_name
-                    )
-                except (ValueError, TypeError, OverflowError):
-                    _check_tokens(new, 0, "new_token_ids")
-                    raise
-            _check_tokens(new, max(hashed, 0), "new_token_ids")
-            num_new = -(-n1 // bs) - len(req.blocks)
+            full0 = len(tokens) // bs
+            num_new = -(-(len(tokens) + len(new)) // bs) - len(req.blocks)
             if num_new > pool.num_free_blocks:
+                # Still hash (a copy of the chain): a bad token raises rather than hide as "full".
+                pool.hash_tokens(req.hasher.copy(), new, req.lora_name)
                 return False
+            hashes, chains = pool.hash_tokens(req.hasher, new, req.lora_name)
             tokens += new
             if num_new > 0:
                 req.blocks += pool.get_new_blocks(num_new)
-            if full1 > full0:
+            if hashes:
+                full1 = full0 + len(hashes)
                 pool.cache_full_blocks(
                     req.blocks[full0:full1],
                     hashes,
-                    segment,
+                    tokens[full0 * bs : full1 * bs],
                     parent_block_hash=req.last_hash,
                     chain_values=chains if chains is not hashes else None,
                     lora_name=req.lora_name,
                     lora_id=req.lora_id,
                 )
-                req.chain = chains[-1]
                 req.last_hash = hashes[-1]
             return True
 
