@@ -251,12 +251,13 @@ class PoolMachine(RuleBasedStateMachine):
         pool = self.mgr.pool
         assert set(pool.cached_block_hashes()) == set(self.view.blocks) == set(self.ref.holders)
         assert pool.num_free_blocks == len(self.ref.free)
-        assert [b.block_id for b in pool._free] == self.ref.free
+        assert pool.free_block_ids() == self.ref.free
         for rid, (blocks, tokens, _, _) in self.ref.reqs.items():
             assert self.mgr.get_block_ids(rid) == blocks
             assert self.mgr.num_tokens(rid) == len(tokens)
         for b in pool.blocks:
             assert b.ref_cnt == self.ref.ref[b.block_id]
+            assert b.block_hash == self.ref.hash[b.block_id]
 
     @invariant()
     def prefix_closed(self):

@@ -14,14 +14,20 @@ What carries over from vLLM (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.
 * A prefix hit on a free block takes it out of the free queue (``touch``), so the blocks needed by
   an allocation are the new ones plus the evictable hits.
 * Block ids handed to a request never change, so two blocks may hold the same hash (e.g. two
-  requests decoding the same tokens). Unlike vLLM -- which then publishes the same hash twice and
-  removes it while another copy is still cached -- the events here describe the *set of cached
-  hashes*: a hash is stored when its first copy appears and removed when its last copy goes.
-  That keeps the event stream exact for consumers that replay it.
+  requests decoding the same tokens); a hit takes the oldest. Unlike vLLM -- which then
+  publishes the same hash twice and removes it while another copy is still cached -- the events
+  here describe the *set of cached hashes*: a hash is stored when its first copy appears and
+  removed when its last copy goes. That keeps the event stream exact for consumers that replay
+  it. (A cached hash's parent is always cached too: freeing puts a chain's tail ahead of its
+  head in the queue.)
 
 Deliberate differences: there is no null block (no sliding-window or Mamba groups), so all
 ``num_blocks`` are usable; and ``allocate`` reports a full hit when every prompt block is cached
 (vLLM recomputes the last block to get logits -- a scheduling concern, not a caching one).
+
+Speed: the per-block paths are short loops over ``__slots__`` blocks, which CPython 3.11's
+specialising interpreter runs cheaply; the free queue is a linked list through the blocks (as
+in vLLM), cheaper here than an OrderedDict and allocation-free. Measured in bench/pool.py.
 
 Threading: ``BlockPool`` is not thread-safe. ``KVCacheManager`` serialises its public methods
 with one lock, so a publisher may call ``take_events()`` / ``snapshot()`` from another thread
@@ -35,7 +41,7 @@ last event.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from itertools import repeat
 from typing import Any, Iterable, Sequence
 
 from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
@@ -47,21 +53,18 @@ __all__ = ["Block", "BlockPool", "KVCacheManager"]
 _VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
 
 
-def _as_token_list(token_ids: Any) -> list[int]:
-    # A private copy: the caller may reuse its list, and numpy/array inputs become plain ints.
-    tolist = getattr(token_ids, "tolist", None)
-    return tolist() if tolist is not None else list(token_ids)
-
-
 class Block:
-    """One KV block. ``block_hash`` is the 64-bit event hash while the block is cached."""
+    """One KV block. ``block_hash`` is its 64-bit event hash while cached. A block is in the
+    free queue exactly when ``ref_cnt`` is 0; ``prev``/``next`` link the queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
@@ -70,8 +73,9 @@ class Block:
 class BlockPool:
     """Blocks, their free queue in eviction order, and the hash -> cached block map.
 
-    ``algo``/``seed`` choose the chained hash (see ``kvbridge.hash_blocks``); ``medium`` is put in
-    every event. Not thread-safe: callers serialise (``KVCacheManager`` does).
+    ``algo``/``seed`` choose the chained hash (see ``kvbridge.hashing``); ``medium`` is put in
+    every event. Not thread-safe: callers serialise (``KVCacheManager`` does). Methods taking
+    blocks take each block at most once per call.
     """
 
     def __init__(
@@ -89,7 +93,8 @@ class BlockPool:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if algo == "dynamo":
             raise ValueError("algo 'dynamo' hashes blocks without their prefix; use 'dynamo_seq'")
-        BlockHasher(block_size, algo=algo, seed=seed)  # a bad algo or seed fails here
+        # A bad algo or seed fails here; requests clone this root chain.
+        self._root = BlockHasher(block_size, algo=algo, seed=seed)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.algo = algo
@@ -100,14 +105,19 @@ class BlockPool:
         # Dynamo's hash, whose extra keys are multimodal hashes and which salts with the name.
         self._lora_in_extra_keys = algo != "dynamo_seq"
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # An OrderedDict is a C doubly linked list: O(1) popleft, append, prepend and removal.
-        self._free: OrderedDict[Block, None] = OrderedDict.fromkeys(self.blocks)
-        # hash -> (block, parent hash, token ids, (lora_name, lora_id) | None, chain value).
-        # One tuple per hash, immutable, so a snapshot can copy the dict and read it unlocked.
-        # Insertion order is topological: a hash's parent is cached whenever the hash is (a
-        # request's blocks are freed tail first), so parents are always inserted earlier.
-        self._cached: dict[int, tuple] = {}
-        # Further blocks holding an already cached hash (see the module docstring). Rare.
+        # The free queue: head.next is evicted first. Sentinels spare the loops None checks.
+        self._head, self._tail = Block(-1), Block(-1)
+        chain = [self._head, *self.blocks, self._tail]
+        for a, b in zip(chain, chain[1:]):
+            a.next, b.prev = b, a
+        self._num_free = num_blocks
+        # hash -> (block, run). A run is what one cache_full_blocks call stored, shared by its
+        # blocks: (parent hash, hashes, token ids, (lora_name, lora_id) | None, chain values).
+        # Per block that is one small tuple, not a copy of its tokens; and all of it is
+        # immutable, so a snapshot can copy the dict and read the entries unlocked. Insertion
+        # order is topological: a hash's parent is cached whenever it is, so it came first.
+        self._cached: dict[int, tuple[Block, tuple]] = {}
+        # Further blocks holding an already cached hash, oldest first. Rare.
         self._copies: dict[int, list[Block]] = {}
         self._events: list | None = [] if enable_events else None
 
@@ -115,16 +125,24 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._num_free / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Distinct cached hashes."""
         return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in eviction order, first evicted first."""
+        out, b, tail = [], self._head.next, self._tail
+        while b is not tail:
+            out.append(b.block_id)
+            b = b.next
+        return out
 
     def cached_block_hashes(self) -> list[int]:
         """The cached hashes, parents before children."""
@@ -134,21 +152,18 @@ class BlockPool:
         entry = self._cached.get(block_hash)
         return None if entry is None else entry[0]
 
-    def find_cached_prefix(self, block_hashes: Iterable[int]) -> tuple[list[Block], int]:
-        """The cached blocks of the longest cached prefix of ``block_hashes``, and how many of
-        them are free (taking them costs free blocks)."""
-        cached = self._cached
+    def find_cached_prefix(self, block_hashes: Iterable[int]) -> list[Block]:
+        """The blocks of the longest cached prefix of ``block_hashes``."""
+        get = self._cached.get
         hit: list[Block] = []
-        evictable = 0
         for h in block_hashes:
-            entry = cached.get(h)
+            entry = get(h)
             if entry is None:
                 break
-            block = entry[0]
-            hit.append(block)
-            if block.ref_cnt == 0:
-                evictable += 1
-        return hit, evictable
+            hit.append(entry[0])
+        return hit
+
+    # --- hashing ---------------------------------------------------------------------------
 
     def new_hasher(self, lora_name: str | None = None, after: int | None = None) -> BlockHasher:
         """A chain for one sequence with this pool's algorithm and seed, starting at the root or
@@ -158,12 +173,12 @@ class BlockPool:
             entry = self._cached.get(after)
             if entry is None:
                 raise KeyError(f"block hash {after} is not cached")
-            parent = entry[4]
-        if self._lora_in_extra_keys:
-            return BlockHasher(self.block_size, algo=self.algo, seed=self.seed, parent=parent)
-        return BlockHasher(
-            self.block_size, algo=self.algo, seed=self.seed, parent=parent, lora_name=lora_name
-        )
+            _, hashes, _, _, chains = entry[1]
+            parent = chains[hashes.index(after)]
+        elif lora_name is None or self._lora_in_extra_keys:
+            return self._root.copy()
+        salt = {} if self._lora_in_extra_keys else {"lora_name": lora_name}
+        return BlockHasher(self.block_size, algo=self.algo, seed=self.seed, parent=parent, **salt)
 
     def hash_tokens(
         self, hasher: BlockHasher, token_ids: Sequence[int], lora_name: str | None = None
@@ -184,32 +199,45 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take a reference on prefix-hit blocks; free ones leave the free queue."""
-        free = self._free
-        for block in blocks:
-            if block.ref_cnt == 0:
-                del free[block]
-            block.ref_cnt += 1
+        taken = 0
+        for b in blocks:
+            if b.ref_cnt == 0:
+                prev, nxt = b.prev, b.next
+                prev.next, nxt.prev = nxt, prev
+                taken += 1
+            b.ref_cnt += 1
+        self._num_free -= taken
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Pop ``num_blocks`` from the head of the free queue, evicting any cached ones (one
+        """Take ``num_blocks`` from the head of the free queue, evicting any cached ones (one
         ``BlockRemoved`` per call for the hashes that left the cache)."""
-        free = self._free
-        if num_blocks > len(free):
-            raise ValueError(f"cannot get {num_blocks} free blocks, {len(free)} are free")
-        popitem = free.popitem
+        if not 0 <= num_blocks <= self._num_free:
+            raise ValueError(f"cannot get {num_blocks} free blocks, {self._num_free} are free")
+        return self._new_blocks(num_blocks)
+
+    def _new_blocks(self, num_blocks: int) -> list[Block]:
         out: list[Block] = []
+        if not num_blocks:
+            return out
         removed: list[int] = []
+        cached, copies = self._cached, self._copies
+        b = self._head.next
         for _ in range(num_blocks):
-            block = popitem(False)[0]
-            h = block.block_hash
+            out.append(b)
+            b.ref_cnt = 1
+            h = b.block_hash
             if h is not None:
-                block.block_hash = None
-                if self._drop_cached(block, h):
+                b.block_hash = None
+                if not copies:  # no hash has a second holder: this block was its only one
+                    del cached[h]
                     removed.append(h)
-            block.ref_cnt = 1
-            out.append(block)
+                elif self._drop_cached(b, h):
+                    removed.append(h)
+            b = b.next
+        self._head.next, b.prev = b, self._head  # unlink the taken prefix at once
+        self._num_free -= num_blocks
         if removed and self._events is not None:
-            self._events.append(BlockRemoved(block_hashes=removed, medium=self.medium))
+            self._events.append(BlockRemoved(removed, self.medium))
         return out
 
     def _drop_cached(self, block: Block, h: int) -> bool:
@@ -222,7 +250,7 @@ class BlockPool:
                 return True
             # The oldest other copy takes over (vLLM hits the first inserted block);
             # re-assigning keeps the hash's place in the order.
-            self._cached[h] = (copies.pop(0),) + entry[1:]
+            self._cached[h] = (copies.pop(0), entry[1])
         else:
             copies.remove(block)
         if not copies:
@@ -233,7 +261,7 @@ class BlockPool:
         self,
         blocks: Sequence[Block],
         block_hashes: Sequence[int],
-        token_ids: list[int],
+        token_ids: Sequence[int],
         *,
         parent_block_hash: int | None = None,
         chain_values: Sequence[Any] | None = None,
@@ -242,87 +270,88 @@ class BlockPool:
     ) -> None:
         """Mark newly filled blocks as cached, as one chain continuing ``parent_block_hash``.
 
-        ``blocks`` must not hold a hash yet; ``token_ids`` are exactly their tokens;
-        ``chain_values`` (default: the hashes) is what a later hash continues from. Records one
-        ``BlockStored`` -- split into one per run only if some hash was already cached by
-        another block, since the event stream reports each cached hash once.
+        The blocks must be in use and not hold a hash yet; ``token_ids`` are exactly their
+        tokens; ``chain_values`` (default: the hashes) is what a later hash continues from.
+        Records one ``BlockStored`` for the hashes not already cached by other blocks.
         """
-        bs = self.block_size
         n = len(blocks)
-        if len(block_hashes) != n or len(token_ids) != n * bs:
+        if len(block_hashes) != n or len(token_ids) != n * self.block_size:
             raise ValueError(
-                f"{n} blocks need {n} hashes and {n * bs} token ids, "
+                f"{n} blocks need {n} hashes and {n * self.block_size} token ids, "
                 f"got {len(block_hashes)} and {len(token_ids)}"
             )
-        cached = self._cached
         lora = None if lora_name is None and lora_id is None else (lora_name, lora_id)
-        parent = parent_block_hash
-        runs: list[tuple[int, int, int | None]] = []
-        run_start, run_parent = 0, parent
-        i = off = 0
-        for block, h, chain in zip(blocks, block_hashes, chain_values or block_hashes):
-            block.block_hash = h
-            if h not in cached:
-                cached[h] = (block, parent, token_ids[off : off + bs], lora, chain)
-            else:
-                self._copies.setdefault(h, []).append(block)
-                if i > run_start:
-                    runs.append((run_start, i, run_parent))
-                run_start, run_parent = i + 1, h
-            parent = h
-            i += 1
-            off += bs
-        if self._events is None:
-            return
-        if run_start < n:
-            runs.append((run_start, n, run_parent))
-        for start, end, run_parent in runs:
-            self._events.append(
-                BlockStored(
-                    block_hashes=list(block_hashes[start:end]),
-                    parent_block_hash=run_parent,
-                    token_ids=token_ids[start * bs : end * bs],
-                    block_size=bs,
-                    lora_id=lora_id,
-                    medium=self.medium,
-                    lora_name=lora_name,
-                    extra_keys=self._extra_keys(lora_name, end - start),
-                )
-            )
+        if n:
+            self._cache(
+                blocks, list(block_hashes), list(token_ids), parent_block_hash,
+                list(chain_values or block_hashes), lora,
+            )  # fmt: skip
 
-    def _extra_keys(self, lora_name: str | None, n: int) -> list | None:
-        # What vLLM 0.33 publishes: per block, what was mixed into its hash.
-        if lora_name is None or not self._lora_in_extra_keys:
-            return None
-        return [(lora_name,)] * n
+    def _cache(self, blocks, hashes: list, tokens: list, parent, chains: list, lora) -> None:
+        # The lists become the run record: the caller hands them over and keeps no reference.
+        cached = self._cached
+        run = (parent, hashes, tokens, lora, chains)
+        for b, h in zip(blocks, hashes):
+            b.block_hash = h
+        if cached.keys().isdisjoint(hashes):  # the common case: every hash is new
+            cached.update(zip(hashes, zip(blocks, repeat(run))))
+            if self._events is not None:  # copies: an event's reader must not reach the record
+                self._events.append(self._stored(hashes[:], parent, tokens[:], lora))
+            return
+        # Some hashes are already held by other blocks (identical decodes). As a cached hash's
+        # parent is cached they form a prefix of this call, but report any runs in between.
+        runs, start = [], 0
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
+            if h in cached:
+                self._copies.setdefault(h, []).append(b)
+                if i > start:
+                    runs.append((start, i))
+                start = i + 1
+            else:
+                cached[h] = (b, run)
+        if start < len(hashes):
+            runs.append((start, len(hashes)))
+        if self._events is not None:
+            self._events.extend(self._stored_slice(run, s, e) for s, e in runs)
 
     def free_blocks(self, ordered_blocks: Iterable[Block]) -> None:
-        """Drop one reference per block; ``ordered_blocks`` is eviction order, first evicted
-        first. Blocks reaching zero go to the tail if cached, to the head if not."""
-        free = self._free
+        """Drop one reference per block; the order is eviction order, first evicted first.
+        Blocks reaching zero go to the tail if cached, to the head if not."""
+        blocks = list(ordered_blocks)
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise ValueError(f"{b!r} is already free")
+        self._free_blocks(blocks)
+
+    def _free_blocks(self, blocks: Iterable[Block]) -> None:
+        tail = self._tail
+        last = tail.prev
         fresh: list[Block] = []
-        for block in ordered_blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"{block!r} is already free")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    fresh.append(block)
+        released = 0
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                released += 1
+                if b.block_hash is None:
+                    fresh.append(b)
                 else:
-                    free[block] = None
-        for block in reversed(fresh):
-            free[block] = None
-            free.move_to_end(block, last=False)
+                    last.next, b.prev = b, last
+                    last = b
+        last.next, tail.prev = tail, last
+        if fresh:
+            first = self._head.next
+            for b in reversed(fresh):
+                b.next, first.prev = first, b
+                first = b
+            self._head.next, first.prev = first, self._head
+        self._num_free += released
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
-        if len(self._free) != self.num_blocks:
+        if self._num_free != self.num_blocks:
             return False
-        for entry in self._cached.values():
-            entry[0].block_hash = None
-        for copies in self._copies.values():
-            for block in copies:
-                block.block_hash = None
+        for b in self.blocks:
+            b.block_hash = None
         self._cached = {}
         self._copies = {}
         if self._events is not None:
@@ -345,58 +374,71 @@ class BlockPool:
         return self._snapshot_events(list(self._cached.items()))
 
     def _snapshot_events(self, items: list[tuple[int, tuple]]) -> list[BlockStored]:
-        # Consecutive entries that continue each other (same LoRA) become one event, as they
-        # were usually stored: a snapshot of a long chain is one event, not one per block.
+        # Consecutive entries from one run become one event again, as they were stored: a
+        # snapshot of a long chain is a few events, not one per block.
         out: list[BlockStored] = []
-        hashes: list[int] = []
-        tokens: list[int] = []
-        first_parent: int | None = None
-        lora: tuple | None = None
-        last: int | None = None
-        for h, (_, parent, block_tokens, block_lora, _) in items:
-            if hashes and (parent != last or block_lora != lora):
-                out.append(self._stored(hashes, first_parent, tokens, lora))
-                hashes, tokens = [], []
-            if not hashes:
-                first_parent, lora = parent, block_lora
-            hashes.append(h)
-            tokens += block_tokens
-            last = h
-        if hashes:
-            out.append(self._stored(hashes, first_parent, tokens, lora))
+        run = None
+        first = end = 0
+        for h, (_, block_run) in items:
+            if block_run is run and end < len(run[1]) and run[1][end] == h:
+                end += 1
+                continue
+            if run is not None:
+                out.append(self._stored_slice(run, first, end))
+            run = block_run
+            first = run[1].index(h)
+            end = first + 1
+        if run is not None:
+            out.append(self._stored_slice(run, first, end))
         return out
 
-    def _stored(self, hashes: list[int], parent: int | None, tokens: list[int], lora) -> BlockStored:
-        lora_name, lora_id = lora or (None, None)
+    def _stored_slice(self, run: tuple, first: int, end: int) -> BlockStored:
+        parent, hashes, tokens, lora, _ = run
+        bs = self.block_size
+        return self._stored(
+            hashes[first:end], hashes[first - 1] if first else parent,
+            tokens[first * bs : end * bs], lora,
+        )  # fmt: skip
+
+    def _stored(self, hashes: list, parent, tokens: list, lora) -> BlockStored:
+        # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
+        if lora is None:
+            return BlockStored(hashes, parent, tokens, self.block_size, None, self.medium, None)
+        lora_name, lora_id = lora
+        # vLLM 0.33 publishes, per block, what was mixed into its hash.
+        extra = [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
         return BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
-            token_ids=tokens,
-            block_size=self.block_size,
-            lora_id=lora_id,
-            medium=self.medium,
-            lora_name=lora_name,
-            extra_keys=self._extra_keys(lora_name, len(hashes)),
+            hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra
         )
 
 
-class _Request:
-    __slots__ = ("blocks", "tokens", "hasher", "last_hash", "lora_name", "lora_id")
+def _as_token_list(token_ids: Any) -> list[int]:
+    # numpy/array inputs become plain ints (events carry lists); a list is only read, and
+    # what is kept of it is sliced off.
+    if type(token_ids) is list:
+        return token_ids
+    tolist = getattr(token_ids, "tolist", None)
+    return tolist() if tolist is not None else list(token_ids)
 
-    def __init__(self, blocks, tokens, hasher, last_hash, lora_name, lora_id) -> None:
+
+class _Request:
+    __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora")
+
+    def __init__(self, blocks, num_tokens, tail, hasher, last_hash, lora_name, lora_id) -> None:
         self.blocks: list[Block] = blocks
-        self.tokens: list[int] = tokens
-        self.hasher: BlockHasher = hasher  # the chain so far, plus the partial block's tokens
+        self.num_tokens: int = num_tokens
+        self.tail: list[int] = tail  # tokens of the partial last block
+        self.hasher: BlockHasher = hasher  # the chain so far (it keeps the tail too)
         self.last_hash: int | None = last_hash  # the last full block's: the next event's parent
         self.lora_name = lora_name
-        self.lora_id = lora_id
+        self.lora = None if lora_name is None and lora_id is None else (lora_name, lora_id)
 
 
 class KVCacheManager:
     """Requests on top of a :class:`BlockPool`: what engines and simulators call.
 
-    Every full block is cached as soon as it fills; hashing is incremental (each block is hashed
-    once per request, with one native call per ``allocate``/``append``). Public methods are
+    Every full block is cached as soon as it fills; hashing is incremental (a request's tokens
+    reach the native hash once, one call per ``allocate``/``append``). Public methods are
     serialised by one lock (see the module docstring).
     """
 
@@ -439,27 +481,32 @@ class KVCacheManager:
             num_full = len(tokens) // bs
             hasher = pool.new_hasher(lora_name)
             hashes, chains = pool.hash_tokens(hasher, tokens, lora_name)
-            hit, evictable = pool.find_cached_prefix(hashes)
+            hit = pool.find_cached_prefix(hashes)
             num_hit = len(hit)
             num_new = -(-len(tokens) // bs) - num_hit
-            if num_new + evictable > pool.num_free_blocks:
+            # Free hits leave the free queue too; count them only when it could matter.
+            if num_new + num_hit > pool._num_free and num_new + sum(
+                b.ref_cnt == 0 for b in hit
+            ) > pool._num_free:
                 return None
             pool.touch(hit)
-            new = pool.get_new_blocks(num_new)
+            new = pool._new_blocks(num_new)
+            req = _Request(
+                hit, len(tokens), tokens[num_full * bs :], hasher,
+                hashes[-1] if num_full else None, lora_name, lora_id,
+            )  # fmt: skip
             if num_full > num_hit:
-                pool.cache_full_blocks(
+                new_hashes = hashes[num_hit:]
+                pool._cache(
                     new[: num_full - num_hit],
-                    hashes[num_hit:],
+                    new_hashes,
                     tokens[num_hit * bs : num_full * bs],
-                    parent_block_hash=hashes[num_hit - 1] if num_hit else None,
-                    chain_values=chains[num_hit:] if chains is not hashes else None,
-                    lora_name=lora_name,
-                    lora_id=lora_id,
+                    hashes[num_hit - 1] if num_hit else None,
+                    new_hashes if chains is hashes else chains[num_hit:],
+                    req.lora,
                 )
             hit += new
-            self._requests[request_id] = _Request(
-                hit, tokens, hasher, hashes[-1] if num_full else None, lora_name, lora_id
-            )
+            self._requests[request_id] = req
             return num_hit * bs
 
     def append(self, request_id: Any, new_token_ids: Sequence[int]) -> bool:
@@ -472,29 +519,27 @@ class KVCacheManager:
                 return True
             pool = self.pool
             bs = self.block_size
-            tokens = req.tokens
-            full0 = len(tokens) // bs
-            num_new = -(-(len(tokens) + len(new)) // bs) - len(req.blocks)
-            if num_new > pool.num_free_blocks:
+            num_new = -(-(req.num_tokens + len(new)) // bs) - len(req.blocks)
+            if num_new > pool._num_free:
                 # Still hash (a copy of the chain): a bad token raises rather than hide as "full".
                 pool.hash_tokens(req.hasher.copy(), new, req.lora_name)
                 return False
             hashes, chains = pool.hash_tokens(req.hasher, new, req.lora_name)
-            tokens += new
+            full0 = req.num_tokens // bs
+            req.num_tokens += len(new)
             if num_new > 0:
-                req.blocks += pool.get_new_blocks(num_new)
-            if hashes:
-                full1 = full0 + len(hashes)
-                pool.cache_full_blocks(
-                    req.blocks[full0:full1],
-                    hashes,
-                    tokens[full0 * bs : full1 * bs],
-                    parent_block_hash=req.last_hash,
-                    chain_values=chains if chains is not hashes else None,
-                    lora_name=req.lora_name,
-                    lora_id=req.lora_id,
-                )
-                req.last_hash = hashes[-1]
+                req.blocks += pool._new_blocks(num_new)
+            if not hashes:
+                req.tail += new
+                return True
+            tokens = req.tail + new
+            cut = len(hashes) * bs
+            req.tail = tokens[cut:]
+            pool._cache(
+                req.blocks[full0 : full0 + len(hashes)],
+                hashes, tokens[:cut], req.last_hash, chains, req.lora,
+            )  # fmt: skip
+            req.last_hash = hashes[-1]
             return True
 
     def free(self, request_id: Any) -> None:
@@ -503,7 +548,7 @@ class KVCacheManager:
             req = self._request(request_id)
             del self._requests[request_id]
             # Tail first, so a chain's last blocks are evicted before its first ones.
-            self.pool.free_blocks(reversed(req.blocks))
+            self.pool._free_blocks(reversed(req.blocks))
 
     def reset(self) -> bool:
         """Clear the prefix cache (``AllBlocksCleared``); False while any request holds blocks."""
@@ -528,7 +573,7 @@ class KVCacheManager:
 
     def num_tokens(self, request_id: Any) -> int:
         with self._lock:
-            return len(self._request(request_id).tokens)
+            return self._request(request_id).num_tokens
 
     def __contains__(self, request_id: Any) -> bool:
         return request_id in self._requests
