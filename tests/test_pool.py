@@ -324,23 +324,39 @@ def test_append_hashes_incrementally_and_equals_whole_sequence_hash():
         assert ev.parent_block_hash == prev.block_hashes[-1]
 
 
-def test_each_token_goes_to_the_native_hash_once(monkeypatch):
+class SpyHasher:
+    """Wraps a native BlockHasher, logging how many tokens and blocks each update carries."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def update(self, tokens, extra_keys=None, **kw):
+        out = self.inner.update(tokens, extra_keys, **kw)
+        self.log.append((len(tokens), len(out)))
+        return out
+
+    def copy(self):
+        return SpyHasher(self.inner.copy(), [])
+
+    @property
+    def num_pending(self):
+        return self.inner.num_pending
+
+
+@pytest.mark.parametrize("lora", [None, "x"])
+def test_each_token_goes_to_the_native_hash_once(monkeypatch, lora):
     m = KVCacheManager(64, 4)
-    fed, blocks = [], []
-    real = m.pool.hash_tokens
-
-    def spy(hasher, tokens, lora_name=None):
-        fed.append(len(tokens))
-        hashes, chains = real(hasher, tokens, lora_name)
-        blocks.append(len(hashes))
-        return hashes, chains
-
-    monkeypatch.setattr(m.pool, "hash_tokens", spy)
-    m.allocate("a", list(range(18)))  # 4 full blocks, one call
+    log = []
+    real = m.pool.new_hasher
+    monkeypatch.setattr(m.pool, "new_hasher", lambda *a, **k: SpyHasher(real(*a, **k), log))
+    m.allocate("a", list(range(18)), lora_name=lora)  # 4 full blocks, one call
     for t in range(40):
         m.append("a", [t])
-    assert len(fed) == 41 and sum(fed) == 58  # one call each, never from the start
-    assert blocks[0] == 4 and sum(blocks) == 58 // 4
+    assert len(log) == 41 and sum(n for n, _ in log) == 58  # one call each, never from the start
+    assert log[0][1] == 4 and sum(b for _, b in log) == 58 // 4
+    assert [h for e in stored(m.take_events()) for h in e.block_hashes] == chain(
+        list(range(18)) + list(range(40)), 4, lora
+    )
 
 
 def test_lru_eviction_tail_first_and_one_removal_per_reuse():
