@@ -7,7 +7,10 @@ array-like (``[ts, [events...], data_parallel_rank]``), events are tagged maps (
 (as nil when unset) -- giving them defaults here would change the bytes.
 
 Decoding is more forgiving than encoding: it also accepts the older positional (array-encoded)
-events that vLLM < 0.10 and SGLang publish, int or bytes block hashes, and unknown extra fields.
+events that vLLM < 0.10 and SGLang publish, SGLang's map events, map-encoded batches, int or
+bytes block hashes, and unknown extra fields (``kvbridge._compat``).
+
+Encoding uses the native (Rust) encoder when it can, msgspec otherwise; the bytes are the same.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 import msgspec
+
+from kvbridge import _native
 
 __all__ = [
     "AllBlocksCleared",
@@ -92,71 +97,10 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-# --- the older positional encoding (vLLM < 0.10, SGLang) -------------------------------------
-# msgspec cannot mix array-like and map-like structs in one union, so these decode in a second
-# pass, only when the fast map-encoded pass fails.
-
-
-class _PosEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
-    pass
-
-
-class _PosBlockStored(_PosEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    # vLLM writes lora_name here; SGLang's BlockStoredWithMetadata writes a metadata map instead.
-    lora_name_or_metadata: Any = None
-
-
-class _PosBlockRemoved(_PosEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-
-
-class _PosAllBlocksCleared(_PosEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _PosBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Union[_PosBlockStored, _PosBlockRemoved, _PosAllBlocksCleared]]
-    data_parallel_rank: int | None = None
-
-
-def _from_positional(batch: _PosBatch) -> KVEventBatch:
-    events: list[Event] = []
-    for ev in batch.events:
-        if isinstance(ev, _PosBlockStored):
-            extra = ev.lora_name_or_metadata
-            events.append(
-                BlockStored(
-                    block_hashes=ev.block_hashes,
-                    parent_block_hash=ev.parent_block_hash,
-                    token_ids=ev.token_ids,
-                    block_size=ev.block_size,
-                    lora_id=ev.lora_id,
-                    medium=ev.medium,
-                    lora_name=extra if isinstance(extra, str) else None,
-                    metadata=extra if isinstance(extra, dict) else None,
-                )
-            )
-        elif isinstance(ev, _PosBlockRemoved):
-            events.append(BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium))
-        else:
-            events.append(AllBlocksCleared())
-    return KVEventBatch(ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
-
-
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
-_decoders = {
-    "msgpack": (msgspec.msgpack.Decoder(KVEventBatch), msgspec.msgpack.Decoder(_PosBatch)),
-    "json": (msgspec.json.Decoder(KVEventBatch), msgspec.json.Decoder(_PosBatch)),
-}
+_native_encode = _native.encode_batch_msgpack
+_decoders = {"msgpack": msgspec.msgpack.Decoder(KVEventBatch), "json": msgspec.json.Decoder(KVEventBatch)}
 
 
 def _check_format(format: str) -> None:
@@ -164,26 +108,48 @@ def _check_format(format: str) -> None:
         raise ValueError(f"format must be 'msgpack' or 'json', got {format!r}")
 
 
-def encode_batch(batch: KVEventBatch, format: Format = "msgpack") -> bytes:
-    """Encode ``batch`` to the exact bytes vLLM publishes (msgpack), or the same structure as JSON."""
+def encode_batch(batch: KVEventBatch, format: Format = "msgpack", *, native: bool | None = None) -> bytes:
+    """Encode ``batch`` to the exact bytes vLLM publishes (msgpack), or the same structure as JSON.
+
+    ``native`` chooses the msgpack encoder; both write identical bytes. ``None`` (the default, and
+    the fastest) uses the Rust encoder and quietly hands the batch to msgspec when it holds a value
+    the Rust encoder does not represent (it raises TypeError for those, never other bytes).
+    ``True`` insists on the Rust encoder and lets that TypeError through; ``False`` is msgspec.
+    Errors msgspec would raise too (an int beyond 64 bits, a lone surrogate) propagate either way.
+    """
     _check_format(format)
     if not isinstance(batch, KVEventBatch):
         raise TypeError(f"batch must be a KVEventBatch, got {type(batch).__name__}")
-    encoder = _msgpack_encoder if format == "msgpack" else _json_encoder
-    return encoder.encode(batch)
+    if format == "json":
+        if native:
+            raise ValueError("the native encoder writes msgpack only")
+        return _json_encoder.encode(batch)
+    if native is False:
+        return _msgpack_encoder.encode(batch)
+    try:
+        return _native_encode(batch)
+    except TypeError:
+        if native:
+            raise
+    return _msgpack_encoder.encode(batch)
 
 
 def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> KVEventBatch:
-    """Decode one batch. Anything that is not a batch raises :class:`DecodeError`, nothing else."""
+    """Decode one batch. Anything that is not a batch raises :class:`DecodeError`, nothing else.
+
+    vLLM 0.33's shape decodes in one pass; older vLLM and SGLang shapes (see ``kvbridge._compat``)
+    take a second look only when that fails.
+    """
     _check_format(format)
-    current, positional = _decoders[format]
     try:
-        return current.decode(payload)
+        return _decoders[format].decode(payload)
+    except RecursionError:
+        raise DecodeError(f"not a KVEventBatch ({format}): nested too deeply") from None
     except (msgspec.DecodeError, TypeError) as exc:
         first_error = exc
-    # Only worth a second pass when the events are arrays; otherwise report the first error.
-    try:
-        return _from_positional(positional.decode(payload))
-    except (msgspec.DecodeError, TypeError):
-        pass
-    raise DecodeError(f"not a KVEventBatch ({format}): {first_error}") from None
+    from kvbridge._compat import decode_foreign  # imports this module: bind at first use
+
+    batch = decode_foreign(payload, format)
+    if batch is None:
+        raise DecodeError(f"not a KVEventBatch ({format}): {first_error}") from None
+    return batch

@@ -1,0 +1,124 @@
+"""Type stub for kvbridge._native, the Rust core: the contract between Rust and Python.
+
+Each part of the core adds its own section below.
+"""
+from collections.abc import Iterable, Sequence
+from typing import Final, Literal, SupportsIndex, TypeAlias, overload
+
+from typing_extensions import Buffer
+
+__version__: str
+
+# --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
+
+Algorithm: TypeAlias = Literal[
+    "xxh3", "dynamo", "dynamo_seq", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"
+]
+#: list/tuple of int, a 1-D buffer of 32/64-bit ints (array.array, numpy), or any iterable of int.
+Tokens: TypeAlias = Buffer | Iterable[SupportsIndex]
+ExtraKeyItem: TypeAlias = str | int | bytes | bool | None | tuple["ExtraKeyItem", ...]
+#: One per full block: None, or a tuple (vLLM: LoRA/multimodal/salt keys; Dynamo: mm hashes).
+ExtraKey: TypeAlias = tuple[ExtraKeyItem, ...] | None
+Seed: TypeAlias = str | bytes | int
+
+ALGORITHMS: Final[tuple[Algorithm, ...]]
+
+@overload
+def hash_blocks(
+    tokens: Tokens,
+    block_size: int,
+    *,
+    algo: Algorithm = "xxh3",
+    seed: Seed | None = None,
+    parent: bytes | int | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    as_bytes: Literal[False] = False,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+) -> list[int]: ...
+@overload
+def hash_blocks(
+    tokens: Tokens,
+    block_size: int,
+    *,
+    algo: Algorithm = "xxh3",
+    seed: Seed | None = None,
+    parent: bytes | int | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    as_bytes: Literal[True],
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+) -> list[bytes]: ...
+@overload
+def hash_blocks(
+    tokens: Tokens,
+    block_size: int,
+    *,
+    algo: Algorithm = "xxh3",
+    seed: Seed | None = None,
+    parent: bytes | int | None = None,
+    extra_keys: Sequence[ExtraKey] | None = None,
+    as_bytes: Literal[False] = False,
+    lora_name: str | None = None,
+    cache_namespace: str | None = None,
+    out: Buffer,
+) -> int:
+    """Writes the 64-bit hashes into `out` (numpy uint64 / array('Q')); returns the block count."""
+
+class BlockHasher:
+    """One growing sequence's chain: update() returns the hashes of newly completed blocks."""
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        algo: Algorithm = "xxh3",
+        seed: Seed | None = None,
+        parent: bytes | int | None = None,
+        lora_name: str | None = None,
+        cache_namespace: str | None = None,
+    ) -> None: ...
+    @overload
+    def update(
+        self, tokens: Tokens, extra_keys: Sequence[ExtraKey] | None = None, *, as_bytes: Literal[False] = False
+    ) -> list[int]: ...
+    @overload
+    def update(
+        self, tokens: Tokens, extra_keys: Sequence[ExtraKey] | None = None, *, as_bytes: Literal[True]
+    ) -> list[bytes]: ...
+    def copy(self) -> BlockHasher: ...
+    def __copy__(self) -> BlockHasher: ...
+    @property
+    def algo(self) -> Algorithm: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int:
+        """Full blocks hashed so far."""
+    @property
+    def num_pending(self) -> int:
+        """Tokens waiting for their block to fill."""
+    @property
+    def parent(self) -> bytes | None:
+        """The digest the next block chains on, as as_bytes=True returns it."""
+    @property
+    def last_hash(self) -> int | None:
+        """The last block's 64-bit hash."""
+
+# --- batch encoding (rust/encode.rs; used through kvbridge.events.encode_batch) ---------------
+
+from kvbridge.events import KVEventBatch
+def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
+    """The exact bytes ``msgspec.msgpack.Encoder().encode(batch)`` writes, built natively.
+
+    Accepts any msgspec Struct built from None, bool, int (-2**63 .. 2**64-1), float, str,
+    bytes, bytearray, list, tuple and dict (and their subclasses msgspec also accepts), nested
+    up to 256 levels. Raises TypeError for anything else (memoryview, set, enums, datetimes,
+    Struct types with omit_defaults and a non-None default, ...) rather than write other bytes;
+    OverflowError and UnicodeEncodeError exactly where msgspec raises them.
+    Set KVBRIDGE_ENCODE_STABLE_API=1 before the first call to skip the direct reads of
+    CPython int/list internals (a testing knob; the bytes are the same).
+    """
+
+def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
+    """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""

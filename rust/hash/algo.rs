@@ -1,0 +1,266 @@
+//! The chained block hash algorithms, on plain Rust data (no GIL needed).
+//!
+//! - `xxh3` (kvbridge's own, the default): h[-1] = seed salted by lora/namespace like Dynamo's,
+//!   h[i] = XXH3_64(u32 LE tokens of block i, seed = s[i]) with s[i] = h[i-1], or, for a block
+//!   with extra keys, s[i] = XXH3_64(canonical CBOR of the extra keys, seed = h[i-1]).
+//!   Seeding with the parent chains the blocks without copying tokens next to the parent, so a
+//!   token buffer is hashed in place.
+//! - `dynamo`: Dynamo's LocalBlockHash (content only, not chained): XXH3_64 over u32 LE tokens,
+//!   followed by the block's sorted multimodal hashes as u64 LE, seed 1337 salted by lora/namespace.
+//! - `dynamo_seq`: Dynamo's SequenceHash: seq[0] = local[0], seq[i] = XXH3_64(seq[i-1] LE ++
+//!   local[i] LE, seed 1337).
+//! - `sha256`, `sha256_cbor`, `xxhash`, `xxhash_cbor`: vLLM's hash_block_tokens,
+//!   H((parent or NONE_HASH, tuple(tokens), extra_keys)) over pickle protocol 5 or canonical CBOR,
+//!   H = SHA-256 or XXH3-128 (big-endian digest).
+
+use sha2::{Digest as _, Sha256};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64_with_seed};
+
+use super::cbor;
+use super::pickle::Pickler;
+use super::value::{Id, Value};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Algo {
+    Xxh3,
+    Dynamo,
+    DynamoSeq,
+    Sha256,
+    Sha256Cbor,
+    Xxhash,
+    XxhashCbor,
+}
+
+pub const ALGORITHMS: [(&str, Algo); 7] = [
+    ("xxh3", Algo::Xxh3),
+    ("dynamo", Algo::Dynamo),
+    ("dynamo_seq", Algo::DynamoSeq),
+    ("sha256", Algo::Sha256),
+    ("sha256_cbor", Algo::Sha256Cbor),
+    ("xxhash", Algo::Xxhash),
+    ("xxhash_cbor", Algo::XxhashCbor),
+];
+
+/// Dynamo's XXH3_SEED.
+pub const DYNAMO_SEED: u64 = 1337;
+
+impl Algo {
+    pub fn parse(name: &str) -> Option<Algo> {
+        ALGORITHMS.iter().find(|(n, _)| *n == name).map(|&(_, a)| a)
+    }
+
+    pub fn name(self) -> &'static str {
+        ALGORITHMS.iter().find(|(_, a)| *a == self).map(|&(n, _)| n).unwrap()
+    }
+
+    pub fn is_vllm(self) -> bool {
+        matches!(self, Algo::Sha256 | Algo::Sha256Cbor | Algo::Xxhash | Algo::XxhashCbor)
+    }
+
+    pub fn is_dynamo(self) -> bool {
+        matches!(self, Algo::Dynamo | Algo::DynamoSeq)
+    }
+
+    /// Whether extra keys end up as CBOR (and so must be valid UTF-8 text).
+    pub fn cbor_extras(self) -> bool {
+        matches!(self, Algo::Xxh3 | Algo::Sha256Cbor | Algo::XxhashCbor)
+    }
+
+    /// Bytes in a full digest; the 64-bit algorithms' digest is the hash big-endian.
+    pub fn digest_len(self) -> usize {
+        match self {
+            Algo::Sha256 | Algo::Sha256Cbor => 32,
+            Algo::Xxhash | Algo::XxhashCbor => 16,
+            _ => 8,
+        }
+    }
+
+    /// vLLM's hash function over serialised bytes.
+    fn digest(self, data: &[u8]) -> Digest {
+        match self {
+            Algo::Sha256 | Algo::Sha256Cbor => Digest::new(&Sha256::digest(data)),
+            Algo::Xxhash | Algo::XxhashCbor => Digest::new(&xxh3_128(data).to_be_bytes()),
+            _ => unreachable!("{} does not serialise blocks", self.name()),
+        }
+    }
+}
+
+/// Dynamo's request salt: lora name and cache namespace (empty means absent) added to the seed.
+pub fn salted(base: u64, lora_name: Option<&str>, cache_namespace: Option<&str>) -> u64 {
+    let mut seed = base;
+    if let Some(name) = lora_name.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(name.as_bytes(), 0));
+    }
+    if let Some(ns) = cache_namespace.filter(|s| !s.is_empty()) {
+        seed = seed.wrapping_add(xxh3_64_with_seed(ns.as_bytes(), 1));
+    }
+    seed
+}
+
+/// A full digest (up to SHA-256's 32 bytes); a 64-bit hash is stored as 8 bytes big-endian.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Digest {
+    bytes: [u8; 32],
+    len: u8,
+}
+
+impl Digest {
+    pub fn new(b: &[u8]) -> Digest {
+        let mut bytes = [0u8; 32];
+        bytes[..b.len()].copy_from_slice(b);
+        Digest { bytes, len: b.len() as u8 }
+    }
+
+    pub fn from_u64(v: u64) -> Digest {
+        Digest::new(&v.to_be_bytes())
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// vLLM's 64-bit event hash: the digest's last 8 bytes, big-endian.
+    pub fn event_hash(&self) -> u64 {
+        let n = self.len as usize;
+        u64::from_be_bytes(self.bytes[n - 8..n].try_into().unwrap())
+    }
+}
+
+/// One sequence's chain state: everything needed to hash its next block.
+#[derive(Clone)]
+pub struct Chain {
+    pub algo: Algo,
+    pub block_size: usize,
+    /// xxh3: the salted start seed; dynamo: the salted per-block seed.
+    seed: u64,
+    /// vLLM's NONE_HASH, the parent of a sequence's first block.
+    none_hash: Option<Digest>,
+    /// The last block's digest (the sequence hash for dynamo_seq); None at a sequence start.
+    pub parent: Option<Digest>,
+    pickler: Pickler,
+    scratch: Vec<u8>,
+}
+
+impl Chain {
+    /// `seed` is the xxh3 start seed or the vLLM NONE_HASH seed value (ignored by dynamo).
+    pub fn new(
+        algo: Algo,
+        block_size: usize,
+        seed: u64,
+        vllm_seed: Option<&Value>,
+        lora_name: Option<&str>,
+        cache_namespace: Option<&str>,
+    ) -> Chain {
+        let mut chain = Chain {
+            algo,
+            block_size,
+            seed: salted(if algo.is_dynamo() { DYNAMO_SEED } else { seed }, lora_name, cache_namespace),
+            none_hash: None,
+            parent: None,
+            pickler: Pickler::default(),
+            scratch: Vec::new(),
+        };
+        if let Some(v) = vllm_seed {
+            let none_hash = algo.digest(chain.serialize(&[], 0, &[], Some(v), true));
+            chain.none_hash = Some(none_hash);
+        }
+        chain
+    }
+
+    /// Hashes consecutive full blocks (`tokens.len()` is a multiple of the block size),
+    /// continuing from `self.parent`. `extras` has one entry per block. `parent_id` is the
+    /// identity of a caller-supplied parent object, which pickle could meet again in block 0's
+    /// extra keys.
+    pub fn run(&mut self, tokens: &[u32], extras: Option<&[Option<Value>]>, parent_id: Id, out: &mut Vec<Digest>) {
+        out.reserve(tokens.len() / self.block_size);
+        let extra = |i: usize| extras.and_then(|e| e[i].as_ref());
+        let blocks = tokens.chunks_exact(self.block_size).enumerate();
+        // The parent lives in a local: reading it back from the last pushed digest would put a
+        // store-to-load round trip on the critical path of every block.
+        if self.algo.is_vllm() {
+            let mut parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
+            for (i, block) in blocks {
+                let algo = self.algo;
+                let id = if i == 0 { parent_id } else { 0 };
+                parent = algo.digest(self.serialize(parent.as_bytes(), id, block, extra(i), false));
+                out.push(parent);
+                self.parent = Some(parent);
+            }
+        } else {
+            let mut parent = self.parent.map(|p| p.event_hash());
+            for (i, block) in blocks {
+                let h = self.next_word(block, extra(i), parent);
+                parent = Some(h);
+                out.push(Digest::from_u64(h));
+            }
+            self.parent = parent.map(Digest::from_u64);
+        }
+    }
+
+    #[inline(always)]
+    fn next_word(&mut self, block: &[u32], extra: Option<&Value>, parent: Option<u64>) -> u64 {
+        match self.algo {
+            Algo::Xxh3 => {
+                let mut seed = parent.unwrap_or(self.seed);
+                if let Some(v) = extra {
+                    self.scratch.clear();
+                    cbor::value(&mut self.scratch, v);
+                    seed = xxh3_64_with_seed(&self.scratch, seed);
+                }
+                xxh3_64_with_seed(le_bytes(block, &mut self.scratch), seed)
+            }
+            Algo::Dynamo => self.local_hash(block, extra),
+            _ => {
+                let local = self.local_hash(block, extra);
+                let Some(p) = parent else { return local };
+                let mut pair = [0u8; 16];
+                pair[..8].copy_from_slice(&p.to_le_bytes());
+                pair[8..].copy_from_slice(&local.to_le_bytes());
+                xxh3_64_with_seed(&pair, DYNAMO_SEED)
+            }
+        }
+    }
+
+    fn local_hash(&mut self, block: &[u32], extra: Option<&Value>) -> u64 {
+        let Some(Value::Tuple(items, _)) = extra else {
+            return xxh3_64_with_seed(le_bytes(block, &mut self.scratch), self.seed);
+        };
+        let mut mm: Vec<u64> = items.iter().map(|v| v.as_u64().expect("validated mm hash")).collect();
+        mm.sort_unstable();
+        self.scratch.clear();
+        self.scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+        self.scratch.extend(mm.iter().flat_map(|h| h.to_le_bytes()));
+        xxh3_64_with_seed(&self.scratch, self.seed)
+    }
+
+    /// The vLLM serialisation of a block, or of the lone seed value when `lone` is set.
+    fn serialize(&mut self, parent: &[u8], parent_id: Id, block: &[u32], extra: Option<&Value>, lone: bool) -> &[u8] {
+        let pickle = matches!(self.algo, Algo::Sha256 | Algo::Xxhash);
+        match (pickle, lone) {
+            (true, true) => self.pickler.value(extra.unwrap()),
+            (true, false) => self.pickler.block(parent, parent_id, block, extra),
+            (false, true) => {
+                self.scratch.clear();
+                cbor::value(&mut self.scratch, extra.unwrap());
+                &self.scratch
+            }
+            (false, false) => {
+                cbor::block(&mut self.scratch, parent, block, extra);
+                &self.scratch
+            }
+        }
+    }
+}
+
+/// Tokens as u32 little-endian bytes: the tokens' own memory on little-endian hosts.
+#[inline(always)]
+fn le_bytes<'a>(block: &'a [u32], scratch: &'a mut Vec<u8>) -> &'a [u8] {
+    if cfg!(target_endian = "little") {
+        // SAFETY: u32 has no padding and any byte pattern is a valid u8.
+        unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), std::mem::size_of_val(block)) }
+    } else {
+        scratch.clear();
+        scratch.extend(block.iter().flat_map(|t| t.to_le_bytes()));
+        scratch
+    }
+}

@@ -1,0 +1,288 @@
+//! Byte-exact `pickle.dumps(obj, protocol=5)` for the objects vLLM hashes: the block tuple
+//! `(parent_digest, tuple(tokens), extra_keys)` and its NONE_HASH seed.
+//!
+//! It mirrors CPython's C pickler (Modules/_pickle.c), not the pure-Python one, because that is
+//! what `pickle.dumps` runs:
+//! - PROTO 5 is written before framing starts; the first write after it opens a frame whose
+//!   9-byte header (FRAME + u64 LE length) is filled in when the frame is committed.
+//! - A frame is committed at the start of any `save()` once it holds >= 64 KiB, and at STOP.
+//! - A str/bytes payload >= 64 KiB commits the current frame and is written unframed
+//!   (`_Pickler_write_bytes`); the next write opens a new frame.
+//! - A committed frame shorter than 4 bytes loses its header.
+//! - str, bytes and non-empty tuples are memoized (MEMOIZE) by identity; a second sighting of
+//!   the same object is a BINGET/LONG_BINGET. Empty tuples, ints, bools and None are not.
+//! - ints: BININT1 (0..=0xff), BININT2 (..=0xffff), BININT (i32 range), else LONG1/LONG4.
+
+use super::tokenbytes::{self, MAX_TOKEN_BYTES};
+use super::value::{long_bytes, Id, Value};
+
+const FRAME_HEADER: usize = 9;
+const FRAME_SIZE_TARGET: usize = 64 * 1024;
+const FRAME_SIZE_MIN: usize = 4;
+
+const PROTO_5: [u8; 2] = [0x80, 5];
+const FRAME: u8 = 0x95;
+const STOP: u8 = b'.';
+const NONE: u8 = b'N';
+const NEWTRUE: u8 = 0x88;
+const NEWFALSE: u8 = 0x89;
+const BININT: u8 = b'J';
+const LONG1: u8 = 0x8a;
+const LONG4: u8 = 0x8b;
+const SHORT_BINUNICODE: u8 = 0x8c;
+const BINUNICODE: u8 = b'X';
+const BINUNICODE8: u8 = 0x8d;
+const SHORT_BINBYTES: u8 = b'C';
+const BINBYTES: u8 = b'B';
+const BINBYTES8: u8 = 0x8e;
+const EMPTY_TUPLE: u8 = b')';
+const MARK: u8 = b'(';
+const TUPLE: u8 = b't';
+const TUPLE1: u8 = 0x85;
+const TUPLE3: u8 = 0x87;
+const MEMOIZE: u8 = 0x94;
+const BINGET: u8 = b'h';
+const LONG_BINGET: u8 = b'j';
+
+/// Reusable pickler: one buffer and memo for a whole chain, so hashing a block allocates nothing.
+#[derive(Default, Clone)]
+pub struct Pickler {
+    buf: Vec<u8>,
+    frame_start: Option<usize>,
+    framing: bool,
+    /// Identities in memo order: the memo index is the position.
+    memo: Vec<Id>,
+}
+
+impl Pickler {
+    /// The pickle of `(parent, tuple(tokens), extra)`. `parent_id` is the identity of the parent
+    /// object if the caller handed us one (it could reappear inside `extra`), else 0.
+    pub fn block(&mut self, parent: &[u8], parent_id: Id, tokens: &[u32], extra: Option<&Value>) -> &[u8] {
+        self.begin(parent.len() + tokens.len() * 6 + 32);
+        self.boundary();
+        self.save_bytes(parent, parent_id);
+        self.save_tokens(tokens);
+        match extra {
+            None => self.save_atom(&[NONE]),
+            Some(v) => self.save(v),
+        }
+        self.write(&[TUPLE3]);
+        self.memoize(0);
+        self.finish()
+    }
+
+    /// The pickle of a single value (vLLM's NONE_HASH is the hash of its pickled seed).
+    pub fn value(&mut self, v: &Value) -> &[u8] {
+        self.begin(64);
+        self.save(v);
+        self.finish()
+    }
+
+    fn begin(&mut self, capacity: usize) {
+        self.buf.clear();
+        self.buf.reserve(capacity);
+        self.memo.clear();
+        self.frame_start = None;
+        self.framing = false;
+        self.buf.extend_from_slice(&PROTO_5);
+        self.framing = true;
+    }
+
+    fn finish(&mut self) -> &[u8] {
+        self.write(&[STOP]);
+        self.commit_frame();
+        &self.buf
+    }
+
+    #[inline(always)]
+    fn write(&mut self, data: &[u8]) {
+        self.open_frame();
+        self.buf.extend_from_slice(data);
+    }
+
+    /// What any write does first: with framing on and no frame open, reserve a frame header.
+    #[inline(always)]
+    fn open_frame(&mut self) {
+        if self.framing && self.frame_start.is_none() {
+            self.frame_start = Some(self.buf.len());
+            self.buf.extend_from_slice(&[0u8; FRAME_HEADER]);
+        }
+    }
+
+    fn commit_frame(&mut self) {
+        let Some(start) = self.frame_start.take() else { return };
+        let len = self.buf.len() - start - FRAME_HEADER;
+        if len >= FRAME_SIZE_MIN {
+            self.buf[start] = FRAME;
+            self.buf[start + 1..start + FRAME_HEADER].copy_from_slice(&(len as u64).to_le_bytes());
+        } else {
+            self.buf.drain(start..start + FRAME_HEADER);
+        }
+    }
+
+    /// CPython checks the frame size at the start of every save(), so a frame can run past
+    /// 64 KiB by the tail of the object being saved when the check happens.
+    #[inline(always)]
+    fn boundary(&mut self) {
+        if let Some(start) = self.frame_start {
+            if self.buf.len() - start - FRAME_HEADER >= FRAME_SIZE_TARGET {
+                self.commit_frame();
+            }
+        }
+    }
+
+    fn write_payload(&mut self, header: &[u8], data: &[u8]) {
+        if data.len() >= FRAME_SIZE_TARGET {
+            self.commit_frame();
+            self.buf.extend_from_slice(header);
+            self.buf.extend_from_slice(data);
+        } else {
+            self.write(header);
+            self.write(data);
+        }
+    }
+
+    fn memoize(&mut self, id: Id) {
+        self.memo.push(id);
+        self.write(&[MEMOIZE]);
+    }
+
+    /// Writes a BINGET and returns true if `id` was pickled before.
+    fn memo_get(&mut self, id: Id) -> bool {
+        if id == 0 {
+            return false;
+        }
+        let Some(index) = self.memo.iter().position(|&m| m == id) else { return false };
+        if index < 256 {
+            self.write(&[BINGET, index as u8]);
+        } else {
+            let i = (index as u32).to_le_bytes();
+            self.write(&[LONG_BINGET, i[0], i[1], i[2], i[3]]);
+        }
+        true
+    }
+
+    fn save_atom(&mut self, opcode: &[u8]) {
+        self.boundary();
+        self.write(opcode);
+    }
+
+    fn save(&mut self, v: &Value) {
+        self.boundary();
+        match v {
+            Value::None => self.write(&[NONE]),
+            Value::Bool(b) => self.write(&[if *b { NEWTRUE } else { NEWFALSE }]),
+            Value::Int(i) => self.write_int(*i),
+            Value::BigInt(b) => self.write_long(b),
+            Value::Str(s, id) => {
+                if !self.memo_get(*id) {
+                    let (head, n) = sized_header(SHORT_BINUNICODE, BINUNICODE, BINUNICODE8, s.len());
+                    self.write_payload(&head[..n], s);
+                    self.memoize(*id);
+                }
+            }
+            Value::Bytes(b, id) => self.save_bytes_body(b, *id),
+            Value::Tuple(items, id) => {
+                if items.is_empty() {
+                    self.write(&[EMPTY_TUPLE]);
+                } else if !self.memo_get(*id) {
+                    if items.len() > 3 {
+                        self.write(&[MARK]);
+                    }
+                    for item in items {
+                        self.save(item);
+                    }
+                    self.close_tuple(items.len());
+                    self.memoize(*id);
+                }
+            }
+        }
+    }
+
+    fn save_bytes(&mut self, b: &[u8], id: Id) {
+        self.boundary();
+        self.save_bytes_body(b, id);
+    }
+
+    fn save_bytes_body(&mut self, b: &[u8], id: Id) {
+        if !self.memo_get(id) {
+            let (head, n) = sized_header(SHORT_BINBYTES, BINBYTES, BINBYTES8, b.len());
+            self.write_payload(&head[..n], b);
+            self.memoize(id);
+        }
+    }
+
+    fn close_tuple(&mut self, len: usize) {
+        if len <= 3 {
+            self.write(&[TUPLE1 + (len as u8 - 1)]);
+        } else {
+            self.write(&[TUPLE]);
+        }
+    }
+
+    /// The token tuple: vLLM builds it fresh for every block, so it is never a memo hit.
+    fn save_tokens(&mut self, tokens: &[u32]) {
+        self.boundary();
+        if tokens.is_empty() {
+            self.write(&[EMPTY_TUPLE]);
+            return;
+        }
+        if tokens.len() > 3 {
+            self.write(&[MARK]);
+        }
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            // A boundary check precedes every token, but none can commit while the frame stays
+            // under the target, so the tokens that provably fit are written in one run.
+            self.boundary();
+            self.open_frame();
+            let used = self.buf.len() - self.frame_start.unwrap() - FRAME_HEADER;
+            let fit = (FRAME_SIZE_TARGET - 1 - used) / MAX_TOKEN_BYTES + 1;
+            let (now, later) = rest.split_at(fit.min(rest.len()));
+            tokenbytes::extend(&mut self.buf, now, tokenbytes::pickle);
+            rest = later;
+        }
+        self.close_tuple(tokens.len());
+        self.memoize(0);
+    }
+
+    fn write_int(&mut self, v: i64) {
+        if let Ok(t) = u32::try_from(v) {
+            let (word, n) = tokenbytes::pickle(t);
+            self.write(&word.to_le_bytes()[..n]);
+        } else if let Ok(small) = i32::try_from(v) {
+            let b = small.to_le_bytes();
+            self.write(&[BININT, b[0], b[1], b[2], b[3]]);
+        } else {
+            self.write_long(&long_bytes(v as i128));
+        }
+    }
+
+    fn write_long(&mut self, le: &[u8]) {
+        if le.len() < 256 {
+            self.write(&[LONG1, le.len() as u8]);
+        } else {
+            let n = (le.len() as u32).to_le_bytes();
+            self.write(&[LONG4, n[0], n[1], n[2], n[3]]);
+        }
+        self.write(le);
+    }
+}
+
+/// The 1-, 4- or 8-byte length form of a str/bytes opcode.
+fn sized_header(short: u8, long: u8, huge: u8, len: usize) -> ([u8; 9], usize) {
+    let mut head = [0u8; 9];
+    if len < 256 {
+        head[0] = short;
+        head[1] = len as u8;
+        (head, 2)
+    } else if let Ok(n) = u32::try_from(len) {
+        head[0] = long;
+        head[1..5].copy_from_slice(&n.to_le_bytes());
+        (head, 5)
+    } else {
+        head[0] = huge;
+        head[1..9].copy_from_slice(&(len as u64).to_le_bytes());
+        (head, 9)
+    }
+}
