@@ -53,6 +53,8 @@ log = logging.getLogger("kvbridge.consumer")
 
 # Parked out-of-order messages per worker; beyond this the oldest are let go (replay fetches them).
 _MAX_PARKED = 65536
+# JetStream mode: how long a hole may wait for the stream to fill it before the worker is asked.
+_STREAM_HOLE_GRACE_S = 0.5
 # Epochs proven stale per worker (old incarnations, forged headers); bounded, oldest forgotten.
 _MAX_RETIRED = 64
 
@@ -357,7 +359,15 @@ class KvEventSubscriber:
     async def _resync(self, w: _Worker) -> None:
         backoff = 0.05
         try:
+            if self.config.jetstream:
+                await asyncio.sleep(_STREAM_HOLE_GRACE_S)
             while not self._closed:
+                if not w.need_snapshot and w.next_seq in w.parked:
+                    # The hole filled itself (JetStream: re-sends after a broker crash land in the
+                    # stream behind later messages), possibly while the worker did not answer.
+                    await self._drain_parked(w)
+                    if not w.parked:
+                        return
                 ok = await (self._snapshot(w) if w.need_snapshot else self._replay(w))
                 if not ok:
                     await asyncio.sleep(backoff)

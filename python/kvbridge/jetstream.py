@@ -39,7 +39,8 @@ Publishing
     "re-send from the oldest unacked" a counter, not a search.
 
 Consuming
-    ``KvEventSubscriber(config_with_jetstream, stream_start=None)`` reads the stream through an
+    ``KvEventSubscriber(config_with_jetstream, stream_start=None)`` creates the stream if it is
+    missing (a router may start before any worker; it never changes an existing one) and reads it through an
     ordered, ephemeral push consumer filtered to its subject -- from the stream's first message
     (default), a stream sequence (``int``) or a time (``datetime``) -- and stays on it for live
     messages. The per-worker ``(epoch, seq)`` contract is unchanged: duplicates are dropped, holes
@@ -86,8 +87,9 @@ def stream_subjects(config: Config) -> list[str]:
     return [f"{config.subject_prefix}.events.>"]
 
 
-async def ensure_stream(nc: Any, config: Config) -> api.StreamInfo:
-    """Create the stream, or update it in place to cover our subject with our limits."""
+async def ensure_stream(nc: Any, config: Config, *, update: bool = True) -> api.StreamInfo:
+    """Create the stream, or update it in place to cover our subject with our limits (``update``;
+    subscribers only create a missing one: a reader should not change what writers keep)."""
     if config.stream_duplicate_window_s > config.stream_max_age_s:
         raise ConfigError(
             "kvbridge config stream_duplicate_window_s (KVBRIDGE_STREAM_DUPLICATE_WINDOW_S): "
@@ -119,8 +121,10 @@ async def ensure_stream(nc: Any, config: Config) -> api.StreamInfo:
             current = info.config
             subjects = list(current.subjects or [])
             missing = [s for s in want if s not in subjects]
-            if not missing and _same(current.max_age, config.stream_max_age_s) and _same(
-                current.duplicate_window, config.stream_duplicate_window_s
+            if not update or (
+                not missing
+                and _same(current.max_age, config.stream_max_age_s)
+                and _same(current.duplicate_window, config.stream_duplicate_window_s)
             ):
                 return info
             log.info(
@@ -285,11 +289,11 @@ class JetStreamAcks:
             if self.counts["js_ack_errors"] == 1 or not data:
                 log.warning("kvbridge: JetStream did not store seq %d: %s", seq, data[:200] or msg.headers)
             return
+        if b'"duplicate"' in data and json.loads(data).get("duplicate"):
+            self.counts["js_duplicates"] += 1
         if seq < self.acked_below:
             return
         self.counts["js_acks"] += 1
-        if b'"duplicate"' in data and json.loads(data).get("duplicate"):
-            self.counts["js_duplicates"] += 1
         if seq != self.acked_below:
             self._acked_ahead.add(seq)
             return
@@ -350,6 +354,8 @@ async def subscribe_stream(
         cc.opt_start_seq = start
     else:
         raise ValueError(f"stream_start must be None, a stream sequence >= 1 or an aware datetime, got {start!r}")
+    # The stream may not exist yet when a router starts before any worker.
+    await ensure_stream(nc, config, update=False)
     js = nc.jetstream(timeout=config.request_timeout_s)
     try:
         sub = await js.subscribe(
