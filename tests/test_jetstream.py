@@ -294,3 +294,21 @@ async def test_broker_sigkill_mid_stream_loses_nothing_and_duplicates_nothing(ow
     print(f"late subscriber: {stats}")
     assert stats["snapshots"] == stats["request_timeouts"] == stats["duplicates"] == 0, stats
     await late.close()
+
+
+async def test_publisher_recreates_a_deleted_stream(nats_server):
+    cfg = js_cfg(nats_server, "jst5", "JST5", request_timeout_s=0.5)
+    pub = await KvEventPublisher(cfg, worker_id="w0").start()
+    await run_workload(pub, Workload(5), 50)
+    assert await pub._js.wait_acked(10)
+    nc = await nats.connect(nats_server.url)
+    await nc.jetstream().delete_stream("JST5")
+    await run_workload(pub, Workload(6), 50)
+    assert await pub._js.wait_acked(15), pub.stats
+    info = await nc.jetstream().stream_info("JST5")
+    stats = pub.stats
+    print(f"after deletion: {info.state.messages} messages in the new stream; {stats}")
+    assert stats["js_ack_errors"] >= 1 and info.state.messages >= 1
+    assert info.state.last_seq == info.state.messages  # a fresh stream, no holes
+    await nc.close()
+    await pub.close()

@@ -284,11 +284,11 @@ class JetStreamAcks:
         # A bare status (503: no stream for the subject) or an API error: not stored.
         if not data or b'"error"' in data:
             self.counts["js_ack_errors"] += 1
-            if not data or b"10059" in data or b"no responders" in data.lower():
-                self._stream_lost = True
-            if self.counts["js_ack_errors"] == 1 or not data:
+            lost = not data or b"10059" in data  # no stream listens on the subject / stream not found
+            if lost and not self._stream_lost or self.counts["js_ack_errors"] == 1:
                 log.warning("kvbridge: JetStream did not store seq %d: %s", seq, data[:200] or msg.headers)
-            return
+            self._stream_lost = self._stream_lost or lost
+            return  # stays unacked: the watchdog re-sends it (after re-creating the stream if lost)
         if b'"duplicate"' in data and json.loads(data).get("duplicate"):
             self.counts["js_duplicates"] += 1
         if seq < self.acked_below:

@@ -24,6 +24,9 @@ bytes. They are sent in seq order while connected; while NATS is down they wait 
 are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
 replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
 ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
+
+JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
+stream has not acknowledged; see :mod:`kvbridge.jetstream`. Its hooks here are marked ``_js``.
 """
 
 from __future__ import annotations
@@ -246,7 +249,9 @@ class KvEventPublisher:
         if self._nc is None or self._closing:
             return
         if self._js is not None:  # JetStream: closed means stored, as far as the timeout allows
+            t0 = time.monotonic()
             await self._js.wait_acked(timeout)
+            timeout = max(0.5, timeout - (time.monotonic() - t0))
         self._closing = True
         self._wake.set()  # type: ignore[union-attr]
         try:
