@@ -8,6 +8,7 @@ reference is the block set those sequences leave (tracked independently of Worke
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
 
 import nats
@@ -15,7 +16,15 @@ import pytest
 from nats.js import api
 
 from bridge_support import Recorder, wait_until
-from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, Config, ConfigError, KvEventPublisher, KvEventSubscriber
+from kvbridge import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Config,
+    ConfigError,
+    KvEventPublisher,
+    KvEventSubscriber,
+)
 from kvbridge.jetstream import JetStreamError
 
 pytestmark = pytest.mark.timeout(60)
@@ -238,6 +247,15 @@ async def test_late_subscriber_rebuilds_every_view_from_the_stream_alone(nats_se
     assert all(epoch != old_epoch for epoch, _, _ in rec2.by_worker[(MODEL, "w2")])
     assert rec2.check((MODEL, "w2"))["resets"] == 1 and sub2.stats["snapshots"] == 0
     await sub2.close()
+
+    # From a time: nothing stored before it, then live from the stream (a worker that starts later).
+    sub3 = await KvEventSubscriber(cfg, stream_start=datetime.datetime.now(datetime.timezone.utc)).start()
+    newcomer, wl = await KvEventPublisher(cfg, worker_id="w3").start(), Workload(77)
+    await run_workload(newcomer, wl, 100)
+    await newcomer.close()
+    await wait_until(lambda: views_equal(sub3, {(MODEL, "w3"): (newcomer.epoch, wl.blocks)}), 20, "w3 live")
+    assert set(sub3.views) == {(MODEL, "w3")} and sub3.stats["snapshots"] == 0
+    await sub3.close()
 
 
 @pytest.mark.timeout(90)

@@ -31,6 +31,8 @@ Publishing
     (``stats["js_unacked_evicted"]``) and is a hole consumers repair by replay/snapshot.
     ``close()`` waits (up to its timeout) until everything handed over is acked: a closed
     publisher's events are in the stream.
+    Heartbeats (empty batches) are stored too, so an idle worker adds ``1 / heartbeat_s`` tiny
+    messages per second to the stream; core-NATS subscribers keep working alongside.
 
     Why not nats-py's ``js.publish_async``: in 2.16 its futures have no timeout (an ack lost with a
     crashed broker leaves them pending forever), a failing ``nc.publish`` inside it leaves an
@@ -40,15 +42,21 @@ Publishing
 
 Consuming
     ``KvEventSubscriber(config_with_jetstream, stream_start=None)`` creates the stream if it is
-    missing (a router may start before any worker; it never changes an existing one) and reads it through an
-    ordered, ephemeral push consumer filtered to its subject -- from the stream's first message
-    (default), a stream sequence (``int``) or a time (``datetime``) -- and stays on it for live
-    messages. The per-worker ``(epoch, seq)`` contract is unchanged: duplicates are dropped, holes
-    are repaired by replay/snapshot. What the stream adds: an incarnation whose seq 0 is in the
-    stream is rebuilt from the stream (a ``reset=True`` update with ``seq=-1`` and no events, then
-    seq 0, 1, ...) without asking the worker for a snapshot, so a subscriber that starts after
-    the workers are gone still gets every view. An incarnation whose beginning has aged out of the
-    stream (or a start position in its middle) still needs the worker's snapshot.
+    missing (a router may start before any worker; it never changes an existing one) and reads it
+    through an ordered, ephemeral push consumer filtered to its subject -- from the stream's first
+    message (default), a stream sequence (``int``) or a time (aware ``datetime``) -- and stays on
+    it for live messages. The per-worker ``(epoch, seq)`` contract is unchanged: duplicates are
+    dropped, holes are repaired. What the stream adds: an incarnation whose seq 0 is in the stream
+    is rebuilt from the stream (a ``reset=True`` update with ``seq=-1``, no events and
+    ``source="stream"``, then seq 0, 1, ...) without asking the worker for a snapshot, so a
+    subscriber that starts after the workers are gone still gets every view. A hole first gets
+    half a second for the stream to fill it -- after a broker crash, nats-py flushes its own
+    reconnect buffer before our re-send of the lost messages lands, so a worker's messages can be
+    out of order in the stream -- and only then is the worker asked (replay, then snapshot). An
+    incarnation whose beginning has aged out of the stream (or a start position in its middle)
+    still needs the worker's snapshot: with the worker gone, that view cannot be rebuilt.
+    After a broker restart nats-py re-creates the ordered consumer where it left off once two of
+    its 1 s idle heartbeats are missing.
 """
 
 from __future__ import annotations
@@ -289,6 +297,8 @@ class JetStreamAcks:
                 log.warning("kvbridge: JetStream did not store seq %d: %s", seq, data[:200] or msg.headers)
             self._stream_lost = self._stream_lost or lost
             return  # stays unacked: the watchdog re-sends it (after re-creating the stream if lost)
+        if b'"seq"' not in data:
+            return  # not a stream ack: someone answered our reply subject (it rides on every message)
         if b'"duplicate"' in data and json.loads(data).get("duplicate"):
             self.counts["js_duplicates"] += 1
         if seq < self.acked_below:
