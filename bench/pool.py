@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import platform
 import random
 import time
@@ -51,11 +52,8 @@ def build_conversations(args, rng):
     return convs
 
 
-def run(args, mode: str, seed: int) -> dict:
-    rng = random.Random(seed)
-    convs = build_conversations(args, rng)
-    step = args.chunk if mode == "chunk" else 1
-    m = KVCacheManager(args.blocks, args.block_size, algo=args.algo)
+def drive(m: KVCacheManager, convs, args, step: int) -> dict:
+    """The engine loop; only the manager's calls are timed."""
     clock = time.perf_counter
     # ``--active`` conversations are in flight; a finished one makes room for the next.
     queue = deque((c, 0) for c in range(min(args.active, len(convs))))
@@ -64,69 +62,92 @@ def run(args, mode: str, seed: int) -> dict:
     stored = removed = calls = prompt_tokens = hit_tokens = preempted = 0
     next_rid = 0
     elapsed = 0.0
-    gc.disable()  # the pool allocates few objects; keep collector pauses out of the numbers
-    try:
-        while queue or running:
-            t0 = clock()
-            while queue and len(running) < args.batch:  # admit
-                c, turn = queue[0]
-                prompt = convs[c][turn][0]
-                hit = m.allocate(next_rid, prompt)
-                calls += 1
-                if hit is None:
-                    if not running:
-                        raise SystemExit("the pool cannot hold one request: raise --blocks")
-                    break
-                queue.popleft()
-                running[next_rid] = [c, turn, 0]
-                next_rid += 1
-                prompt_tokens += len(prompt)
-                hit_tokens += hit
-            for rid, state in list(running.items()):  # one decode step
-                c, turn, done = state
-                reply = convs[c][turn][1]
-                ok = m.append(rid, reply[done : done + step])
-                calls += 1
-                if not ok:
-                    m.free(rid)
-                    calls += 1
-                    del running[rid]
-                    queue.appendleft((c, turn))
-                    preempted += 1
-                    continue
-                state[2] = done = done + step
-                if done >= len(reply):
-                    m.free(rid)
-                    calls += 1
-                    del running[rid]
-                    if turn + 1 < args.turns:
-                        queue.append((c, turn + 1))
-                    elif waiting:
-                        queue.append((waiting.popleft(), 0))
-            events = m.take_events()
+    while queue or running:
+        t0 = clock()
+        while queue and len(running) < args.batch:  # admit
+            c, turn = queue[0]
+            prompt = convs[c][turn][0]
+            hit = m.allocate(next_rid, prompt)
             calls += 1
-            elapsed += clock() - t0
-            for e in events:
-                if type(e) is BlockStored:
-                    stored += len(e.block_hashes)
-                elif type(e) is BlockRemoved:
-                    removed += len(e.block_hashes)
-    finally:
-        gc.enable()
-    total_tokens = sum(len(p) + len(r) for turns in convs for p, r in turns)
-    # Every full block a turn hashes: its whole prompt (hits included) and its reply.
-    processed = sum((len(p) + len(r)) // args.block_size for turns in convs for p, r in turns)
+            if hit is None:
+                if not running:
+                    raise SystemExit("the pool cannot hold one request: raise --blocks")
+                break
+            queue.popleft()
+            running[next_rid] = [c, turn, 0]
+            next_rid += 1
+            prompt_tokens += len(prompt)
+            hit_tokens += hit
+        for rid, state in list(running.items()):  # one decode step
+            c, turn, done = state
+            reply = convs[c][turn][1]
+            ok = m.append(rid, reply[done : done + step])
+            calls += 1
+            if not ok:
+                m.free(rid)
+                calls += 1
+                del running[rid]
+                queue.appendleft((c, turn))
+                preempted += 1
+                continue
+            state[2] = done = done + step
+            if done >= len(reply):
+                m.free(rid)
+                calls += 1
+                del running[rid]
+                if turn + 1 < args.turns:
+                    queue.append((c, turn + 1))
+                elif waiting:
+                    queue.append((waiting.popleft(), 0))
+        events = m.take_events()
+        calls += 1
+        elapsed += clock() - t0
+        for e in events:
+            if type(e) is BlockStored:
+                stored += len(e.block_hashes)
+            elif type(e) is BlockRemoved:
+                removed += len(e.block_hashes)
     return dict(
-        mode=mode,
         seconds=elapsed,
         stored=stored,
         removed=removed,
-        processed=processed,
         calls=calls,
-        tokens=total_tokens,
         hit_rate=hit_tokens / prompt_tokens,
         preempted=preempted,
     )
+
+
+def run(args, mode: str, convs) -> dict:
+    m = KVCacheManager(args.blocks, args.block_size, algo=args.algo)
+    step = args.chunk if mode == "chunk" else 1
+    if args.no_gc:
+        gc.disable()
+    gc.collect()
+    try:
+        if args.instructions:
+            # The only starmap call in the run: callgrind's --toggle-collect=starmap_next then
+            # counts exactly the engine loop (see bench/RESULTS.md).
+            (out,) = itertools.starmap(drive, [(m, convs, args, step)])
+        else:
+            out = drive(m, convs, args, step)
+    finally:
+        gc.enable()
+    # Every full block a turn hashes: its whole prompt (hits included) and its reply.
+    out["processed"] = sum((len(p) + len(r)) // args.block_size for t in convs for p, r in t)
+    out["mode"] = mode
+    return out
+
+
+def calibrate() -> float:
+    """ns per iteration of a trivial Python loop: how fast this shared machine is right now."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x = 0
+        for i in range(1_000_000):
+            x += i
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
 
 
 def main() -> None:
@@ -142,16 +163,25 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="requests running at once")
     ap.add_argument("--chunk", type=int, default=64, help="tokens per append in chunk mode")
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is reported")
+    ap.add_argument("--no-gc", action="store_true", help="pause the cyclic GC during runs")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--instructions", action="store_true", help="one run per mode, inside itertools.starmap"
+    )
     args = ap.parse_args()
+    if args.instructions:
+        args.repeat = 1
+    convs = build_conversations(args, random.Random(args.seed))
     modes = ["chunk", "token"] if args.mode == "both" else [args.mode]
     print(
         f"# pool bench: {platform.python_implementation()} {platform.python_version()}, "
         f"algo={args.algo}, block_size={args.block_size}, blocks={args.blocks}, "
         f"{args.conversations} conversations x {args.turns} turns, {args.active} active, "
-        f"batch={args.batch}, chunk={args.chunk}"
+        f"batch={args.batch}, chunk={args.chunk}, gc={'off' if args.no_gc else 'on'}"
     )
     for mode in modes:
-        best = min((run(args, mode, seed=1) for _ in range(args.repeat)), key=lambda r: r["seconds"])
+        speed = calibrate()
+        best = min((run(args, mode, convs) for _ in range(args.repeat)), key=lambda r: r["seconds"])
         s = best["seconds"]
         print(
             f"{mode:5}: {best['stored'] / s / 1e6:5.2f} M blocks stored/s, "
@@ -160,7 +190,7 @@ def main() -> None:
             f"{s / best['processed'] * 1e6:5.2f} us per block processed | "
             f"{s / best['calls'] * 1e6:5.2f} us per call | "
             f"prefix hit rate {best['hit_rate']:.1%}, {best['removed']} evicted, "
-            f"{best['preempted']} preempted, {s:.2f} s"
+            f"{best['preempted']} preempted, {s:.2f} s | calibration {speed:.0f} ns/loop"
         )
 
 

@@ -55,8 +55,8 @@ class View:
 class RefModel:
     """The pool's rules restated with plain lists and linear scans (slow, obviously right)."""
 
-    def __init__(self, num_blocks, block_size):
-        self.n, self.bs = num_blocks, block_size
+    def __init__(self, num_blocks, block_size, algo="xxh3"):
+        self.n, self.bs, self.algo = num_blocks, block_size, algo
         self.ref = [0] * num_blocks
         self.hash = [None] * num_blocks
         self.free = list(range(num_blocks))  # head (evicted first) at index 0
@@ -83,7 +83,7 @@ class RefModel:
 
     def _cache(self, blocks, tokens, first, lora_name, lora_id):
         """Blocks[first:] of the request are full now; tokens are the request's tokens."""
-        hashes = chain(tokens, self.bs, lora_name)
+        hashes = chain(tokens, self.bs, lora_name, algo=self.algo)
         runs = []
         for i in range(first, len(hashes)):
             b, h = blocks[i], hashes[i]
@@ -110,7 +110,7 @@ class RefModel:
             )
 
     def allocate(self, rid, tokens, lora_name, lora_id):
-        hashes = chain(tokens, self.bs, lora_name)
+        hashes = chain(tokens, self.bs, lora_name, algo=self.algo)
         hit = []
         for h in hashes:
             if h not in self.holders:
@@ -171,11 +171,13 @@ lora_st = st.sampled_from([None, None, "adapter-a"])
 
 
 class PoolMachine(RuleBasedStateMachine):
+    algo = "xxh3"
+
     @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4))
     def setup(self, num_blocks, block_size):
         self.bs = block_size
-        self.mgr = KVCacheManager(num_blocks, block_size)
-        self.ref = RefModel(num_blocks, block_size)
+        self.mgr = KVCacheManager(num_blocks, block_size, algo=self.algo)
+        self.ref = RefModel(num_blocks, block_size, self.algo)
         self.view = View()
         self.next_id = 0
 
@@ -192,7 +194,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         lora_id = None if lora is None else 3
         expected_hit = 0
-        for h in chain(prompt, self.bs, lora):
+        for h in chain(prompt, self.bs, lora, algo=self.algo):
             if h not in self.view.blocks:
                 break
             expected_hit += self.bs
@@ -274,12 +276,25 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 TestPoolStateMachine = PoolMachine.TestCase
+
+
+class VllmAlgoPoolMachine(PoolMachine):
+    """The same, with a vLLM algorithm: chains continue on full digests, events carry their
+    64-bit tails."""
+
+    algo = "sha256_cbor"
+
+
+VllmAlgoPoolMachine.TestCase.settings = settings(
+    PoolMachine.TestCase.settings, max_examples=80
+)
+TestVllmAlgoPoolStateMachine = VllmAlgoPoolMachine.TestCase
 
 
 # --- targeted behaviour ----------------------------------------------------------------------

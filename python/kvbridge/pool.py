@@ -285,7 +285,7 @@ class BlockPool:
             self._cache(
                 blocks, list(block_hashes), list(token_ids), parent_block_hash,
                 list(chain_values or block_hashes), lora,
-            )  # fmt: skip
+            )
 
     def _cache(self, blocks, hashes: list, tokens: list, parent, chains: list, lora) -> None:
         # The lists become the run record: the caller hands them over and keeps no reference.
@@ -400,7 +400,7 @@ class BlockPool:
         return self._stored(
             hashes[first:end], hashes[first - 1] if first else parent,
             tokens[first * bs : end * bs], lora,
-        )  # fmt: skip
+        )
 
     def _stored(self, hashes: list, parent, tokens: list, lora) -> BlockStored:
         # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
@@ -480,8 +480,6 @@ class KVCacheManager:
         try:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already allocated")
-            if lora_name is not None and lora_id is None:
-                lora_id = self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
             pool = self.pool
             bs = self.block_size
             num_full = len(tokens) // bs
@@ -490,18 +488,19 @@ class KVCacheManager:
             hit = pool.find_cached_prefix(hashes)
             num_hit = len(hit)
             num_new = -(-len(tokens) // bs) - num_hit
-            # Free hits leave the free queue too; count them only when it could matter.
-            if num_new + num_hit > pool._num_free and num_new + sum(
-                b.ref_cnt == 0 for b in hit
-            ) > pool._num_free:
-                return None
+            # Free hits leave the free queue too (counted only when that could matter).
+            if num_new + num_hit > pool._num_free:
+                if num_new + sum(b.ref_cnt == 0 for b in hit) > pool._num_free:
+                    return None
+            if lora_name is not None and lora_id is None:
+                lora_id = self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
             pool.touch(hit)
             new = pool._new_blocks(num_new)
             plain = not pool._as_bytes and (lora_name is None or not pool._lora_in_extra_keys)
             req = _Request(
                 hit, len(tokens), tokens[num_full * bs :], hasher,
                 hashes[-1] if num_full else None, lora_name, lora_id, plain,
-            )  # fmt: skip
+            )
             if num_full > num_hit:
                 new_hashes = hashes[num_hit:]
                 pool._cache(
@@ -553,7 +552,7 @@ class KVCacheManager:
             pool._cache(
                 req.blocks[full0 : full0 + len(hashes)],
                 hashes, tokens[:cut], req.last_hash, chains, req.lora,
-            )  # fmt: skip
+            )
             req.last_hash = hashes[-1]
             return True
         finally:
