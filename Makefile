@@ -23,6 +23,7 @@ test: setup
 bench: setup
 	$(BIN)/python bench/hashing.py
 	$(BIN)/python bench/encode.py
+	$(BIN)/python bench/pool.py
 
 clean:
 	rm -rf $(VENV) target

@@ -48,6 +48,15 @@ def own_nats_server():
         yield server
 
 
+@pytest.fixture
+def own_js_server():
+    """A private nats-server with JetStream (temp store dir, kept across restart()) to kill."""
+    from kvbridge.server import NatsServer
+
+    with NatsServer(jetstream=True) as server:
+        yield server
+
+
 def _child_pids() -> set[int]:
     pids: set[int] = set()
     for task in Path("/proc/self/task").glob("*"):

@@ -14,6 +14,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
+from kvbridge.pool import BlockPool, KVCacheManager
 from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
 
 __all__ = [
@@ -22,12 +23,14 @@ __all__ = [
     "AuthenticationError",
     "BackgroundPublisher",
     "BlockHasher",
+    "BlockPool",
     "BlockRemoved",
     "BlockStored",
     "Config",
     "ConfigError",
     "ConnectError",
     "DecodeError",
+    "KVCacheManager",
     "KVEventBatch",
     "KvEventPublisher",
     "KvEventSubscriber",

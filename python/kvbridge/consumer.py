@@ -17,6 +17,7 @@ Everything runs on the subscriber's asyncio loop; one resync task per worker at 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import inspect
 import json
@@ -51,6 +52,8 @@ log = logging.getLogger("kvbridge.consumer")
 
 # Parked out-of-order messages per worker; beyond this the oldest are let go (replay fetches them).
 _MAX_PARKED = 65536
+# JetStream mode: how long a hole may wait for the stream to fill it before the worker is asked.
+_STREAM_HOLE_GRACE_S = 0.5
 # Epochs proven stale per worker (old incarnations, forged headers); bounded, oldest forgotten.
 _MAX_RETIRED = 64
 
@@ -127,7 +130,7 @@ class Update:
 
     ``reset=True`` (snapshots): forget everything known about this worker, then apply ``batch``;
     ``seq`` is then the seq the snapshot is consistent with. ``source``: "live" | "replay" |
-    "snapshot".
+    "snapshot" | "stream" (an incarnation's start, JetStream).
 
     ``batch`` (the KVEventBatch) is decoded on first access; ``ts``, ``n_events`` and
     ``n_blocks`` (block hashes stored + removed) are known without decoding it.
@@ -254,6 +257,7 @@ class KvEventSubscriber:
         on_update: Callable[[Update], Awaitable[None] | None] | None = None,
         track_views: bool = True,
         queue_size: int = 1024,
+        stream_start: int | datetime.datetime | None = None,
         **options: Any,
     ) -> None:
         if config is None:
@@ -267,6 +271,8 @@ class KvEventSubscriber:
         self.track_views = track_views
         self.metric_labels = {"subject": self.subject}
         self._queue_size = queue_size
+        #: JetStream mode (``config.jetstream``): where in the stream to begin; see kvbridge.jetstream.
+        self.stream_start = stream_start
         self._queue: asyncio.Queue | None = None
         self._workers: dict[tuple[str, str], _Worker] = {}
         self._nc: Any = None
@@ -284,9 +290,19 @@ class KvEventSubscriber:
         if self._nc is not None:
             return self
         self._nc = await connect(self.config)
-        await self._nc.subscribe(
-            self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
-        )
+        if self.config.jetstream:
+            from kvbridge.jetstream import subscribe_stream
+
+            try:
+                await subscribe_stream(self._nc, self.config, self.subject, self._on_msg, self.stream_start)
+            except BaseException:
+                await self._nc.close()
+                self._nc = None
+                raise
+        else:
+            await self._nc.subscribe(
+                self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
+            )
         await self._nc.flush()
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
@@ -359,6 +375,9 @@ class KvEventSubscriber:
             if epoch in w.retired:
                 counts["duplicates"] += 1
                 return
+            if seq == 0 and self.config.jetstream and w.syncing is None:
+                await self._begin_epoch_from_stream(w, epoch, batch)
+                return
             # First contact or a restart (new epoch): park, and resync from a snapshot.
             if w.parked_epoch != epoch:
                 w.parked.clear()
@@ -386,6 +405,19 @@ class KvEventSubscriber:
         w.parked_epoch = epoch
         self._park(w, seq, batch)
         self._ensure_sync(w)
+
+    async def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> None:
+        """JetStream hook: the stream holds this incarnation from its first message, and a new
+        incarnation starts with an empty cache, so it is rebuilt from the stream: no snapshot."""
+        if w.epoch is not None and not w.need_snapshot:
+            self._counts["epoch_changes"] += 1
+        self._adopt_epoch(w, epoch)
+        w.need_snapshot = False
+        w.next_seq = 0
+        await self._deliver(w, -1, KVEventBatch(batch.ts, [], batch.rank), "stream", reset=True)
+        w.next_seq = 1
+        await self._deliver(w, 0, batch, "live")
+        await self._drain_parked(w)
 
     def _park(self, w: _Worker, seq: int, batch: _Body) -> None:
         parked = w.parked
@@ -433,7 +465,15 @@ class KvEventSubscriber:
     async def _resync(self, w: _Worker) -> None:
         backoff = 0.05
         try:
+            if self.config.jetstream:
+                await asyncio.sleep(_STREAM_HOLE_GRACE_S)
             while not self._closed:
+                if not w.need_snapshot and w.next_seq in w.parked:
+                    # The hole filled itself (JetStream: re-sends after a broker crash land in the
+                    # stream behind later messages), possibly while the worker did not answer.
+                    await self._drain_parked(w)
+                    if not w.parked:
+                        return
                 ok = await (self._snapshot(w) if w.need_snapshot else self._replay(w))
                 if not ok:
                     await asyncio.sleep(backoff)

@@ -38,6 +38,16 @@ PUBLISHER_METRICS = {
     "ring_bytes": ("kvbridge_ring_buffer_bytes", "Bytes held in the replay ring buffer", "gauge"),
     "ring_messages": ("kvbridge_ring_buffer_messages", "Messages held in the replay ring buffer", "gauge"),
     "unsent": ("kvbridge_unsent_messages", "Messages in the ring not yet handed to NATS", "gauge"),
+    # JetStream mode only
+    "js_unacked": ("kvbridge_stream_unacked_messages", "Messages the stream has not acknowledged yet", "gauge"),
+    "js_resent": ("kvbridge_stream_resent_messages", "Messages sent again because no ack came", "counter"),
+    "js_duplicates": ("kvbridge_stream_duplicate_acks", "Re-sends the stream already had (de-duplicated)", "counter"),
+    "js_ack_errors": ("kvbridge_stream_ack_errors", "Messages the stream refused or had no stream for", "counter"),
+    "js_unacked_evicted": (
+        "kvbridge_stream_unacked_evicted",
+        "Unacknowledged messages the ring evicted before the stream confirmed them",
+        "counter",
+    ),
 }
 
 SUBSCRIBER_METRICS = {

@@ -24,6 +24,9 @@ bytes. They are sent in seq order while connected; while NATS is down they wait 
 are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
 replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
 ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
+
+JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
+stream has not acknowledged; see :mod:`kvbridge.jetstream`. Its hooks here are marked ``_js``.
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ class KvEventPublisher:
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
         self._sender: asyncio.Task | None = None
+        self._js: Any = None  # kvbridge.jetstream.JetStreamAcks in JetStream mode
         self._closing = False
         self._next_seq = 0
         self._dropped_seen = 0
@@ -261,8 +265,6 @@ class KvEventPublisher:
     async def start(self) -> KvEventPublisher:
         if self._nc is not None:
             return self
-        if self.config.jetstream:
-            raise NotImplementedError("kvbridge: JetStream mode (jetstream=True) is not implemented yet")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected)
@@ -270,6 +272,16 @@ class KvEventPublisher:
         self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
         await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
         await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
+        if self.config.jetstream:
+            from kvbridge.jetstream import JetStreamAcks
+
+            self._js = JetStreamAcks(self)
+            try:
+                await self._js.start()
+            except BaseException:
+                await self._nc.close()
+                self._nc = self._js = None
+                raise
         await self._nc.flush()
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
@@ -280,12 +292,18 @@ class KvEventPublisher:
         """Send everything handed over so far (best effort within ``timeout``), then disconnect."""
         if self._nc is None or self._closing:
             return
+        if self._js is not None:  # JetStream: closed means stored, as far as the timeout allows
+            t0 = time.monotonic()
+            await self._js.wait_acked(timeout)
+            timeout = max(0.5, timeout - (time.monotonic() - t0))
         self._closing = True
         self._wake.set()  # type: ignore[union-attr]
         try:
             await asyncio.wait_for(asyncio.shield(self._sender), timeout)  # type: ignore[arg-type]
         except (asyncio.TimeoutError, Exception):
             self._sender.cancel()  # type: ignore[union-attr]
+        if self._js is not None:
+            await self._js.stop()
         try:
             if self._nc.is_connected:
                 await self._nc.flush(timeout=max(timeout, 1))
@@ -311,6 +329,8 @@ class KvEventPublisher:
             unsent=max(0, self._ring.end - self._send_seq),
             last_seq=self._next_seq - 1,
         )
+        if self._js is not None:
+            s.update(self._js.stats)
         return s
 
     # -- loop side: hand-offs -> messages -------------------------------------------------------------
@@ -505,6 +525,8 @@ class KvEventPublisher:
             self._sleeping = False
 
     async def _send_pending(self) -> int:
+        if self._js is not None:
+            return await self._js.send_pending()
         nc = self._nc
         ring = self._ring
         sent = 0
@@ -533,6 +555,8 @@ class KvEventPublisher:
         # Messages the dead broker swallowed leave a hole only a later message reveals.
         self._drain()
         self._emit(time.time(), [])
+        if self._js is not None:
+            self._js.on_reconnected()
         self._wake.set()  # type: ignore[union-attr]
 
     # -- loop side: replay and snapshot ----------------------------------------------------------------
