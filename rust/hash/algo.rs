@@ -137,7 +137,7 @@ pub struct Chain {
     none_hash: Option<Digest>,
     /// The last block's digest (the sequence hash for dynamo_seq); None at a sequence start.
     pub parent: Option<Digest>,
-    pickler: Pickler,
+    encoder: Encoder,
     scratch: Vec<u8>,
 }
 
@@ -157,15 +157,16 @@ impl Chain {
             seed: salted(if algo.is_dynamo() { DYNAMO_SEED } else { seed }, lora_name, cache_namespace),
             none_hash: None,
             parent: None,
-            pickler: Pickler::default(),
+            encoder: Encoder { algo, pickler: Pickler::default() },
             scratch: Vec::new(),
         };
         if let Some(v) = vllm_seed {
-            let none_hash = algo.digest(chain.serialize(&[], 0, &[], Some(v), true));
-            chain.none_hash = Some(none_hash);
+            chain.encoder.value(&mut chain.scratch, v);
+            chain.none_hash = Some(algo.digest(&chain.scratch));
         }
         chain
     }
+
 
     /// Hashes consecutive full blocks (`tokens.len()` is a multiple of the block size),
     /// continuing from `self.parent`. `extras` has one entry per block. `parent_id` is the
@@ -180,9 +181,10 @@ impl Chain {
         if self.algo.is_vllm() {
             let mut parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
             for (i, block) in blocks {
-                let algo = self.algo;
+                self.scratch.clear();
                 let id = if i == 0 { parent_id } else { 0 };
-                parent = algo.digest(self.serialize(parent.as_bytes(), id, block, extra(i), false));
+                self.encoder.block(&mut self.scratch, parent.as_bytes(), block, extra(i), id);
+                parent = self.algo.digest(&self.scratch);
                 out.push(parent);
                 self.parent = Some(parent);
             }
@@ -233,21 +235,29 @@ impl Chain {
         xxh3_64_with_seed(&self.scratch, self.seed)
     }
 
-    /// The vLLM serialisation of a block, or of the lone seed value when `lone` is set.
-    fn serialize(&mut self, parent: &[u8], parent_id: Id, block: &[u32], extra: Option<&Value>, lone: bool) -> &[u8] {
-        let pickle = matches!(self.algo, Algo::Sha256 | Algo::Xxhash);
-        match (pickle, lone) {
-            (true, true) => self.pickler.value(extra.unwrap()),
-            (true, false) => self.pickler.block(parent, parent_id, block, extra),
-            (false, true) => {
-                self.scratch.clear();
-                cbor::value(&mut self.scratch, extra.unwrap());
-                &self.scratch
-            }
-            (false, false) => {
-                cbor::block(&mut self.scratch, parent, block, extra);
-                &self.scratch
-            }
+}
+
+/// vLLM's serialisation of blocks and seeds: pickle or CBOR, by algorithm.
+#[derive(Clone)]
+struct Encoder {
+    algo: Algo,
+    pickler: Pickler,
+}
+
+impl Encoder {
+    /// Appends `(parent, tuple(block), extra)` serialised.
+    fn block(&mut self, out: &mut Vec<u8>, parent: &[u8], block: &[u32], extra: Option<&Value>, parent_id: Id) {
+        match self.algo {
+            Algo::Sha256 | Algo::Xxhash => self.pickler.block(out, parent, parent_id, block, extra),
+            _ => cbor::block(out, parent, block, extra),
+        }
+    }
+
+    /// Appends a lone value serialised (NONE_HASH is the hash of the serialised seed).
+    fn value(&mut self, out: &mut Vec<u8>, v: &Value) {
+        match self.algo {
+            Algo::Sha256 | Algo::Xxhash => self.pickler.value(out, v),
+            _ => cbor::value(out, v),
         }
     }
 }

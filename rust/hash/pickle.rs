@@ -44,7 +44,8 @@ const MEMOIZE: u8 = 0x94;
 const BINGET: u8 = b'h';
 const LONG_BINGET: u8 = b'j';
 
-/// Reusable pickler: one buffer and memo for a whole chain, so hashing a block allocates nothing.
+/// Reusable pickler state (memo, frame position), so pickling a block allocates nothing.
+/// It writes at the end of a caller's buffer: frame positions are absolute indices into it.
 #[derive(Default, Clone)]
 pub struct Pickler {
     buf: Vec<u8>,
@@ -55,10 +56,12 @@ pub struct Pickler {
 }
 
 impl Pickler {
-    /// The pickle of `(parent, tuple(tokens), extra)`. `parent_id` is the identity of the parent
-    /// object if the caller handed us one (it could reappear inside `extra`), else 0.
-    pub fn block(&mut self, parent: &[u8], parent_id: Id, tokens: &[u32], extra: Option<&Value>) -> &[u8] {
-        self.begin(parent.len() + tokens.len() * 6 + 32);
+    /// Appends the pickle of `(parent, tuple(tokens), extra)` to `out`. `parent_id` is the
+    /// identity of the parent object if the caller handed us one (it could reappear inside
+    /// `extra`), else 0.
+    pub fn block(&mut self, out: &mut Vec<u8>, parent: &[u8], parent_id: Id, tokens: &[u32], extra: Option<&Value>) {
+        std::mem::swap(&mut self.buf, out);
+        self.begin(parent.len() + tokens.len() * MAX_TOKEN_BYTES + 32);
         self.boundary();
         self.save_bytes(parent, parent_id);
         self.save_tokens(tokens);
@@ -68,18 +71,20 @@ impl Pickler {
         }
         self.write(&[TUPLE3]);
         self.memoize(0);
-        self.finish()
+        self.finish();
+        std::mem::swap(&mut self.buf, out);
     }
 
-    /// The pickle of a single value (vLLM's NONE_HASH is the hash of its pickled seed).
-    pub fn value(&mut self, v: &Value) -> &[u8] {
+    /// Appends the pickle of a single value (vLLM's NONE_HASH is the hash of its pickled seed).
+    pub fn value(&mut self, out: &mut Vec<u8>, v: &Value) {
+        std::mem::swap(&mut self.buf, out);
         self.begin(64);
         self.save(v);
-        self.finish()
+        self.finish();
+        std::mem::swap(&mut self.buf, out);
     }
 
     fn begin(&mut self, capacity: usize) {
-        self.buf.clear();
         self.buf.reserve(capacity);
         self.memo.clear();
         self.frame_start = None;
@@ -88,10 +93,9 @@ impl Pickler {
         self.framing = true;
     }
 
-    fn finish(&mut self) -> &[u8] {
+    fn finish(&mut self) {
         self.write(&[STOP]);
         self.commit_frame();
-        &self.buf
     }
 
     #[inline(always)]

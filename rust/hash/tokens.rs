@@ -50,16 +50,10 @@ pub fn copied(tokens: &[u32]) -> Recycled<u32> {
 
 pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     let ptr = obj.as_ptr();
-    // SAFETY: ptr is a live object; list/tuple items are borrowed while we hold the GIL and do
-    // not run Python code that could mutate the container (exact ints need no __index__ call).
+    // SAFETY: ptr is a live object.
     unsafe {
-        if ffi::PyList_Check(ptr) != 0 {
-            let n = ffi::PyList_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)).map(Tokens::Owned);
-        }
-        if ffi::PyTuple_Check(ptr) != 0 {
-            let n = ffi::PyTuple_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t)).map(Tokens::Owned);
+        if ffi::PyList_Check(ptr) != 0 || ffi::PyTuple_Check(ptr) != 0 {
+            return convert_items(obj).map(Tokens::Owned);
         }
         if ffi::PyUnicode_Check(ptr) != 0 {
             return Err(PyTypeError::new_err("tokens must be a sequence of int, not str"));
@@ -77,18 +71,25 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     Ok(Tokens::Owned(out))
 }
 
-/// Collects n items, fetching each by index: a non-int's __index__ may mutate the container, so
-/// no pointer is kept across items.
-unsafe fn collect_items(py: Python<'_>, n: usize, item: impl Fn(usize) -> *mut ffi::PyObject) -> PyResult<Recycled<u32>> {
+/// Converts a list or tuple, fetching each item by index: a non-int's __index__ may mutate the
+/// list, so no item pointer is kept across items.
+fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
+    let (py, ptr) = (seq.py(), seq.as_ptr());
     let mut out = Recycled::take(&POOL);
-    out.reserve(n);
-    for i in 0..n {
-        let p = item(i);
-        if p.is_null() {
-            // The container shrank under a user __index__.
-            return Err(PyErr::fetch(py));
+    // SAFETY: ptr is a live list or tuple; GetItem bounds-checks and returns a borrowed item,
+    // used before any Python code can run.
+    unsafe {
+        let is_list = ffi::PyList_Check(ptr) != 0;
+        let n = if is_list { ffi::PyList_Size(ptr) } else { ffi::PyTuple_Size(ptr) };
+        out.reserve(n as usize);
+        for i in 0..n {
+            let p = if is_list { ffi::PyList_GetItem(ptr, i) } else { ffi::PyTuple_GetItem(ptr, i) };
+            if p.is_null() {
+                // The list shrank under a user __index__.
+                return Err(PyErr::fetch(py));
+            }
+            out.push(token(py, p, i as usize)?);
         }
-        out.push(token(py, p, i)?);
     }
     Ok(out)
 }
