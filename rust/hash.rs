@@ -174,7 +174,7 @@ impl BlockHasher {
 
     fn __repr__(&self) -> String {
         format!(
-            "BlockHasher(block_size={}, algo={:?}, num_blocks={}, num_pending={})",
+            "BlockHasher(block_size={}, algo='{}', num_blocks={}, num_pending={})",
             self.chain.block_size,
             self.chain.algo.name(),
             self.num_blocks,
@@ -185,7 +185,14 @@ impl BlockHasher {
 
 /// Hashes full blocks, without the GIL when the input is long. Tokens still inside a Python
 /// buffer are copied first, since other threads may write the buffer once the GIL is released.
-fn run(py: Python<'_>, chain: &mut Chain, tokens: &[u32], shared: bool, extras: Option<&[Option<Value>]>, parent_id: Id) -> Recycled<Digest> {
+fn run(
+    py: Python<'_>,
+    chain: &mut Chain,
+    tokens: &[u32],
+    shared: bool,
+    extras: Option<&[Option<Value>]>,
+    parent_id: Id,
+) -> Recycled<Digest> {
     let mut out = Recycled::take(&DIGESTS);
     if tokens.len() < DETACH_MIN_TOKENS {
         chain.run(tokens, extras, parent_id, &mut out);

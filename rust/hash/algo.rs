@@ -142,7 +142,8 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// `seed` is the xxh3 start seed or the vLLM NONE_HASH seed value (ignored by dynamo).
+    /// `seed`: xxh3's start seed (before salting); `vllm_seed`: the value NONE_HASH is the hash
+    /// of, for vLLM algorithms. Dynamo's seed is fixed.
     pub fn new(
         algo: Algo,
         block_size: usize,
@@ -167,12 +168,17 @@ impl Chain {
         chain
     }
 
-
     /// Hashes consecutive full blocks (`tokens.len()` is a multiple of the block size),
     /// continuing from `self.parent`. `extras` has one entry per block. `parent_id` is the
     /// identity of a caller-supplied parent object, which pickle could meet again in block 0's
     /// extra keys.
-    pub fn run(&mut self, tokens: &[u32], extras: Option<&[Option<Value>]>, parent_id: Id, out: &mut Vec<Digest>) {
+    pub fn run(
+        &mut self,
+        tokens: &[u32],
+        extras: Option<&[Option<Value>]>,
+        parent_id: Id,
+        out: &mut Vec<Digest>,
+    ) {
         out.reserve(tokens.len() / self.block_size);
         let extra = |i: usize| extras.and_then(|e| e[i].as_ref());
         let blocks = tokens.chunks_exact(self.block_size).enumerate();
@@ -234,7 +240,6 @@ impl Chain {
         self.scratch.extend(mm.iter().flat_map(|h| h.to_le_bytes()));
         xxh3_64_with_seed(&self.scratch, self.seed)
     }
-
 }
 
 /// vLLM's serialisation of blocks and seeds: pickle or CBOR, by algorithm.
@@ -246,7 +251,14 @@ struct Encoder {
 
 impl Encoder {
     /// Appends `(parent, tuple(block), extra)` serialised.
-    fn block(&mut self, out: &mut Vec<u8>, parent: &[u8], block: &[u32], extra: Option<&Value>, parent_id: Id) {
+    fn block(
+        &mut self,
+        out: &mut Vec<u8>,
+        parent: &[u8],
+        block: &[u32],
+        extra: Option<&Value>,
+        parent_id: Id,
+    ) {
         match self.algo {
             Algo::Sha256 | Algo::Xxhash => self.pickler.block(out, parent, parent_id, block, extra),
             _ => cbor::block(out, parent, block, extra),

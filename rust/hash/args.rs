@@ -28,41 +28,55 @@ pub fn new_chain(
     if block_size < 1 {
         return Err(PyValueError::new_err(format!("block_size must be >= 1, got {block_size}")));
     }
-    let seed = seed.filter(|s| !s.is_none());
     if algo.is_vllm() && (lora_name.is_some() || cache_namespace.is_some()) {
         return Err(PyValueError::new_err(format!(
             "lora_name/cache_namespace are Dynamo-style salts; {algo_name} carries LoRA and cache salt in extra_keys"
         )));
     }
+    let seed = seed.filter(|s| !s.is_none());
     if algo.is_dynamo() && seed.is_some() {
-        return Err(PyValueError::new_err(format!("{algo_name} takes no seed: Dynamo's seed is fixed at 1337")));
+        return Err(PyValueError::new_err(format!(
+            "{algo_name} takes no seed: Dynamo's seed is fixed at 1337"
+        )));
     }
-    let mut start_seed = 0;
-    let mut vllm_seed = None;
-    if algo.is_vllm() {
-        vllm_seed = Some(match seed {
-            Some(s) if s.is_instance_of::<PyString>() || s.is_instance_of::<PyBytes>() || s.is_instance_of::<PyInt>() => {
-                Value::from_py(s, algo.cbor_extras())?
-            }
-            Some(s) => return Err(seed_type_error(s)),
-            None => {
-                let env = std::env::var_os("PYTHONHASHSEED").map(|v| v.to_string_lossy().into_owned());
-                let text = env.unwrap_or_else(|| VLLM_DEFAULT_SEED.to_string());
-                Value::Str(text.into_bytes(), 0)
-            }
-        });
-    } else if let Some(s) = seed {
-        start_seed = if let Ok(text) = s.cast::<PyString>() {
-            xxh3_64(text.to_str()?.as_bytes())
-        } else if let Ok(b) = s.cast::<PyBytes>() {
-            xxh3_64(b.as_bytes())
-        } else if s.is_instance_of::<PyInt>() {
-            s.extract::<u64>().map_err(|_| PyValueError::new_err("an int seed must be in 0..2**64-1"))?
-        } else {
-            return Err(seed_type_error(s));
-        };
+    let (start_seed, none_hash_seed) = if algo.is_vllm() {
+        (0, Some(vllm_seed(seed, algo)?))
+    } else {
+        (seed.map(xxh3_seed).transpose()?.unwrap_or(0), None)
+    };
+    let bs = block_size as usize;
+    Ok(Chain::new(algo, bs, start_seed, none_hash_seed.as_ref(), lora_name, cache_namespace))
+}
+
+/// What vLLM hashes into NONE_HASH: the seed, else $PYTHONHASHSEED, else "vllm-none-hash".
+fn vllm_seed(seed: Option<&Bound<'_, PyAny>>, algo: Algo) -> PyResult<Value> {
+    match seed {
+        Some(s)
+            if s.is_instance_of::<PyString>()
+                || s.is_instance_of::<PyBytes>()
+                || s.is_instance_of::<PyInt>() =>
+        {
+            Value::from_py(s, algo.cbor_extras())
+        }
+        Some(s) => Err(seed_type_error(s)),
+        None => {
+            let env = std::env::var_os("PYTHONHASHSEED").map(|v| v.to_string_lossy().into_owned());
+            Ok(Value::Str(env.unwrap_or_else(|| VLLM_DEFAULT_SEED.to_string()).into_bytes(), 0))
+        }
     }
-    Ok(Chain::new(algo, block_size as usize, start_seed, vllm_seed.as_ref(), lora_name, cache_namespace))
+}
+
+/// xxh3's start seed: a u64, or the XXH3_64 of a str/bytes seed.
+fn xxh3_seed(s: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(text) = s.cast::<PyString>() {
+        Ok(xxh3_64(text.to_str()?.as_bytes()))
+    } else if let Ok(b) = s.cast::<PyBytes>() {
+        Ok(xxh3_64(b.as_bytes()))
+    } else if s.is_instance_of::<PyInt>() {
+        s.extract::<u64>().map_err(|_| PyValueError::new_err("an int seed must be in 0..2**64-1"))
+    } else {
+        Err(seed_type_error(s))
+    }
 }
 
 fn seed_type_error(s: &Bound<'_, PyAny>) -> PyErr {
@@ -72,7 +86,9 @@ fn seed_type_error(s: &Bound<'_, PyAny>) -> PyErr {
 
 /// Sets the chain's parent from the `parent` argument; returns its identity for pickle's memo.
 pub fn set_parent(chain: &mut Chain, parent: Option<&Bound<'_, PyAny>>) -> PyResult<Id> {
-    let Some(p) = parent.filter(|p| !p.is_none()) else { return Ok(0) };
+    let Some(p) = parent.filter(|p| !p.is_none()) else {
+        return Ok(0);
+    };
     let algo = chain.algo;
     let name = algo.name();
     if algo == Algo::Dynamo {
@@ -96,7 +112,9 @@ pub fn set_parent(chain: &mut Chain, parent: Option<&Bound<'_, PyAny>>) -> PyRes
                  the 64-bit event hash cannot continue a vLLM chain"
             )));
         }
-        Digest::from_u64(p.extract::<u64>().map_err(|_| PyValueError::new_err("an int parent must be in 0..2**64-1"))?)
+        Digest::from_u64(
+            p.extract::<u64>().map_err(|_| PyValueError::new_err("an int parent must be in 0..2**64-1"))?,
+        )
     } else {
         let kind = p.get_type().name()?;
         return Err(PyTypeError::new_err(format!("parent must be bytes or int, not {kind}")));
@@ -106,8 +124,14 @@ pub fn set_parent(chain: &mut Chain, parent: Option<&Bound<'_, PyAny>>) -> PyRes
 }
 
 /// `extra_keys`: None, or a list/tuple with one entry (None or a tuple) per full block.
-pub fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks: usize) -> PyResult<Option<Vec<Option<Value>>>> {
-    let Some(keys) = extra_keys.filter(|k| !k.is_none()) else { return Ok(None) };
+pub fn parse_extras(
+    algo: Algo,
+    extra_keys: Option<&Bound<'_, PyAny>>,
+    n_blocks: usize,
+) -> PyResult<Option<Vec<Option<Value>>>> {
+    let Some(keys) = extra_keys.filter(|k| !k.is_none()) else {
+        return Ok(None);
+    };
     if !(keys.is_instance_of::<PyList>() || keys.is_instance_of::<PyTuple>()) {
         let kind = keys.get_type().name()?;
         return Err(PyTypeError::new_err(format!(
@@ -129,7 +153,11 @@ pub fn parse_extras(algo: Algo, extra_keys: Option<&Bound<'_, PyAny>>, n_blocks:
         }
         let context = |e: PyErr| {
             let msg = format!("extra_keys[{i}]: {}", e.value(key.py()));
-            if e.is_instance_of::<PyTypeError>(key.py()) { PyTypeError::new_err(msg) } else { PyValueError::new_err(msg) }
+            if e.is_instance_of::<PyTypeError>(key.py()) {
+                PyTypeError::new_err(msg)
+            } else {
+                PyValueError::new_err(msg)
+            }
         };
         if !key.is_exact_instance_of::<PyTuple>() {
             let kind = key.get_type().name()?;

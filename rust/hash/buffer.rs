@@ -32,7 +32,9 @@ impl Buffer {
         let buffer = Buffer { view };
         if buffer.view.ndim != 1 {
             let ndim = buffer.view.ndim;
-            return Err(PyBufferError::new_err(format!("buffer must be 1-dimensional, not {ndim}-dimensional")));
+            return Err(PyBufferError::new_err(format!(
+                "buffer must be 1-dimensional, not {ndim}-dimensional"
+            )));
         }
         Ok(buffer)
     }

@@ -15,7 +15,12 @@ pub enum Output<'py> {
 }
 
 impl<'py> Output<'py> {
-    pub fn new(py: Python<'py>, n_blocks: usize, as_bytes: bool, out: Option<&Bound<'py, PyAny>>) -> PyResult<Self> {
+    pub fn new(
+        py: Python<'py>,
+        n_blocks: usize,
+        as_bytes: bool,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
         if let Some(o) = out {
             return Ok(Output::Buffer { buffer: out_buffer(o, n_blocks, as_bytes)?, next: 0 });
         }
@@ -71,7 +76,9 @@ impl<'py> Output<'py> {
 /// The `out` argument: a writable, contiguous, native uint64 buffer with room for every block.
 fn out_buffer(out: &Bound<'_, PyAny>, n_blocks: usize, as_bytes: bool) -> PyResult<Buffer> {
     if as_bytes {
-        return Err(PyValueError::new_err("out receives 64-bit hashes; it cannot be combined with as_bytes=True"));
+        return Err(PyValueError::new_err(
+            "out receives 64-bit hashes; it cannot be combined with as_bytes=True",
+        ));
     }
     let buffer = Buffer::get(out, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)?;
     let native_u64 = buffer.int_layout().is_some_and(|l| l.size == 8 && !l.signed && !l.swap);

@@ -59,7 +59,14 @@ impl Pickler {
     /// Appends the pickle of `(parent, tuple(tokens), extra)` to `out`. `parent_id` is the
     /// identity of the parent object if the caller handed us one (it could reappear inside
     /// `extra`), else 0.
-    pub fn block(&mut self, out: &mut Vec<u8>, parent: &[u8], parent_id: Id, tokens: &[u32], extra: Option<&Value>) {
+    pub fn block(
+        &mut self,
+        out: &mut Vec<u8>,
+        parent: &[u8],
+        parent_id: Id,
+        tokens: &[u32],
+        extra: Option<&Value>,
+    ) {
         std::mem::swap(&mut self.buf, out);
         self.begin(parent.len() + tokens.len() * MAX_TOKEN_BYTES + 32);
         self.boundary();
@@ -114,7 +121,9 @@ impl Pickler {
     }
 
     fn commit_frame(&mut self) {
-        let Some(start) = self.frame_start.take() else { return };
+        let Some(start) = self.frame_start.take() else {
+            return;
+        };
         let len = self.buf.len() - start - FRAME_HEADER;
         if len >= FRAME_SIZE_MIN {
             self.buf[start] = FRAME;
@@ -156,7 +165,9 @@ impl Pickler {
         if id == 0 {
             return false;
         }
-        let Some(index) = self.memo.iter().position(|&m| m == id) else { return false };
+        let Some(index) = self.memo.iter().position(|&m| m == id) else {
+            return false;
+        };
         if index < 256 {
             self.write(&[BINGET, index as u8]);
         } else {

@@ -112,7 +112,8 @@ unsafe fn token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyRes
 unsafe fn slow_token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyResult<u32> {
     let obj = Bound::from_borrowed_ptr(py, item);
     // bool is an int subclass, but a True token id is a bug, not token 1.
-    let index_value = if ffi::PyBool_Check(item) != 0 { std::ptr::null_mut() } else { ffi::PyNumber_Index(item) };
+    let index_value =
+        if ffi::PyBool_Check(item) != 0 { std::ptr::null_mut() } else { ffi::PyNumber_Index(item) };
     let Some(value) = Bound::from_owned_ptr_or_opt(py, index_value) else {
         PyErr::take(py);
         return Err(PyTypeError::new_err(format!(
@@ -130,9 +131,7 @@ unsafe fn slow_token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> 
 
 #[cold]
 unsafe fn out_of_range(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyErr {
-    let shown = Bound::from_borrowed_ptr(py, item)
-        .str()
-        .map_or_else(|_| "?".to_string(), |s| s.to_string());
+    let shown = Bound::from_borrowed_ptr(py, item).str().map_or_else(|_| "?".to_string(), |s| s.to_string());
     range_error(index, &shown)
 }
 
@@ -189,7 +188,13 @@ macro_rules! item {
 item!(u32, i32, u64, i64);
 
 /// Converts to u32 with a range check; contiguous aligned native data takes a vectorisable path.
-unsafe fn convert<T: Item>(base: *const u8, n: usize, stride: isize, swap: bool, contiguous: bool) -> Result<Recycled<u32>, (usize, i128)> {
+unsafe fn convert<T: Item>(
+    base: *const u8,
+    n: usize,
+    stride: isize,
+    swap: bool,
+    contiguous: bool,
+) -> Result<Recycled<u32>, (usize, i128)> {
     let ok = |x: i128| (0..=u32::MAX as i128).contains(&x);
     let mut out = Recycled::take(&POOL);
     if contiguous && !swap {

@@ -54,10 +54,8 @@ impl Value {
         } else if let Ok(b) = obj.cast_exact::<PyBytes>() {
             Ok(Value::Bytes(b.as_bytes().to_vec(), id))
         } else if let Ok(t) = obj.cast_exact::<PyTuple>() {
-            let items = t
-                .iter()
-                .map(|item| Self::convert(&item, cbor, depth + 1))
-                .collect::<PyResult<Vec<_>>>()?;
+            let items =
+                t.iter().map(|item| Self::convert(&item, cbor, depth + 1)).collect::<PyResult<Vec<_>>>()?;
             Ok(Value::Tuple(items, id))
         } else {
             Err(PyTypeError::new_err(format!(
@@ -83,9 +81,9 @@ impl Value {
 fn utf8(s: &Bound<'_, PyString>, cbor: bool) -> PyResult<Vec<u8>> {
     match s.to_str() {
         Ok(text) => Ok(text.as_bytes().to_vec()),
-        Err(_) if cbor => Err(PyValueError::new_err(
-            "a str with lone surrogates cannot be encoded as CBOR text",
-        )),
+        Err(_) if cbor => {
+            Err(PyValueError::new_err("a str with lone surrogates cannot be encoded as CBOR text"))
+        }
         Err(_) => {
             let raw = s.call_method1("encode", ("utf-8", "surrogatepass"))?;
             Ok(raw.cast_into::<PyBytes>()?.as_bytes().to_vec())
