@@ -50,7 +50,6 @@ const LONG_BINGET: u8 = b'j';
 pub struct Pickler {
     buf: Vec<u8>,
     frame_start: Option<usize>,
-    framing: bool,
     /// Identities in memo order: the memo index is the position.
     memo: Vec<Id>,
 }
@@ -91,13 +90,12 @@ impl Pickler {
         std::mem::swap(&mut self.buf, out);
     }
 
+    /// PROTO goes out before framing starts, so it is never inside a frame.
     fn begin(&mut self, capacity: usize) {
         self.buf.reserve(capacity);
         self.memo.clear();
         self.frame_start = None;
-        self.framing = false;
         self.buf.extend_from_slice(&PROTO_5);
-        self.framing = true;
     }
 
     fn finish(&mut self) {
@@ -111,10 +109,10 @@ impl Pickler {
         self.buf.extend_from_slice(data);
     }
 
-    /// What any write does first: with framing on and no frame open, reserve a frame header.
+    /// What any write does first: with no frame open, reserve a frame header.
     #[inline(always)]
     fn open_frame(&mut self) {
-        if self.framing && self.frame_start.is_none() {
+        if self.frame_start.is_none() {
             self.frame_start = Some(self.buf.len());
             self.buf.extend_from_slice(&[0u8; FRAME_HEADER]);
         }
@@ -144,6 +142,7 @@ impl Pickler {
         }
     }
 
+    /// Large payloads bypass framing altogether, header included.
     fn write_payload(&mut self, header: &[u8], data: &[u8]) {
         if data.len() >= FRAME_SIZE_TARGET {
             self.commit_frame();

@@ -149,6 +149,10 @@ fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
         )));
     };
     let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
+    if n == 0 {
+        // An empty export may come with a null data pointer, which no slice may hold.
+        return Ok(Tokens::Owned(Recycled::take(&POOL)));
+    }
     let contiguous = stride == layout.size as isize && (base as usize).is_multiple_of(layout.size);
     if contiguous && layout.size == 4 && !layout.swap {
         // SAFETY: aligned, contiguous, n items of 4 bytes.
