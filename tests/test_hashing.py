@@ -611,6 +611,43 @@ def test_errors_leave_block_hasher_unchanged():
     assert h.update([2]) == hash_blocks([1, 2], 2)
 
 
+def test_extra_keys_nested_too_deep():
+    key = ()
+    for _ in range(300):
+        key = (key,)
+    with pytest.raises(ValueError, match=r"extra_keys\[0\]: extra key nested too deeply"):
+        hash_blocks([1], 1, algo="sha256", extra_keys=(key,))
+
+
+def test_reentrant_index_and_shrinking_list():
+    class Reentrant:
+        def __index__(self):
+            hash_blocks(list(range(100)), 4, algo="sha256")  # uses the same per-thread scratch
+            return 5
+
+    assert hash_blocks([Reentrant(), 6], 2, algo="sha256") == hash_blocks([5, 6], 2, algo="sha256")
+
+    tokens = [1, 2, 3, 4]
+
+    class Shrinking:
+        def __index__(self):
+            tokens.clear()
+            return 7
+
+    tokens[1] = Shrinking()
+    with pytest.raises(IndexError):
+        hash_blocks(tokens, 1)
+
+
+def test_threads_do_not_share_state():
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [([(i * k) % 150000 for i in range(70_000 if k % 2 else 3000)], algo) for k in range(1, 9) for algo in ("sha256", "xxh3")]
+    serial = [hash_blocks(t, 16, algo=a) for t, a in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda job: hash_blocks(job[0], 16, algo=job[1]), jobs)) == serial
+
+
 def test_refcounts_unchanged():
     tokens = list(range(10_000, 10_064))
     key = ("k", 10**30)
