@@ -15,7 +15,7 @@ mod value;
 use std::cell::Cell;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use algo::{Chain, Digest, ALGORITHMS};
 use args::{new_chain, parse_extras, set_parent};
@@ -110,6 +110,11 @@ impl BlockHasher {
         let bs = self.chain.block_size;
         let n_blocks = (self.pending.len() + tokens.as_slice().len()) / bs;
         let extras = parse_extras(self.chain.algo, extra_keys, n_blocks)?;
+        if n_blocks == 0 {
+            // Most decode steps only add to the partial block.
+            self.pending.extend_from_slice(tokens.as_slice());
+            return Ok(PyList::empty(py).into_any());
+        }
         let digests = if self.pending.is_empty() {
             let new = tokens.as_slice();
             let full = n_blocks * bs;

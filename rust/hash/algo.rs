@@ -133,8 +133,9 @@ pub struct Chain {
     pub block_size: usize,
     /// xxh3: the salted start seed; dynamo: the salted per-block seed.
     seed: u64,
-    /// vLLM's NONE_HASH, the parent of a sequence's first block.
-    none_hash: Option<Digest>,
+    /// What vLLM's NONE_HASH (the parent of a sequence's first block) is the hash of. Hashed
+    /// only when a sequence starts here: a continued chain never needs it.
+    none_seed: Option<Value>,
     /// The last block's digest (the sequence hash for dynamo_seq); None at a sequence start.
     pub parent: Option<Digest>,
     encoder: Encoder,
@@ -148,24 +149,26 @@ impl Chain {
         algo: Algo,
         block_size: usize,
         seed: u64,
-        vllm_seed: Option<&Value>,
+        vllm_seed: Option<Value>,
         lora_name: Option<&str>,
         cache_namespace: Option<&str>,
     ) -> Chain {
-        let mut chain = Chain {
+        Chain {
             algo,
             block_size,
             seed: salted(if algo.is_dynamo() { DYNAMO_SEED } else { seed }, lora_name, cache_namespace),
-            none_hash: None,
+            none_seed: vllm_seed,
             parent: None,
             encoder: Encoder { algo, pickler: Pickler::default() },
             scratch: Vec::new(),
-        };
-        if let Some(v) = vllm_seed {
-            chain.encoder.value(&mut chain.scratch, v);
-            chain.none_hash = Some(algo.digest(&chain.scratch));
         }
-        chain
+    }
+
+    fn none_hash(&mut self) -> Digest {
+        let seed = self.none_seed.as_ref().expect("vLLM chain without a NONE_HASH seed");
+        self.scratch.clear();
+        self.encoder.value(&mut self.scratch, seed);
+        self.algo.digest(&self.scratch)
     }
 
     /// Hashes consecutive full blocks (`tokens.len()` is a multiple of the block size),
@@ -185,7 +188,11 @@ impl Chain {
         // The parent lives in a local: reading it back from the last pushed digest would put a
         // store-to-load round trip on the critical path of every block.
         if self.algo.is_vllm() {
-            let mut parent = self.parent.or(self.none_hash).expect("vLLM chain without NONE_HASH");
+            let mut parent = match self.parent {
+                Some(p) => p,
+                None if tokens.is_empty() => return,
+                None => self.none_hash(),
+            };
             for (i, block) in blocks {
                 self.scratch.clear();
                 let id = if i == 0 { parent_id } else { 0 };

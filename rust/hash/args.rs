@@ -45,7 +45,7 @@ pub fn new_chain(
         (seed.map(xxh3_seed).transpose()?.unwrap_or(0), None)
     };
     let bs = block_size as usize;
-    Ok(Chain::new(algo, bs, start_seed, none_hash_seed.as_ref(), lora_name, cache_namespace))
+    Ok(Chain::new(algo, bs, start_seed, none_hash_seed, lora_name, cache_namespace))
 }
 
 /// What vLLM hashes into NONE_HASH: the seed, else $PYTHONHASHSEED, else "vllm-none-hash".
