@@ -1,10 +1,12 @@
 use pyo3::prelude::*;
 
+mod encode;
 mod hash;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     hash::register(m)?;
+    encode::register(m)?;
     Ok(())
 }

@@ -1,5 +1,43 @@
 """kvbridge: an LLM engine's KV-cache block events, loss-free on NATS."""
-from kvbridge._native import __version__
-from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
 
-__all__ = ["__version__", "ALGORITHMS", "BlockHasher", "hash_blocks"]
+from kvbridge._native import __version__
+from kvbridge.config import Config, ConfigError
+from kvbridge.connection import AuthenticationError, ConnectError
+from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
+from kvbridge.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
+from kvbridge.pool import BlockPool, KVCacheManager
+from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
+
+__all__ = [
+    "ALGORITHMS",
+    "AllBlocksCleared",
+    "AuthenticationError",
+    "BackgroundPublisher",
+    "BlockHasher",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "Config",
+    "ConfigError",
+    "ConnectError",
+    "DecodeError",
+    "KVCacheManager",
+    "KVEventBatch",
+    "KvEventPublisher",
+    "KvEventSubscriber",
+    "Update",
+    "WorkerView",
+    "__version__",
+    "decode_batch",
+    "encode_batch",
+    "hash_blocks",
+]

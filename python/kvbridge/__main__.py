@@ -1,0 +1,5 @@
+import sys
+
+from kvbridge.cli import main
+
+sys.exit(main())

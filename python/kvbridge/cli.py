@@ -1,0 +1,140 @@
+"""``kvbridge`` command line: ``watch`` the event stream, or run the end-to-end ``demo``.
+
+Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
+the flags below override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+from kvbridge.config import Config, ConfigError
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+
+__all__ = ["main"]
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (default: KVBRIDGE_* environment variables)")
+    g.add_argument("--servers", help="NATS server URL(s), comma-separated (KVBRIDGE_SERVERS)")
+    g.add_argument("--prefix", dest="subject_prefix", metavar="PREFIX", help="subject prefix (KVBRIDGE_SUBJECT_PREFIX, default kv)")
+    g.add_argument("--user", help="user name; with --password")
+    g.add_argument("--password", help="password; with --user")
+    g.add_argument("--token", help="authentication token")
+    g.add_argument("--creds", dest="creds_file", metavar="FILE", help="NATS .creds file")
+    g.add_argument("--tls-ca", dest="tls_ca", help="CA bundle to verify the server with")
+    g.add_argument("--tls-cert", dest="tls_cert", help="client certificate (mutual TLS)")
+    g.add_argument("--tls-key", dest="tls_key", help="client key (mutual TLS)")
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> Config:
+    names = ("servers", "subject_prefix", "user", "password", "token", "creds_file", "tls_ca", "tls_cert", "tls_key")
+    overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    return Config.from_env(**overrides, **extra)
+
+
+# --- watch -----------------------------------------------------------------------------------------
+
+
+def _hash(h: Any) -> str:
+    return h.hex()[:16] if isinstance(h, bytes) else f"{h:016x}"
+
+
+def describe_events(events: Sequence[Any]) -> str:
+    """One compact line for a batch's events, as a person reads a stream."""
+    parts = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            parent = "root" if ev.parent_block_hash is None else _hash(ev.parent_block_hash)
+            lora = f" lora={ev.lora_name}" if ev.lora_name else ""
+            parts.append(f"+{len(ev.block_hashes)} stored ({parent} -> {_hash(ev.block_hashes[-1])}){lora}")
+        elif isinstance(ev, BlockRemoved):
+            parts.append(f"-{len(ev.block_hashes)} removed")
+        elif isinstance(ev, AllBlocksCleared):
+            parts.append("all cleared")
+    return ", ".join(parts) if parts else "(heartbeat)"
+
+
+async def _watch(args: argparse.Namespace) -> int:
+    from kvbridge.consumer import KvEventSubscriber
+
+    seen = 0
+    done = asyncio.Event()
+
+    def on_update(u: Any) -> None:
+        nonlocal seen
+        stamp = time.strftime("%H:%M:%S", time.localtime(u.batch.ts)) + f".{int(u.batch.ts * 1000) % 1000:03d}"
+        if args.json:
+            body = encode_batch(u.batch, "json").decode()
+            print(f'{{"model":"{u.model}","worker":"{u.worker}","seq":{u.seq},"source":"{u.source}","batch":{body}}}')
+        elif u.reset:
+            blocks = sum(len(ev.block_hashes) for ev in u.batch.events if isinstance(ev, BlockStored))
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks")
+        else:
+            tag = "" if u.source == "live" else f" [{u.source}]"
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq}{tag} {describe_events(u.batch.events)}")
+        sys.stdout.flush()
+        seen += 1
+        if args.count and seen >= args.count:
+            done.set()
+
+    sub = KvEventSubscriber(_config(args), model=args.model, worker=args.worker, on_update=on_update, track_views=False)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    async with sub:
+        print(f"watching {sub.subject} on {', '.join(sub.config.servers)} (Ctrl-C to stop)", file=sys.stderr)
+        await done.wait()
+    print(f"{seen} updates; {sub.stats}", file=sys.stderr)
+    return 0
+
+
+# --- entry point -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge", description="Watch the KV-cache event stream on NATS, or run the end-to-end demo."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("watch", help="print the event stream, per worker, in order, gaps repaired")
+    w.add_argument("--model", help="only this model (default: all)")
+    w.add_argument("--worker", help="only this worker (default: all)")
+    w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
+    w.add_argument("--count", type=int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
+    _connection_args(w)
+
+    d = sub.add_parser("demo", help="start a local nats-server, simulated workers and a router; kill the broker mid-run")
+    d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
+    d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
+    d.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (default 4096)")
+    d.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
+    d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
+    d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "watch":
+            return asyncio.run(_watch(args))
+        from kvbridge.demo import run_demo
+
+        return asyncio.run(run_demo(args))
+    except ConfigError as exc:
+        print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""One configuration object for publisher and subscriber.
+
+Built from keyword arguments, ``KVBRIDGE_<FIELD>`` environment variables (``Config.from_env``), or
+both (keywords win). Every field is checked once, here, with an error naming the field and the
+environment variable, so a typo fails at start rather than as a NATS error minutes later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import ssl
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from kvbridge.subjects import CONTENT_TYPES, sanitize_token
+
+__all__ = ["Config", "ConfigError"]
+
+ENV_PREFIX = "KVBRIDGE_"
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent."""
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class Config:
+    #: NATS server URL(s); a comma-separated string is split. Env: KVBRIDGE_SERVERS.
+    servers: list[str] = field(default_factory=lambda: ["nats://127.0.0.1:4222"])
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    #: A NATS .creds file (user JWT + nkey seed), or a bare nkey seed file.
+    creds_file: str | None = None
+    nkey_seed_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    subject_prefix: str = "kv"
+    model: str = "default"
+    worker_id: str = field(default_factory=_default_worker_id)
+    dp_rank: int | None = None
+    encoding: str = "msgpack"
+
+    #: A NATS message carries at most this many events / bytes; linger is how long the publisher
+    #: lets small hand-offs accumulate before sending (0: wake per hand-off, lowest latency).
+    max_batch_events: int = 1024
+    max_batch_bytes: int = 512 * 1024
+    linger_ms: float = 1.0
+    #: Bytes of encoded messages kept for replay and for re-sending after an outage.
+    ring_buffer_bytes: int = 64 * 1024 * 1024
+    #: Engine hand-offs not yet taken by the publisher loop; beyond it the oldest are dropped.
+    queue_max_batches: int = 65536
+    #: An idle publisher sends an empty batch this often so consumers notice a lost tail.
+    heartbeat_s: float = 1.0
+
+    connect_timeout_s: float = 2.0
+    #: -1: reconnect forever.
+    max_reconnect_attempts: int = -1
+    reconnect_wait_s: float = 0.5
+    request_timeout_s: float = 2.0
+
+    jetstream: bool = False
+    stream_name: str = "KV_EVENTS"
+    stream_max_age_s: float = 3600.0
+    stream_duplicate_window_s: float = 120.0
+
+    #: Prometheus HTTP exporter port on 127.0.0.1-or-``metrics_addr``; None: no exporter.
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, str):
+            self.servers = [s.strip() for s in self.servers.split(",") if s.strip()]
+        self._validate()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults, overridden by ``KVBRIDGE_*`` variables, overridden by ``overrides``."""
+        env = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(f"unknown kvbridge option {key!r}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            var = ENV_PREFIX + name.upper()
+            if name in overrides:
+                values[name] = overrides[name]
+            elif var in env:
+                values[name] = _parse_env(var, env[var], f.type)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        if not self.servers:
+            _fail("servers", "at least one NATS server URL is required")
+        for url in self.servers:
+            scheme = url.split("://", 1)[0] if "://" in url else ""
+            if scheme not in _SCHEMES:
+                _fail("servers", f"{url!r} is not a NATS URL (expected {'/'.join(_SCHEMES)}://host:port)")
+        if (self.user is None) != (self.password is None):
+            _fail("user", "user and password must be given together")
+        if self.token is not None and self.user is not None:
+            _fail("token", "use either a token or user/password, not both")
+        if self.creds_file and self.nkey_seed_file:
+            _fail("creds_file", "use either a creds file or an nkey seed file, not both")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            _fail("tls_cert", "a TLS client certificate needs its key (tls_key), and vice versa")
+        for name in ("creds_file", "nkey_seed_file", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                _fail(name, f"file not found: {path}")
+        if self.encoding not in CONTENT_TYPES:
+            _fail("encoding", f"must be one of {sorted(CONTENT_TYPES)}, got {self.encoding!r}")
+        for name in ("subject_prefix",):
+            value = getattr(self, name)
+            if not value or any(c in value for c in " *>\t\r\n") or value.startswith(".") or value.endswith("."):
+                _fail(name, f"{value!r} is not a valid subject prefix")
+        try:
+            self.model = sanitize_token(self.model)
+            self.worker_id = sanitize_token(self.worker_id)
+        except ValueError:
+            _fail("model", "model and worker_id must be non-empty")
+        for name, low in (
+            ("max_batch_events", 1),
+            ("max_batch_bytes", 1024),
+            ("ring_buffer_bytes", 1024),
+            ("queue_max_batches", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                _fail(name, f"must be an integer >= {low}, got {value!r}")
+        for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                _fail(name, f"must be a number >= 0, got {value!r}")
+        for name in ("connect_timeout_s", "request_timeout_s", "stream_max_age_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                _fail(name, f"must be a number > 0, got {value!r}")
+        if not isinstance(self.max_reconnect_attempts, int) or self.max_reconnect_attempts < -1:
+            _fail("max_reconnect_attempts", "must be -1 (forever) or a count >= 0")
+        if self.dp_rank is not None and (not isinstance(self.dp_rank, int) or self.dp_rank < 0):
+            _fail("dp_rank", f"must be a non-negative integer, got {self.dp_rank!r}")
+        if self.metrics_port is not None and not (0 <= self.metrics_port <= 65535):
+            _fail("metrics_port", f"must be a TCP port, got {self.metrics_port!r}")
+        if self.jetstream and not self.stream_name.replace("_", "").replace("-", "").isalnum():
+            _fail("stream_name", f"{self.stream_name!r} is not a valid stream name")
+
+    # -- what nats-py needs ---------------------------------------------------------------------
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        needs_tls = self.tls_ca or self.tls_cert or any(u.startswith(("tls://", "wss://")) for u in self.servers)
+        if not needs_tls:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` (reconnect policy and auth), minus callbacks."""
+        opts: dict[str, Any] = {
+            "servers": list(self.servers),
+            "connect_timeout": self.connect_timeout_s,
+            "reconnect_time_wait": self.reconnect_wait_s,
+            # nats-py 2.x treats any value <= 0 as "forever" and a positive value as a limit, so
+            # 0 attempts has to be spelled as "do not reconnect".
+            "max_reconnect_attempts": self.max_reconnect_attempts if self.max_reconnect_attempts != 0 else 1,
+            "allow_reconnect": self.max_reconnect_attempts != 0,
+            "name": f"kvbridge/{self.model}/{self.worker_id}",
+        }
+        if self.user is not None:
+            opts["user"], opts["password"] = self.user, self.password
+        if self.token is not None:
+            opts["token"] = self.token
+        if self.creds_file:
+            opts["user_credentials"] = self.creds_file
+        if self.nkey_seed_file:
+            opts["nkeys_seed"] = self.nkey_seed_file
+        ctx = self.ssl_context()
+        if ctx is not None:
+            opts["tls"] = ctx
+        return opts
+
+
+def _fail(name: str, why: str) -> None:
+    raise ConfigError(f"kvbridge config {name} ({ENV_PREFIX}{name.upper()}): {why}")
+
+
+def _parse_env(var: str, raw: str, annotation: Any) -> Any:
+    kind = str(annotation)
+    try:
+        if kind.startswith("bool"):
+            low = raw.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(raw)
+            return low in ("1", "true", "yes", "on")
+        if kind.startswith("int"):
+            return int(raw) if raw.strip() else None
+        if kind.startswith("float"):
+            return float(raw)
+        if kind.startswith("list"):
+            return [s.strip() for s in raw.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r}: expected {kind.split(' ')[0]}") from None
+    return raw if raw != "" or "None" not in kind else None

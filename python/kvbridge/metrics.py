@@ -1,0 +1,132 @@
+"""Prometheus metrics for publishers and subscribers.
+
+The hot paths only bump plain integer attributes (``obj.stats``); a custom collector reads them at
+scrape time. prometheus-client's own Counter takes a lock per ``inc()``, which would cost more than
+the whole engine-side hand-off is allowed to.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["PUBLISHER_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
+
+# stat key -> (metric name, help, kind)
+PUBLISHER_METRICS = {
+    "messages": ("kvbridge_published_messages", "NATS messages published (live, not replays)", "counter"),
+    "events": ("kvbridge_published_events", "Block events published", "counter"),
+    "bytes": ("kvbridge_published_bytes", "Payload bytes published", "counter"),
+    "dropped_batches": ("kvbridge_dropped_batches", "Engine hand-offs dropped because the queue was full", "counter"),
+    "dropped_events": ("kvbridge_dropped_events", "Events in dropped hand-offs", "counter"),
+    "evicted_unsent": (
+        "kvbridge_evicted_unsent_messages",
+        "Messages evicted from the ring buffer before they could be sent (broker down too long)",
+        "counter",
+    ),
+    "publish_errors": ("kvbridge_publish_errors", "NATS publish calls that failed and will be retried", "counter"),
+    "reconnects": ("kvbridge_reconnects", "Reconnections to NATS", "counter"),
+    "replays": ("kvbridge_replays_served", "Replay requests answered", "counter"),
+    "replays_gone": ("kvbridge_replays_gone", "Replay requests answered with 'gone'", "counter"),
+    "snapshots": ("kvbridge_snapshots_served", "Snapshot requests answered", "counter"),
+    "queue_depth": ("kvbridge_queue_depth", "Engine hand-offs waiting for the publisher loop", "gauge"),
+    "ring_bytes": ("kvbridge_ring_buffer_bytes", "Bytes held in the replay ring buffer", "gauge"),
+    "ring_messages": ("kvbridge_ring_buffer_messages", "Messages held in the replay ring buffer", "gauge"),
+    "unsent": ("kvbridge_unsent_messages", "Messages in the ring not yet handed to NATS", "gauge"),
+    # JetStream mode only
+    "js_unacked": ("kvbridge_stream_unacked_messages", "Messages the stream has not acknowledged yet", "gauge"),
+    "js_resent": ("kvbridge_stream_resent_messages", "Messages sent again because no ack came", "counter"),
+    "js_duplicates": ("kvbridge_stream_duplicate_acks", "Re-sends the stream already had (de-duplicated)", "counter"),
+    "js_ack_errors": ("kvbridge_stream_ack_errors", "Messages the stream refused or had no stream for", "counter"),
+    "js_unacked_evicted": (
+        "kvbridge_stream_unacked_evicted",
+        "Unacknowledged messages the ring evicted before the stream confirmed them",
+        "counter",
+    ),
+}
+
+SUBSCRIBER_METRICS = {
+    "messages": ("kvbridge_received_messages", "Event messages received", "counter"),
+    "events": ("kvbridge_delivered_events", "Events delivered to the caller in order", "counter"),
+    "bytes": ("kvbridge_received_bytes", "Payload bytes received", "counter"),
+    "duplicates": ("kvbridge_duplicate_messages", "Messages dropped as already delivered", "counter"),
+    "gaps": ("kvbridge_gaps", "Holes in a worker's sequence", "counter"),
+    "replays": ("kvbridge_replays_requested", "Replay requests sent", "counter"),
+    "replays_gone": ("kvbridge_replays_gone", "Replays answered with 'gone'", "counter"),
+    "snapshots": ("kvbridge_snapshots_applied", "Snapshots applied", "counter"),
+    "epoch_changes": ("kvbridge_epoch_changes", "Workers seen restarting (new epoch)", "counter"),
+    "malformed": ("kvbridge_malformed_messages", "Messages that were not valid event messages", "counter"),
+    "request_timeouts": ("kvbridge_request_timeouts", "Replay/snapshot requests that got no answer", "counter"),
+    "workers": ("kvbridge_workers", "Workers tracked", "gauge"),
+}
+
+
+class _Collector(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # role -> live objects with .stats (dict) and .metric_labels (dict)
+        self._objects: dict[str, weakref.WeakSet] = {"publisher": weakref.WeakSet(), "subscriber": weakref.WeakSet()}
+
+    def add(self, role: str, obj: Any) -> None:
+        with self._lock:
+            self._objects[role].add(obj)
+
+    def collect(self) -> Iterable[Any]:
+        with self._lock:
+            groups = {role: list(objs) for role, objs in self._objects.items()}
+        for role, table in (("publisher", PUBLISHER_METRICS), ("subscriber", SUBSCRIBER_METRICS)):
+            objs = groups[role]
+            if not objs:
+                continue
+            label_names = list(objs[0].metric_labels)
+            for key, (name, doc, kind) in table.items():
+                family = (
+                    CounterMetricFamily(name, doc, labels=label_names)
+                    if kind == "counter"
+                    else GaugeMetricFamily(name, doc, labels=label_names)
+                )
+                for obj in objs:
+                    stats = obj.stats
+                    if key in stats:
+                        family.add_metric([obj.metric_labels[n] for n in label_names], stats[key])
+                yield family
+
+
+_collector = _Collector()
+_registered = False
+_exporters: dict[tuple[str, int], Any] = {}
+_module_lock = threading.Lock()
+
+
+def register(role: str, obj: Any) -> None:
+    """Expose ``obj.stats`` under ``role`` ('publisher' or 'subscriber') in the default registry."""
+    global _registered
+    with _module_lock:
+        if not _registered:
+            REGISTRY.register(_collector)
+            _registered = True
+    _collector.add(role, obj)
+
+
+def start_exporter(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve /metrics on ``addr:port`` once per process (port 0 picks one); returns the port."""
+    with _module_lock:
+        key = (addr, port)
+        if key not in _exporters:
+            server, thread = start_http_server(port, addr=addr)
+            _exporters[key] = (server, thread)
+        return _exporters[key][0].server_port
+
+
+def stop_exporters() -> None:
+    with _module_lock:
+        for server, thread in _exporters.values():
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+        _exporters.clear()

@@ -1,0 +1,588 @@
+"""The engine side: batches in, an ordered, replayable stream of NATS messages out.
+
+Threading contract
+------------------
+* ``publish(batch_or_events)`` may be called from any thread (the engine's step thread, typically).
+  It appends to a bounded hand-off queue under a tiny lock and returns; it never waits for the
+  network, the event loop or the pool lock. When the queue is full, the oldest hand-offs are
+  dropped and counted, and the seq skips so consumers see the hole and resync.
+* Everything else -- coalescing, seq assignment, encoding, the ring buffer, sending, answering
+  replay and snapshot requests -- runs on the publisher's asyncio loop. ``BackgroundPublisher``
+  runs that loop in its own thread for engines that are not asyncio programs.
+* Snapshots read the attached pool from the loop thread, under ``publisher.lock``. The engine must
+  hold the same lock while it mutates the pool (``with publisher.lock: manager.allocate(...)``) and
+  hand the pool's events over with ``publisher.step()``, which takes them under that lock. Holding
+  the lock makes a snapshot see a pool that is not changing; ``step()`` may then wait for a snapshot
+  in progress (proportional to the pool's size), ``publish()`` never does.
+* Seqs are given when hand-offs are coalesced into messages, on the loop. A snapshot marks its
+  position in the hand-off queue (after the pool's last events) and the loop reports the seq of
+  the last message before that mark: the snapshot equals the state after every message <= that
+  seq, and no message after it is part of the snapshot.
+
+Delivery (DESIGN.md, "Delivery guarantees"): messages are kept, encoded, in a ring buffer bounded in
+bytes. They are sent in seq order while connected; while NATS is down they wait in the ring, and
+are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
+replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
+``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
+
+JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
+stream has not acknowledged; see :mod:`kvbridge.jetstream`. Its hooks here are marked ``_js``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+from nats.errors import Error as NatsError
+
+from kvbridge import metrics
+from kvbridge.config import Config
+from kvbridge.connection import connect
+from kvbridge.events import KVEventBatch, encode_batch
+from kvbridge.subjects import (
+    CONTENT_TYPES,
+    HDR_CONTENT_TYPE,
+    HDR_COUNT,
+    HDR_EPOCH,
+    HDR_MSG_ID,
+    HDR_OLDEST,
+    HDR_REPLY,
+    HDR_SEQ,
+    REPLY_END,
+    REPLY_GONE,
+    REPLY_SNAPSHOT,
+    REPLY_SNAPSHOT_END,
+    REPLY_UNAVAILABLE,
+    WorkerSubjects,
+)
+
+__all__ = ["BackgroundPublisher", "KvEventPublisher"]
+
+# Marks a snapshot's position in the hand-off queue.
+_CUT = object()
+
+# After this long without hand-offs the loop stops polling every linger interval and sleeps until
+# the next publish() wakes it (a cross-thread wake costs the engine ~5 us, a poll costs nothing).
+_IDLE_BEFORE_SLEEP_S = 0.05
+
+
+class _Ring:
+    """Encoded messages by seq, contiguous from ``first``; the oldest go first to stay in bounds."""
+
+    __slots__ = ("max_bytes", "entries", "first", "bytes")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: deque[tuple[bytes, int]] = deque()  # (payload, events)
+        self.first = 0
+        self.bytes = 0
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.entries)
+
+    def append(self, payload: bytes, n_events: int) -> int:
+        """Add the message with seq ``end``; returns how many of the oldest were evicted."""
+        self.entries.append((payload, n_events))
+        self.bytes += len(payload)
+        evicted = 0
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            old, _ = self.entries.popleft()
+            self.bytes -= len(old)
+            self.first += 1
+            evicted += 1
+        return evicted
+
+    def get(self, seq: int) -> tuple[bytes, int]:
+        return self.entries[seq - self.first]
+
+    def restart_at(self, seq: int) -> None:
+        self.entries.clear()
+        self.bytes = 0
+        self.first = seq
+
+
+class KvEventPublisher:
+    """Publishes one worker's KV events to ``<prefix>.events.<model>.<worker>``.
+
+    ``await start()`` connects (failing fast with :class:`kvbridge.ConnectError` /
+    :class:`kvbridge.AuthenticationError`), ``publish()`` hands events over from any thread,
+    ``await close()`` sends what is left and disconnects. Also an async context manager.
+    """
+
+    def __init__(self, config: Config | None = None, **options: Any) -> None:
+        if config is None:
+            config = Config.from_env(**options)
+        elif options:
+            config = config.replace(**options)
+        self.config = config
+        #: A fresh random id per incarnation: consumers drop their view of this worker when it changes.
+        self.epoch = secrets.token_hex(8)
+        self.subjects = WorkerSubjects.build(config.subject_prefix, config.model, config.worker_id)
+        #: The pool lock of the threading contract (re-entrant, so step() works inside it).
+        self.lock = threading.RLock()
+        self.metric_labels = {"model": config.model, "worker": config.worker_id}
+
+        # Shared with engine threads. deque.append/popleft are atomic, so the common path takes no
+        # lock: a lock the loop thread holds can be held across a GIL switch, which would make
+        # publish() wait for a whole scheduling slice. _drop_lock only serialises overflow drops.
+        self._queue: deque[Any] = deque()
+        self._queue_max = config.queue_max_batches
+        self._drop_lock = threading.Lock()
+        self._dropped_batches = 0
+        self._dropped_events = 0
+        self._sleeping = False  # read without the lock by publish(): a stale read costs one wake
+
+        # Loop side only.
+        self._manager: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._nc: Any = None
+        self._sender: asyncio.Task | None = None
+        self._js: Any = None  # kvbridge.jetstream.JetStreamAcks in JetStream mode
+        self._closing = False
+        self._next_seq = 0
+        self._dropped_seen = 0
+        self._ring = _Ring(config.ring_buffer_bytes)
+        self._send_seq = 0
+        self._last_emit = 0.0
+        self._max_events = config.max_batch_events
+        self._max_bytes = config.max_batch_bytes
+        self._max_payload = 1 << 20
+        self._format = config.encoding
+        self._content_type = CONTENT_TYPES[config.encoding]
+        self._msg_id_prefix = f"{config.worker_id}:{self.epoch}:"
+        self._counts = dict.fromkeys(
+            ("messages", "events", "bytes", "evicted_unsent", "publish_errors", "reconnects", "replays",
+             "replays_gone", "snapshots"),
+            0,
+        )  # fmt: skip
+        metrics.register("publisher", self)
+
+    # -- engine side (any thread) -------------------------------------------------------------------
+
+    def publish(self, batch_or_events: KVEventBatch | Sequence[Any]) -> None:
+        """Hand a batch (or a list of events) to the publisher. Never blocks; see the module doc."""
+        if batch_or_events.__class__ is KVEventBatch:
+            item = (batch_or_events.ts, batch_or_events.events)
+        else:
+            item = (time.time(), batch_or_events)
+        if not item[1]:
+            return
+        q = self._queue
+        q.append(item)
+        if len(q) > self._queue_max:
+            self._drop_oldest()
+        if self._sleeping:
+            self._sleeping = False
+            loop = self._loop
+            if loop is not None:
+                try:
+                    loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+                except RuntimeError:  # loop closed: the hand-off stays queued, bounded
+                    pass
+
+    def _drop_oldest(self) -> None:
+        q = self._queue
+        with self._drop_lock:
+            while len(q) > self._queue_max:
+                try:
+                    old = q.popleft()
+                except IndexError:  # the loop drained it meanwhile
+                    return
+                if old is _CUT:  # a snapshot's position must survive; rare, so just stop here
+                    q.appendleft(old)
+                    return
+                self._dropped_batches += 1
+                self._dropped_events += len(old[1])
+
+    def attach(self, manager: Any) -> None:
+        """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
+        ``take_events()`` and ``snapshot()``), and let ``step()`` publish its events."""
+        with self.lock:
+            self._manager = manager
+
+    def step(self) -> int:
+        """Publish the attached pool's new events (under ``self.lock``); returns how many."""
+        with self.lock:
+            events = self._manager.take_events()
+            if events:
+                self.publish(events)
+        return len(events)
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> KvEventPublisher:
+        if self._nc is not None:
+            return self
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._nc = await connect(self.config, reconnected_cb=self._on_reconnected)
+        self._max_payload = self._nc.max_payload
+        self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
+        await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
+        await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
+        if self.config.jetstream:
+            from kvbridge.jetstream import JetStreamAcks
+
+            self._js = JetStreamAcks(self)
+            try:
+                await self._js.start()
+            except BaseException:
+                await self._nc.close()
+                self._nc = self._js = None
+                raise
+        await self._nc.flush()
+        if self.config.metrics_port is not None:
+            metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
+        self._sender = asyncio.create_task(self._run_sender(), name=f"kvbridge-sender-{self.config.worker_id}")
+        return self
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Send everything handed over so far (best effort within ``timeout``), then disconnect."""
+        if self._nc is None or self._closing:
+            return
+        if self._js is not None:  # JetStream: closed means stored, as far as the timeout allows
+            t0 = time.monotonic()
+            await self._js.wait_acked(timeout)
+            timeout = max(0.5, timeout - (time.monotonic() - t0))
+        self._closing = True
+        self._wake.set()  # type: ignore[union-attr]
+        try:
+            await asyncio.wait_for(asyncio.shield(self._sender), timeout)  # type: ignore[arg-type]
+        except (asyncio.TimeoutError, Exception):
+            self._sender.cancel()  # type: ignore[union-attr]
+        if self._js is not None:
+            await self._js.stop()
+        try:
+            if self._nc.is_connected:
+                await self._nc.flush(timeout=max(timeout, 1))
+        except Exception:
+            pass
+        await self._nc.close()
+
+    async def __aenter__(self) -> KvEventPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = dict(self._counts)
+        s.update(
+            dropped_batches=self._dropped_batches,
+            dropped_events=self._dropped_events,
+            queue_depth=len(self._queue),
+            ring_bytes=self._ring.bytes,
+            ring_messages=len(self._ring.entries),
+            unsent=max(0, self._ring.end - self._send_seq),
+            last_seq=self._next_seq - 1,
+        )
+        if self._js is not None:
+            s.update(self._js.stats)
+        return s
+
+    # -- loop side: hand-offs -> messages -------------------------------------------------------------
+
+    def _drain(self) -> int:
+        """Turn queued hand-offs into ring messages; returns the seq of the last message made before
+        a snapshot's cut marker (or the last seq, without one). Runs on the loop without awaiting,
+        so nothing else on the loop sees a half-drained state."""
+        q = self._queue
+        at_cut = None
+        max_events = self._max_events
+        ts = 0.0
+        pending: list[Any] = []
+        popleft = q.popleft
+        for _ in range(len(q)):  # only what is there now: engines may keep appending
+            if self._dropped_batches != self._dropped_seen:
+                # Engine hand-offs were dropped ahead of what follows: put the hole right here so
+                # consumers resync. (A cut still queued is behind the drops: its seq lands after.)
+                if pending:
+                    self._emit(ts, pending)
+                    pending = []
+                self._dropped_seen = self._dropped_batches
+                self._skip_seq()
+            try:
+                item = popleft()
+            except IndexError:  # dropped under us
+                break
+            if item is _CUT:
+                if pending:
+                    self._emit(ts, pending)
+                    pending = []
+                at_cut = self._next_seq - 1
+                continue
+            if not pending:
+                ts = item[0]
+            pending.extend(item[1])
+            if len(pending) >= max_events:
+                self._emit(ts, pending)
+                pending = []
+        if pending:
+            self._emit(ts, pending)
+        if self._dropped_batches != self._dropped_seen:
+            self._dropped_seen = self._dropped_batches
+            self._skip_seq()
+        return self._next_seq - 1 if at_cut is None else at_cut
+
+    def _encode(self, ts: float, events: list[Any]) -> list[tuple[bytes, int]]:
+        """``(payload, events in it)`` within the event and byte limits, in order."""
+        out: list[tuple[bytes, int]] = []
+        step = self._max_events
+        for i in range(0, max(len(events), 1), step):
+            self._encode_within_bytes(ts, events[i : i + step], out)
+        return out
+
+    def _encode_within_bytes(self, ts: float, events: list[Any], out: list[tuple[bytes, int]]) -> None:
+        payload = encode_batch(KVEventBatch(ts, events, self.config.dp_rank), self._format)
+        if len(payload) > self._max_bytes and len(events) > 1:
+            half = len(events) // 2
+            self._encode_within_bytes(ts, events[:half], out)
+            self._encode_within_bytes(ts, events[half:], out)
+        else:
+            out.append((payload, len(events)))
+
+    def _emit(self, ts: float, events: list[Any]) -> None:
+        for payload, n_events in self._encode(ts, events):
+            if len(payload) > self._max_payload:
+                # One event larger than the broker accepts: it can never be delivered, so make it
+                # a visible hole (consumers resync by snapshot) instead of a message that fails forever.
+                self._counts["publish_errors"] += 1
+                self._skip_seq()
+                continue
+            self._next_seq += 1
+            evicted = self._ring.append(payload, n_events)
+            if evicted and self._send_seq < self._ring.first:
+                self._counts["evicted_unsent"] += self._ring.first - self._send_seq
+                self._send_seq = self._ring.first
+        self._last_emit = time.monotonic()
+
+    def _skip_seq(self) -> None:
+        """Leave a hole in the seq. Nothing before it can be replayed usefully (a consumer behind it
+        must snapshot anyway), so the ring restarts after it."""
+        self._counts["evicted_unsent"] += max(0, self._ring.end - self._send_seq)
+        self._next_seq += 1
+        self._ring.restart_at(self._next_seq)
+        self._send_seq = self._next_seq
+
+    def _headers(self, seq: int) -> dict[str, str]:
+        s = str(seq)
+        return {
+            HDR_SEQ: s,
+            HDR_EPOCH: self.epoch,
+            HDR_MSG_ID: self._msg_id_prefix + s,
+            HDR_CONTENT_TYPE: self._content_type,
+        }
+
+    # -- loop side: sending ---------------------------------------------------------------------------
+
+    async def _run_sender(self) -> None:
+        loop = asyncio.get_running_loop()
+        linger = self.config.linger_ms / 1000.0
+        heartbeat = self.config.heartbeat_s
+        wake = self._wake
+        assert wake is not None
+        last_busy = loop.time()
+        while True:
+            wake.clear()
+            handed = len(self._queue)
+            self._drain()
+            sent = await self._send_pending()
+            if self._closing:
+                return
+            now = loop.time()
+            if handed or sent or self._queue:
+                last_busy = now
+            if self._queue:
+                await asyncio.sleep(0)
+                continue
+            if linger > 0 and now - last_busy < _IDLE_BEFORE_SLEEP_S:
+                await asyncio.sleep(linger)
+                continue
+            self._sleeping = True
+            if self._queue or self._closing:
+                self._sleeping = False
+                continue
+            timeout = None
+            if heartbeat > 0:
+                timeout = max(0.0, self._last_emit + heartbeat - time.monotonic())
+            try:
+                await asyncio.wait_for(wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                if heartbeat > 0 and time.monotonic() - self._last_emit >= heartbeat:
+                    self._emit(time.time(), [])
+            self._sleeping = False
+
+    async def _send_pending(self) -> int:
+        if self._js is not None:
+            return await self._js.send_pending()
+        nc = self._nc
+        ring = self._ring
+        sent = 0
+        subject = self.subjects.events
+        counts = self._counts
+        while self._send_seq < ring.end and nc.is_connected:
+            seq = self._send_seq
+            payload, n_events = ring.get(seq)
+            try:
+                await nc.publish(subject, payload, headers=self._headers(seq))
+            except NatsError:
+                # Broker gone or nats-py's buffer full: the message stays in the ring and goes
+                # out after the reconnect (or is evicted, and consumers resync).
+                counts["publish_errors"] += 1
+                break
+            if self._send_seq == seq:  # the ring may have restarted while we awaited
+                self._send_seq = seq + 1
+            counts["messages"] += 1
+            counts["events"] += n_events
+            counts["bytes"] += len(payload)
+            sent += 1
+        return sent
+
+    async def _on_reconnected(self) -> None:
+        self._counts["reconnects"] += 1
+        # Messages the dead broker swallowed leave a hole only a later message reveals.
+        self._drain()
+        self._emit(time.time(), [])
+        if self._js is not None:
+            self._js.on_reconnected()
+        self._wake.set()  # type: ignore[union-attr]
+
+    # -- loop side: replay and snapshot ----------------------------------------------------------------
+
+    async def _reply(self, inbox: str, payload: bytes, headers: dict[str, str]) -> bool:
+        try:
+            await self._nc.publish(inbox, payload, headers=headers)
+            return True
+        except NatsError:
+            return False  # the requester times out and asks again
+
+    async def _on_replay(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        self._drain()
+        self._wake.set()  # type: ignore[union-attr]
+        last = self._next_seq - 1
+        ring = self._ring
+        try:
+            req = json.loads(msg.data or b"{}")
+            start = int(req.get("from", 0))
+            end = last if req.get("to") is None else min(int(req["to"]), last)
+        except (ValueError, TypeError, AttributeError) as exc:
+            await self._reply(msg.reply, f"bad replay request: {exc}".encode(), {HDR_REPLY: "error", HDR_EPOCH: self.epoch})
+            return
+        self._counts["replays"] += 1
+        if start < ring.first and start <= end:
+            self._counts["replays_gone"] += 1
+            body = json.dumps({"error": "gone", "from": start, "oldest": ring.first, "last": last}).encode()
+            await self._reply(
+                msg.reply, body, {HDR_REPLY: REPLY_GONE, HDR_EPOCH: self.epoch, HDR_OLDEST: str(ring.first), HDR_SEQ: str(last)}
+            )
+            return
+        # Copy the references first: the ring can move while we await the sends.
+        batch = [(seq, ring.get(seq)[0]) for seq in range(max(start, ring.first), end + 1)]
+        for seq, payload in batch:
+            if not await self._reply(msg.reply, payload, self._headers(seq)):
+                return
+        await self._reply(msg.reply, b"", {HDR_REPLY: REPLY_END, HDR_EPOCH: self.epoch, HDR_SEQ: str(last)})
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        if self._manager is None:
+            await self._reply(msg.reply, b"no pool attached", {HDR_REPLY: REPLY_UNAVAILABLE, HDR_EPOCH: self.epoch})
+            return
+        blocks, seq = self.take_snapshot()
+        self._wake.set()  # type: ignore[union-attr]  # the sender has new messages
+        self._counts["snapshots"] += 1
+        headers = {HDR_REPLY: REPLY_SNAPSHOT, HDR_EPOCH: self.epoch, HDR_CONTENT_TYPE: self._content_type}
+        payloads = [p for p, _ in self._encode(time.time(), blocks)] if blocks else []
+        for payload in payloads:
+            if not await self._reply(msg.reply, payload, headers):
+                return
+        end = {HDR_REPLY: REPLY_SNAPSHOT_END, HDR_EPOCH: self.epoch, HDR_SEQ: str(seq), HDR_COUNT: str(len(payloads))}
+        await self._reply(msg.reply, b"", end)
+
+    def take_snapshot(self) -> tuple[list[Any], int]:
+        """The attached pool's cached blocks and the seq they are consistent with (loop thread)."""
+        manager = self._manager
+        with self.lock:
+            events = manager.take_events()
+            if events:
+                self.publish(events)
+            blocks = list(manager.snapshot())
+            self._queue.append(_CUT)
+        return blocks, self._drain()
+
+
+class BackgroundPublisher:
+    """A :class:`KvEventPublisher` running its asyncio loop in a daemon thread, for engines whose
+    step loop is plain threaded code. ``publish``, ``attach``, ``step`` and ``lock`` are the
+    publisher's own (thread-safe); ``start()`` blocks until connected or raises the connect error."""
+
+    def __init__(self, config: Config | None = None, **options: Any) -> None:
+        self.publisher = KvEventPublisher(config, **options)
+        self.config = self.publisher.config
+        self.epoch = self.publisher.epoch
+        self.lock = self.publisher.lock
+        self.publish = self.publisher.publish
+        self.attach = self.publisher.attach
+        self.step = self.publisher.step
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.publisher.stats
+
+    def start(self) -> BackgroundPublisher:
+        if self._thread is not None:
+            return self
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="kvbridge-publisher", daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.publisher.start(), loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    def call(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the publisher's loop and wait for its result (for tests and tools)."""
+        assert self._loop is not None, "start() first"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._loop is None:
+            return
+        try:
+            self.call(self.publisher.close(timeout), timeout + 5)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(10)
+        loop.close()
+
+    def __enter__(self) -> BackgroundPublisher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,90 @@
+"""Subject names and header names: the parts of the wire contract that are not the payload.
+
+Publisher and consumer both build and parse through here so the two sides cannot drift.
+See DESIGN.md, "Subjects and headers".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+__all__ = [
+    "CONTENT_TYPES",
+    "FORMATS",
+    "HDR_CONTENT_TYPE",
+    "HDR_COUNT",
+    "HDR_EPOCH",
+    "HDR_MSG_ID",
+    "HDR_OLDEST",
+    "HDR_REPLY",
+    "HDR_SEQ",
+    "REPLY_END",
+    "REPLY_GONE",
+    "REPLY_SNAPSHOT",
+    "REPLY_SNAPSHOT_END",
+    "REPLY_UNAVAILABLE",
+    "WorkerSubjects",
+    "events_pattern",
+    "parse_events_subject",
+    "sanitize_token",
+]
+
+HDR_SEQ = "Kv-Seq"
+HDR_EPOCH = "Kv-Epoch"
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_CONTENT_TYPE = "Content-Type"
+# Replies to replay/snapshot requests are streams of messages to the requester's inbox; the kind of
+# each message is in Kv-Reply (absent on the replayed event messages themselves, which are sent
+# exactly as they were published).
+HDR_REPLY = "Kv-Reply"
+HDR_OLDEST = "Kv-Oldest"
+HDR_COUNT = "Kv-Count"
+
+REPLY_END = "end"  # replay done; Kv-Seq = newest seq the publisher holds (-1: none yet)
+REPLY_GONE = "gone"  # the start seq is no longer buffered; Kv-Oldest = oldest seq still held
+REPLY_SNAPSHOT = "snapshot"  # one chunk of a snapshot (a KVEventBatch of BlockStored)
+REPLY_SNAPSHOT_END = "snapshot-end"  # Kv-Seq = seq the snapshot is consistent with, Kv-Count = chunks
+REPLY_UNAVAILABLE = "unavailable"  # no pool attached: this publisher cannot snapshot
+
+CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
+FORMATS = {v: k for k, v in CONTENT_TYPES.items()}
+
+_BAD_TOKEN_CHARS = re.compile(r"[.*>\s]+")
+
+
+def sanitize_token(name: str) -> str:
+    """Make ``name`` one NATS subject token: ``.``, ``*``, ``>`` and whitespace become ``_``."""
+    token = _BAD_TOKEN_CHARS.sub("_", str(name))
+    if not token:
+        raise ValueError("a subject token cannot be empty")
+    return token
+
+
+class WorkerSubjects(NamedTuple):
+    events: str
+    replay: str
+    snapshot: str
+
+    @classmethod
+    def build(cls, prefix: str, model: str, worker: str) -> WorkerSubjects:
+        tail = f"{sanitize_token(model)}.{sanitize_token(worker)}"
+        return cls(f"{prefix}.events.{tail}", f"{prefix}.replay.{tail}", f"{prefix}.snapshot.{tail}")
+
+
+def events_pattern(prefix: str, model: str | None = None, worker: str | None = None) -> str:
+    """The subscription subject for events of one model/worker, or ``*`` for any."""
+    m = sanitize_token(model) if model else "*"
+    w = sanitize_token(worker) if worker else "*"
+    return f"{prefix}.events.{m}.{w}"
+
+
+def parse_events_subject(subject: str, prefix: str) -> tuple[str, str] | None:
+    """``(model, worker)`` of an events subject under ``prefix``, None if it is not one."""
+    head = prefix + ".events."
+    if not subject.startswith(head):
+        return None
+    parts = subject[len(head) :].split(".")
+    if len(parts) != 2 or not all(parts):
+        return None
+    return parts[0], parts[1]

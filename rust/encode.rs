@@ -1,0 +1,371 @@
+//! msgpack encoding of KV event batches, byte-identical to `msgspec.msgpack.Encoder().encode`.
+//!
+//! The bytes are vLLM's wire format, so every msgspec choice that shows in them is copied:
+//! the smallest int form (negative fixint down to -32, unsigned forms for anything >= 0),
+//! float64 for every float, str8 from 32 bytes, bin8 even for short bytes, headers sized by
+//! count, and for a map-encoded struct a header sized for *all* its fields plus the tag, then
+//! patched down to the number written when `omit_defaults` skipped some. That last rule is
+//! why BlockStored (15 fields + tag) always starts with a map16 header `de 00 nn`.
+//!
+//! Speed comes from reading what msgspec reads, the way msgspec does, from an abi3 module:
+//! struct fields straight from the instance slots at the offsets the type records for them
+//! (`plan.rs`, checked against `getattr` once per type), ints and list items straight from
+//! CPython's layout where a self-test vouches for it (`cpython.rs`), keys pre-encoded once per
+//! type, int widths by table lookup (`msgpack.rs`), and one output buffer reused across calls.
+//! Anything outside the supported value set raises TypeError before a single wrong byte could
+//! be returned, so callers can fall back to msgspec.
+
+use std::cell::RefCell;
+use std::os::raw::c_int;
+use std::ptr::addr_of_mut;
+use std::rc::Rc;
+
+use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyBytes;
+
+mod cpython;
+mod msgpack;
+mod plan;
+
+use msgpack::{
+    patch_map_header, put_array_header, put_bin, put_int, put_map_header, put_str, put_uint,
+};
+use plan::{build_plan, Plan};
+
+/// msgspec recurses up to Python's recursion limit; past this depth we hand over to it.
+const MAX_DEPTH: u32 = 256;
+/// Distinct Struct types remembered per thread; beyond it the types are almost certainly
+/// generated on the fly, and msgspec is the better tool.
+const MAX_PLANS: usize = 64;
+/// A one-off huge batch should not pin its buffer for the life of the thread.
+const KEEP_BUFFER_BYTES: usize = 8 << 20;
+
+/// Encode `batch` (normally a `KVEventBatch`) to the exact bytes msgspec's msgpack encoder writes.
+#[pyfunction]
+pub fn encode_batch_msgpack<'py>(
+    py: Python<'py>,
+    batch: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let setup = setup(py)?;
+    STATE.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut state) => state.encode(py, setup, batch),
+        // Only reachable if Python code run while planning a type re-enters the encoder.
+        Err(_) => State::default().encode(py, setup, batch),
+    })
+}
+
+/// Which int/list reader this interpreter got ("api" when the fast path is off), for tests.
+#[pyfunction]
+fn _encode_layout(py: Python<'_>) -> PyResult<&'static str> {
+    Ok(match setup(py)?.layout {
+        cpython::Layout::Api => "api",
+        cpython::Layout::SignedSize => "signed-size",
+        cpython::Layout::TaggedValue => "tagged-value",
+    })
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(encode_batch_msgpack, m)?)?;
+    m.add_function(wrap_pyfunction!(_encode_layout, m)?)
+}
+
+/// What every call needs from the interpreter, looked up once.
+struct Setup {
+    struct_meta: Py<PyAny>,
+    unset: Py<PyAny>,
+    layout: cpython::Layout,
+}
+
+static SETUP: PyOnceLock<Setup> = PyOnceLock::new();
+
+fn setup(py: Python<'_>) -> PyResult<&'static Setup> {
+    SETUP.get_or_try_init(py, || {
+        let msgspec = py.import("msgspec")?;
+        Ok(Setup {
+            struct_meta: msgspec.getattr("Struct")?.get_type().into_any().unbind(),
+            unset: msgspec.getattr("UNSET")?.unbind(),
+            layout: cpython::detect(py),
+        })
+    })
+}
+
+#[derive(Default)]
+struct State {
+    buf: Vec<u8>,
+    plans: Vec<Rc<Plan>>,
+}
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+}
+
+impl State {
+    fn encode<'py>(
+        &mut self,
+        py: Python<'py>,
+        setup: &Setup,
+        obj: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        self.buf.clear();
+        let mut enc = Encoder {
+            py,
+            out: &mut self.buf,
+            plans: &mut self.plans,
+            struct_meta: setup.struct_meta.as_ptr() as *mut ffi::PyTypeObject,
+            unset: setup.unset.as_ptr(),
+            layout: setup.layout,
+            depth: 0,
+        };
+        // SAFETY: `obj` is a live object and the GIL is held for the whole encode; nothing
+        // below runs Python code that could mutate the containers being walked.
+        unsafe { enc.value(obj.as_ptr())? };
+        let bytes = PyBytes::new(py, &self.buf);
+        if self.buf.capacity() > KEEP_BUFFER_BYTES {
+            self.buf = Vec::new();
+        }
+        Ok(bytes)
+    }
+}
+
+struct Encoder<'a, 'py> {
+    py: Python<'py>,
+    out: &'a mut Vec<u8>,
+    plans: &'a mut Vec<Rc<Plan>>,
+    struct_meta: *mut ffi::PyTypeObject,
+    unset: *mut ffi::PyObject,
+    layout: cpython::Layout,
+    depth: u32,
+}
+
+impl Encoder<'_, '_> {
+    unsafe fn value(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        let ty = ffi::Py_TYPE(obj);
+        // Exact types only, like msgspec: an int/str/float subclass is not silently flattened.
+        if ty == addr_of_mut!(ffi::PyLong_Type) {
+            self.int(obj)
+        } else if ty == addr_of_mut!(ffi::PyUnicode_Type) {
+            self.str(obj)
+        } else if ty == addr_of_mut!(ffi::PyList_Type) {
+            self.list(obj)
+        } else if obj == ffi::Py_None() {
+            self.out.push(0xc0);
+            Ok(())
+        } else if ty == addr_of_mut!(ffi::PyFloat_Type) {
+            let x = ffi::PyFloat_AsDouble(obj);
+            self.out.push(0xcb);
+            self.out.extend_from_slice(&x.to_bits().to_be_bytes());
+            Ok(())
+        } else if ty == addr_of_mut!(ffi::PyBool_Type) {
+            self.out
+                .push(if obj == ffi::Py_True() { 0xc3 } else { 0xc2 });
+            Ok(())
+        } else if ty == addr_of_mut!(ffi::PyBytes_Type) {
+            let data = ffi::PyBytes_AsString(obj) as *const u8;
+            let len = ffi::PyBytes_Size(obj) as usize;
+            put_bin(self.out, std::slice::from_raw_parts(data, len))
+        } else if ty == addr_of_mut!(ffi::PyTuple_Type) {
+            self.tuple(obj)
+        } else if ty == addr_of_mut!(ffi::PyDict_Type) {
+            self.dict(obj)
+        } else if ty == addr_of_mut!(ffi::PyByteArray_Type) {
+            let data = ffi::PyByteArray_AsString(obj) as *const u8;
+            let len = ffi::PyByteArray_Size(obj) as usize;
+            put_bin(self.out, std::slice::from_raw_parts(data, len))
+        } else {
+            self.uncommon(obj, ty)
+        }
+    }
+
+    unsafe fn uncommon(
+        &mut self,
+        obj: *mut ffi::PyObject,
+        ty: *mut ffi::PyTypeObject,
+    ) -> PyResult<()> {
+        if let Some(plan) = self.plan_for(obj, ty)? {
+            return self.strukt(obj, &plan);
+        }
+        // Subclasses msgspec also writes as their base container.
+        if ffi::PyList_Check(obj) != 0 {
+            self.list(obj)
+        } else if ffi::PyTuple_Check(obj) != 0 {
+            self.tuple(obj)
+        } else if ffi::PyDict_Check(obj) != 0 {
+            self.dict(obj)
+        } else {
+            let name = Bound::from_borrowed_ptr(self.py, obj).get_type().name()?;
+            Err(PyTypeError::new_err(format!(
+                "the native encoder cannot represent a value of type {name}"
+            )))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn int(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        match cpython::int_parts(self.layout, obj) {
+            Some((false, magnitude)) => put_uint(self.out, magnitude),
+            Some((true, magnitude)) if magnitude <= 1 << 63 => {
+                put_int(self.out, magnitude.wrapping_neg() as i64)
+            }
+            _ => return self.int_via_api(obj),
+        }
+        Ok(())
+    }
+
+    #[inline(never)]
+    unsafe fn int_via_api(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        let mut overflow: c_int = 0;
+        let v = ffi::PyLong_AsLongLongAndOverflow(obj, &mut overflow);
+        if overflow == 0 {
+            put_int(self.out, v);
+            return Ok(());
+        }
+        if overflow > 0 {
+            let u = ffi::PyLong_AsUnsignedLongLong(obj);
+            if u != u64::MAX || ffi::PyErr_Occurred().is_null() {
+                put_uint(self.out, u);
+                return Ok(());
+            }
+            ffi::PyErr_Clear();
+        }
+        // msgspec's own error for the same value.
+        Err(PyOverflowError::new_err(
+            "can't serialize ints < -2**63 or > 2**64 - 1",
+        ))
+    }
+
+    unsafe fn str(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        let mut len: ffi::Py_ssize_t = 0;
+        let data = ffi::PyUnicode_AsUTF8AndSize(obj, &mut len);
+        if data.is_null() {
+            return Err(PyErr::fetch(self.py)); // lone surrogates: msgspec fails the same way
+        }
+        put_str(
+            self.out,
+            std::slice::from_raw_parts(data as *const u8, len as usize),
+        )
+    }
+
+    fn enter(&mut self) -> PyResult<()> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            return Err(PyTypeError::new_err(format!(
+                "the native encoder stops at {MAX_DEPTH} levels of nesting"
+            )));
+        }
+        Ok(())
+    }
+
+    unsafe fn list(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        let len = ffi::PyList_Size(obj);
+        put_array_header(self.out, len as usize)?;
+        self.enter()?;
+        match cpython::list_items(self.layout, obj) {
+            Some(items) => items.iter().try_for_each(|&item| self.item(item))?,
+            None => (0..len).try_for_each(|i| self.item(ffi::PyList_GetItem(obj, i)))?,
+        }
+        self.depth -= 1;
+        Ok(())
+    }
+
+    /// A list item. Token id lists are most of a batch: their ints skip the general dispatch.
+    #[inline(always)]
+    unsafe fn item(&mut self, item: *mut ffi::PyObject) -> PyResult<()> {
+        if ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyLong_Type) {
+            self.int(item)
+        } else {
+            self.value(item)
+        }
+    }
+
+    unsafe fn tuple(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        let len = ffi::PyTuple_Size(obj);
+        put_array_header(self.out, len as usize)?;
+        self.enter()?;
+        for i in 0..len {
+            self.value(ffi::PyTuple_GetItem(obj, i))?;
+        }
+        self.depth -= 1;
+        Ok(())
+    }
+
+    unsafe fn dict(&mut self, obj: *mut ffi::PyObject) -> PyResult<()> {
+        put_map_header(self.out, ffi::PyDict_Size(obj) as usize)?;
+        self.enter()?;
+        let (mut pos, mut key, mut val) = (0, std::ptr::null_mut(), std::ptr::null_mut());
+        while ffi::PyDict_Next(obj, &mut pos, &mut key, &mut val) != 0 {
+            // msgspec accepts str subclasses as keys (not as values).
+            if ffi::PyUnicode_Check(key) != 0 {
+                self.str(key)?;
+            } else {
+                self.value(key)?;
+            }
+            self.value(val)?;
+        }
+        self.depth -= 1;
+        Ok(())
+    }
+
+    unsafe fn strukt(&mut self, obj: *mut ffi::PyObject, plan: &Plan) -> PyResult<()> {
+        self.enter()?;
+        let header_at = self.out.len();
+        if plan.array_like {
+            put_array_header(self.out, plan.len)?;
+        } else {
+            put_map_header(self.out, plan.len)?;
+        }
+        self.out.extend_from_slice(&plan.prefix);
+        let mut written = plan.len - plan.fields.len();
+        for (i, field) in plan.fields.iter().enumerate() {
+            let val = *((obj as *const u8).offset(field.offset) as *const *mut ffi::PyObject);
+            if val.is_null() {
+                return Err(PyAttributeError::new_err(format!(
+                    "Struct field {:?} is unset",
+                    field.attr
+                )));
+            }
+            if !plan.array_like {
+                if val == self.unset || (i >= plan.omit_none_from && val == ffi::Py_None()) {
+                    continue;
+                }
+                self.out.extend_from_slice(&field.key);
+            } else if val == self.unset {
+                return Err(PyTypeError::new_err(
+                    "the native encoder cannot write UNSET in an array-like Struct",
+                ));
+            }
+            self.value(val)?;
+            written += 1;
+        }
+        if written != plan.len {
+            patch_map_header(self.out, header_at, plan.len, written);
+        }
+        self.depth -= 1;
+        Ok(())
+    }
+
+    /// The plan for `ty` if it is a msgspec Struct type, building it on first sight.
+    unsafe fn plan_for(
+        &mut self,
+        obj: *mut ffi::PyObject,
+        ty: *mut ffi::PyTypeObject,
+    ) -> PyResult<Option<Rc<Plan>>> {
+        if let Some(plan) = self.plans.iter().find(|p| p.ty == ty) {
+            return Ok(Some(plan.clone()));
+        }
+        let meta = ffi::Py_TYPE(ty as *mut ffi::PyObject);
+        if meta != self.struct_meta && ffi::PyType_IsSubtype(meta, self.struct_meta) == 0 {
+            return Ok(None);
+        }
+        if self.plans.len() >= MAX_PLANS {
+            return Err(PyTypeError::new_err(format!(
+                "the native encoder caches at most {MAX_PLANS} Struct types"
+            )));
+        }
+        let plan = Rc::new(build_plan(Bound::from_borrowed_ptr(self.py, obj))?);
+        self.plans.push(plan.clone());
+        Ok(Some(plan))
+    }
+}

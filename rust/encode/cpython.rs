@@ -1,0 +1,146 @@
+//! Direct reads of CPython's int digits and list item array: the two lookups the encoder does
+//! per token id, where the stable API's out-of-line calls cost more than the encoding itself.
+//!
+//! This is the layout msgspec reads too, but an abi3 module may load into a CPython it was not
+//! built against, so the fast path is only taken on the versions whose layout is known (3.11:
+//! signed digit count in `ob_size`; 3.12-3.14: sign and count packed in `lv_tag`) and after a
+//! self-test against the API on this very interpreter. Anything else uses the API.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Stable API only.
+    Api,
+    /// 3.11: `ob_size` = +/- digit count.
+    SignedSize,
+    /// 3.12+: `lv_tag` = digit count << 3 | sign (0 positive, 1 zero, 2 negative).
+    TaggedValue,
+}
+
+const DIGIT_BITS: u32 = 30;
+/// Header, then the word at offset 16 (`ob_size` / `lv_tag` / a list's size), then at 24
+/// the digits or the list's item pointer.
+const WORD: usize = 16;
+const PAYLOAD: usize = 24;
+
+/// `(negative, magnitude)` when the int's magnitude fits in 64 bits; None means "ask the API"
+/// (which also produces the overflow error).
+#[inline(always)]
+pub unsafe fn int_parts(layout: Layout, obj: *mut ffi::PyObject) -> Option<(bool, u64)> {
+    let word = *((obj as *const u8).add(WORD) as *const isize);
+    let (negative, ndigits) = match layout {
+        Layout::SignedSize => (word < 0, word.unsigned_abs()),
+        Layout::TaggedValue => ((word & 3) == 2, (word as usize) >> 3),
+        Layout::Api => return None,
+    };
+    let digits = (obj as *const u8).add(PAYLOAD) as *const u32;
+    // One digit (below 2**30: token ids, small fields) is the hot case; keeping the rest out of
+    // line stops LLVM from turning the digit count into a jump table that mispredicts whenever
+    // token ids and 64-bit hashes alternate.
+    let magnitude = if ndigits == 1 {
+        *digits as u64
+    } else {
+        wide_magnitude(ndigits, digits)?
+    };
+    Some((negative, magnitude))
+}
+
+#[inline(never)]
+unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
+    match ndigits {
+        0 => Some(0),
+        2 => Some(*digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS),
+        3 if *digits.add(2) < 16 => Some(
+            *digits as u64
+                | (*digits.add(1) as u64) << DIGIT_BITS
+                | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
+        ),
+        _ => None,
+    }
+}
+
+/// A list's items without a call per item.
+#[inline(always)]
+pub unsafe fn list_items<'a>(
+    layout: Layout,
+    obj: *mut ffi::PyObject,
+) -> Option<&'a [*mut ffi::PyObject]> {
+    if layout == Layout::Api {
+        return None;
+    }
+    let len = *((obj as *const u8).add(WORD) as *const isize) as usize;
+    let items = *((obj as *const u8).add(PAYLOAD) as *const *const *mut ffi::PyObject);
+    Some(if len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(items, len)
+    })
+}
+
+/// The layout to use on this interpreter, proven on sample values before it is trusted.
+/// `KVBRIDGE_ENCODE_STABLE_API` forces the API path, so tests can cover both.
+pub fn detect(py: Python<'_>) -> Layout {
+    if cfg!(not(target_pointer_width = "64"))
+        || std::env::var_os("KVBRIDGE_ENCODE_STABLE_API").is_some()
+    {
+        return Layout::Api;
+    }
+    let version = py.version_info();
+    let layout = match (version.major, version.minor) {
+        (3, 11) => Layout::SignedSize,
+        (3, 12..=14) => Layout::TaggedValue,
+        _ => return Layout::Api,
+    };
+    if self_test(py, layout).unwrap_or(false) {
+        layout
+    } else {
+        Layout::Api
+    }
+}
+
+fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
+    let samples: [i128; 16] = [
+        0,
+        1,
+        7,
+        127,
+        -1,
+        -32,
+        (1 << 30) - 1,
+        1 << 30,
+        (1 << 31) + 7,
+        (1 << 60) - 1,
+        (1 << 60) + 3,
+        i64::MAX as i128,
+        1 << 63,
+        u64::MAX as i128,
+        -(1 << 40) - 5,
+        i64::MIN as i128,
+    ];
+    let list = PyList::empty(py);
+    for value in samples {
+        let int = value.into_pyobject(py)?;
+        // SAFETY: `int` is a live int object; the reader only touches its header and digits.
+        let Some((negative, magnitude)) = (unsafe { int_parts(layout, int.as_ptr()) }) else {
+            return Ok(false);
+        };
+        if (negative, magnitude) != (value < 0, value.unsigned_abs() as u64) {
+            return Ok(false);
+        }
+        list.append(int)?;
+    }
+    // Past 64 bits the reader must decline rather than truncate.
+    let wide = (1u128 << 64).into_pyobject(py)?;
+    if unsafe { int_parts(layout, wide.as_ptr()) }.is_some() {
+        return Ok(false);
+    }
+    let items = unsafe { list_items(layout, list.as_ptr()) }.unwrap_or(&[]);
+    Ok(items.len() == samples.len()
+        && items
+            .iter()
+            .zip(list.iter())
+            .all(|(raw, item)| *raw == item.as_ptr()))
+}

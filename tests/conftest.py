@@ -1,0 +1,85 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+
+def _vectors_dir() -> Path:
+    # CI clones the repo into a folder with shared/ beside it; KVBRIDGE_VECTORS overrides.
+    env = os.environ.get("KVBRIDGE_VECTORS")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "vectors"
+
+
+@pytest.fixture(scope="session")
+def vectors_dir() -> Path:
+    path = _vectors_dir()
+    if not path.is_dir():
+        pytest.fail(f"compatibility vectors not found at {path} (set KVBRIDGE_VECTORS)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def load_vectors(vectors_dir):
+    def load(name: str):
+        return json.loads((vectors_dir / name).read_text())
+
+    return load
+
+
+# --- bridge: a real nats-server, and a check that nothing outlives the session -----------------
+
+
+@pytest.fixture(scope="session")
+def nats_server():
+    """One nats-server (with JetStream) shared by the ordinary bridge tests."""
+    from kvbridge.server import NatsServer
+
+    with NatsServer(jetstream=True) as server:
+        yield server
+
+
+@pytest.fixture
+def own_nats_server():
+    """A private nats-server for tests that kill or restart it."""
+    from kvbridge.server import NatsServer
+
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture
+def own_js_server():
+    """A private nats-server with JetStream (temp store dir, kept across restart()) to kill."""
+    from kvbridge.server import NatsServer
+
+    with NatsServer(jetstream=True) as server:
+        yield server
+
+
+def _child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_leftovers():
+    """Tests must leave no process or kvbridge thread behind."""
+    import threading
+    import time
+
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("kvbridge") and t.is_alive()]
+        children = _child_pids()
+        if not threads and not children or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not threads, f"threads left running: {threads}"
+    assert not children, f"child processes left running: {children}"

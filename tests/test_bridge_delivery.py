@@ -1,0 +1,183 @@
+"""The delivery contract end to end, against real nats-servers: convergence, broker crash,
+late/restarted subscribers, worker restarts, garbage on the subjects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import msgspec
+import nats
+import pytest
+
+from bridge_support import Engine, Recorder, views_match, wait_until
+from kvbridge import Config, KvEventPublisher, KvEventSubscriber, encode_batch
+from kvbridge.events import BlockStored, KVEventBatch
+
+pytest.importorskip("kvbridge.pool")
+
+MODEL = "test-model"
+
+
+def cfg(server, worker="w0", **kw) -> Config:
+    return Config(servers=server.url, model=MODEL, worker_id=worker, reconnect_wait_s=0.2, heartbeat_s=0.5, **kw)
+
+
+async def start_workers(server, n, **kw) -> list[KvEventPublisher]:
+    return [await KvEventPublisher(cfg(server, f"w{i}", **kw)).start() for i in range(n)]
+
+
+async def close_all(*closables) -> None:
+    for c in closables:
+        await c.close()
+
+
+@pytest.mark.timeout(180)
+async def test_three_workers_50k_events_converge(nats_server):
+    rec = Recorder()
+    sub = await KvEventSubscriber(cfg(nats_server), model=MODEL, on_update=rec).start()
+    pubs = await start_workers(nats_server, 3)
+    engines = {(MODEL, p.config.worker_id): Engine(p, 50_000, seed=i) for i, p in enumerate(pubs)}
+    t0 = time.monotonic()
+    for e in engines.values():
+        e.start()
+    for e in engines.values():
+        await asyncio.to_thread(e.finish)
+    waited = await wait_until(lambda: views_match(sub, engines), 60, "views == pools")
+    elapsed = time.monotonic() - t0
+    for key, e in engines.items():
+        counts = rec.check(key)
+        assert counts["resets"] == 1  # the first-contact snapshot only
+        print(f"{key}: {e.published} events, {counts}, {e.publish_summary()}")
+    print(f"3 x 50k events converged in {elapsed:.2f}s (last {waited:.2f}s waiting); sub stats {sub.stats}")
+    assert sub.stats["malformed"] == 0
+    await close_all(*pubs, sub)
+
+
+@pytest.mark.timeout(180)
+async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
+    server = own_nats_server
+    rec = Recorder()
+    sub = await KvEventSubscriber(cfg(server), model=MODEL, on_update=rec).start()
+    pubs = await start_workers(server, 3)
+    engines = {
+        (MODEL, p.config.worker_id): Engine(p, 50_000, seed=10 + i, step_sleep=0.0005) for i, p in enumerate(pubs)
+    }
+    for e in engines.values():
+        e.start()
+    await asyncio.sleep(1.0)
+    at_kill = {k: e.published for k, e in engines.items()}
+    await asyncio.to_thread(server.kill)
+    await asyncio.sleep(2.0)
+    await asyncio.to_thread(server.start)  # same port
+    for e in engines.values():
+        await asyncio.to_thread(e.finish)
+    waited = await wait_until(lambda: views_match(sub, engines), 60, "views == pools after the broker crash")
+    for key, e in engines.items():
+        counts = rec.check(key)  # contiguous, exactly once
+        # One snapshot (first contact): every message after it arrived live or by replay, none lost.
+        assert counts["resets"] == 1, counts
+        print(f"{key}: killed at {at_kill[key]} events, {e.published} total, {counts}, "
+              f"publisher {e.publisher.stats['reconnects']} reconnects")
+    stats = sub.stats
+    print(f"converged {waited:.2f}s after the engines finished; sub stats {stats}")
+    assert stats["replays"] >= 1 and stats["snapshots"] == 3
+    await close_all(*pubs, sub)
+
+
+@pytest.mark.timeout(180)
+async def test_late_and_restarted_subscribers_converge(nats_server):
+    pubs = await start_workers(nats_server, 2, subject_prefix="late")
+    engines = {
+        (MODEL, p.config.worker_id): Engine(p, 40_000, seed=20 + i, step_sleep=0.0002) for i, p in enumerate(pubs)
+    }
+    early = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
+    for e in engines.values():
+        e.start()
+    await wait_until(lambda: min(e.published for e in engines.values()) >= 20_000, 60, "20k events")
+    late = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
+    await early.close()  # "killed"
+    restarted = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
+    for e in engines.values():
+        await asyncio.to_thread(e.finish)
+    for name, sub in (("late", late), ("restarted", restarted)):
+        waited = await wait_until(lambda: views_match(sub, engines), 60, f"{name} subscriber views == pools")
+        print(f"{name}: converged {waited:.2f}s after the engines finished; {sub.stats}")
+    await close_all(*pubs, late, restarted)
+
+
+@pytest.mark.timeout(120)
+async def test_worker_restart_new_epoch_drops_old_view(nats_server):
+    rec = Recorder()
+    sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="restart"), on_update=rec).start()
+    (old,) = await start_workers(nats_server, 1, subject_prefix="restart")
+    e1 = Engine(old, 10_000, seed=30)
+    e1.start()
+    await asyncio.to_thread(e1.finish)
+    await wait_until(lambda: views_match(sub, {(MODEL, "w0"): e1}), 30, "first incarnation converged")
+    await old.close()
+    (new,) = await start_workers(nats_server, 1, subject_prefix="restart")
+    assert new.epoch != old.epoch
+    e2 = Engine(new, 10_000, seed=31)
+    e2.start()
+    await asyncio.to_thread(e2.finish)
+    await wait_until(lambda: views_match(sub, {(MODEL, "w0"): e2}), 30, "view of the restarted worker")
+    counts = rec.check((MODEL, "w0"))
+    print(f"restart: {counts}, sub stats {sub.stats}")
+    assert sub.views[(MODEL, "w0")].epoch == new.epoch
+    assert sub.stats["epoch_changes"] == 1 and counts["resets"] == 2
+    await close_all(new, sub)
+
+
+def _garbage(rnd: random.Random, epoch: str, good: bytes) -> tuple[bytes, dict | None]:
+    """One malformed event message of a random kind."""
+    kind = rnd.randrange(8)
+    seq = str(rnd.randrange(0, 1000))
+    hdrs = {"Kv-Seq": seq, "Kv-Epoch": epoch, "Content-Type": "application/msgpack"}
+    if kind == 0:
+        return os.urandom(rnd.randrange(1, 200)), None
+    if kind == 1:
+        return good[: rnd.randrange(1, len(good) - 1)], hdrs
+    if kind == 2:
+        wrong = rnd.choice([{"a": 1}, [1, 2, 3], ["ts", "events"], [1.0, [{"type": "BlockStored"}]], 7, None])
+        return msgspec.msgpack.encode(wrong), hdrs
+    if kind == 3:
+        return good, {"Kv-Epoch": epoch}  # no seq
+    if kind == 4:
+        return good, {"Kv-Seq": rnd.choice(["abc", "-5", "", "1.5"]), "Kv-Epoch": epoch}
+    if kind == 5:
+        return good, {"Kv-Seq": seq, "Kv-Epoch": epoch, "Content-Type": "text/plain"}
+    if kind == 6:
+        return os.urandom(rnd.randrange(1, 200)), hdrs
+    return good, {"Kv-Seq": seq}  # no epoch
+
+
+@pytest.mark.timeout(180)
+async def test_malformed_messages_counted_and_skipped(nats_server):
+    sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="junk")).start()
+    pubs = await start_workers(nats_server, 2, subject_prefix="junk")
+    engines = {(MODEL, p.config.worker_id): Engine(p, 20_000, seed=40 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
+    for e in engines.values():
+        e.start()
+    good = encode_batch(KVEventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None)]))
+    rnd = random.Random(7)
+    nc = await nats.connect(nats_server.url)
+    n = 10_000
+    for i in range(n - 1):
+        p = pubs[i % 2]
+        payload, hdrs = _garbage(rnd, p.epoch, good)
+        await nc.publish(p.subjects.events, payload, headers=hdrs)
+        if i % 500 == 0:
+            await asyncio.sleep(0.01)
+    await nc.publish(pubs[0].subjects.events, os.urandom(1_000_000), headers={"Kv-Seq": "3", "Kv-Epoch": pubs[0].epoch})
+    await nc.flush()
+    await nc.close()
+    for e in engines.values():
+        await asyncio.to_thread(e.finish)
+    await wait_until(lambda: sub.stats["malformed"] >= n, 30, "all malformed messages counted")
+    await wait_until(lambda: views_match(sub, engines), 60, "views == pools despite garbage")
+    print(f"malformed: {sub.stats}")
+    assert sub.stats["malformed"] == n
+    await close_all(*pubs, sub)

@@ -1,0 +1,618 @@
+import threading
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvbridge
+from kvbridge import BlockPool, KVCacheManager
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+
+
+def chain(tokens, block_size, lora_name=None, **kw):
+    """Event hashes of a whole sequence, from its start: what incremental hashing must equal.
+    LoRA salts each block's hash through extra keys ``(lora_name,)``, as vLLM does."""
+    extra = None if lora_name is None else [(lora_name,)] * (len(tokens) // block_size)
+    return kvbridge.hash_blocks(tokens, block_size, extra_keys=extra, **kw)
+
+
+class View:
+    """A consumer's replay of the event stream into a plain dict, checking the stream's rules."""
+
+    def __init__(self):
+        self.blocks = {}  # hash -> (parent, token_ids, lora_name, lora_id)
+
+    def apply(self, event, block_size):
+        if isinstance(event, BlockStored):
+            assert event.block_size == block_size
+            assert len(event.token_ids) == block_size * len(event.block_hashes)
+            parent = event.parent_block_hash
+            assert parent is None or parent in self.blocks, "parent not stored, or removed since"
+            if event.lora_name is None:
+                assert event.extra_keys is None
+            else:
+                assert event.extra_keys == [(event.lora_name,)] * len(event.block_hashes)
+            for i, h in enumerate(event.block_hashes):
+                assert h not in self.blocks, "hash stored twice without a removal between"
+                toks = event.token_ids[i * block_size : (i + 1) * block_size]
+                self.blocks[h] = (parent, toks, event.lora_name, event.lora_id)
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                assert h in self.blocks, "removal of a hash that is not stored"
+                del self.blocks[h]
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            self.blocks.clear()
+
+    def apply_all(self, events, block_size):
+        for event in events:
+            self.apply(event, block_size)
+        return self
+
+
+class RefModel:
+    """The pool's rules restated with plain lists and linear scans (slow, obviously right)."""
+
+    def __init__(self, num_blocks, block_size):
+        self.n, self.bs = num_blocks, block_size
+        self.ref = [0] * num_blocks
+        self.hash = [None] * num_blocks
+        self.free = list(range(num_blocks))  # head (evicted first) at index 0
+        self.holders = {}  # hash -> block ids holding it, oldest first; keys = cached set
+        self.reqs = {}  # rid -> [blocks, tokens, lora_name, lora_id]
+        self.events = []
+
+    def _new_blocks(self, count):
+        out, removed = [], []
+        for _ in range(count):
+            b = self.free.pop(0)
+            h = self.hash[b]
+            if h is not None:
+                self.holders[h].remove(b)
+                if not self.holders[h]:
+                    del self.holders[h]
+                    removed.append(h)
+                self.hash[b] = None
+            self.ref[b] = 1
+            out.append(b)
+        if removed:
+            self.events.append(BlockRemoved(block_hashes=removed, medium="GPU"))
+        return out
+
+    def _cache(self, blocks, tokens, first, lora_name, lora_id):
+        """Blocks[first:] of the request are full now; tokens are the request's tokens."""
+        hashes = chain(tokens, self.bs, lora_name)
+        runs = []
+        for i in range(first, len(hashes)):
+            b, h = blocks[i], hashes[i]
+            self.hash[b] = h
+            is_new = h not in self.holders
+            self.holders.setdefault(h, []).append(b)
+            if is_new:
+                if runs and runs[-1][1] == i:
+                    runs[-1][1] = i + 1
+                else:
+                    runs.append([i, i + 1])
+        for start, end in runs:
+            self.events.append(
+                BlockStored(
+                    block_hashes=hashes[start:end],
+                    parent_block_hash=hashes[start - 1] if start else None,
+                    token_ids=tokens[start * self.bs : end * self.bs],
+                    block_size=self.bs,
+                    lora_id=lora_id,
+                    medium="GPU",
+                    lora_name=lora_name,
+                    extra_keys=None if lora_name is None else [(lora_name,)] * (end - start),
+                )
+            )
+
+    def allocate(self, rid, tokens, lora_name, lora_id):
+        hashes = chain(tokens, self.bs, lora_name)
+        hit = []
+        for h in hashes:
+            if h not in self.holders:
+                break
+            hit.append(self.holders[h][0])
+        total = -(-len(tokens) // self.bs)
+        if total - len(hit) + sum(self.ref[b] == 0 for b in hit) > len(self.free):
+            return None
+        for b in hit:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+        blocks = hit + self._new_blocks(total - len(hit))
+        self._cache(blocks, tokens, len(hit), lora_name, lora_id)
+        self.reqs[rid] = [blocks, list(tokens), lora_name, lora_id]
+        return len(hit) * self.bs
+
+    def append(self, rid, new):
+        blocks, tokens, lora_name, lora_id = self.reqs[rid]
+        total = -(-(len(tokens) + len(new)) // self.bs)
+        if total - len(blocks) > len(self.free):
+            return False
+        first = len(tokens) // self.bs
+        tokens += new
+        blocks += self._new_blocks(max(total - len(blocks), 0))
+        self._cache(blocks, tokens, first, lora_name, lora_id)
+        return True
+
+    def free_request(self, rid):
+        blocks = self.reqs.pop(rid)[0]
+        fresh = []
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.hash[b] is None:
+                    fresh.append(b)
+                else:
+                    self.free.append(b)
+        self.free[:0] = fresh
+
+    def reset(self):
+        if len(self.free) != self.n:
+            return False
+        self.hash = [None] * self.n
+        self.holders = {}
+        self.events.append(AllBlocksCleared())
+        return True
+
+
+# Few distinct tokens, small blocks and a small pool: shared prefixes, duplicate blocks,
+# evictions and failed allocations all happen within a few steps.
+SYSTEM_PROMPTS = [[7, 7, 1, 2, 3, 1], [7, 7, 1, 3], [5, 6]]
+tokens_st = st.lists(st.integers(0, 3), max_size=9)
+prompt_st = st.tuples(st.sampled_from(SYSTEM_PROMPTS + [[]]), tokens_st).map(
+    lambda t: t[0] + t[1]
+).filter(bool)
+lora_st = st.sampled_from([None, None, "adapter-a"])
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4))
+    def setup(self, num_blocks, block_size):
+        self.bs = block_size
+        self.mgr = KVCacheManager(num_blocks, block_size)
+        self.ref = RefModel(num_blocks, block_size)
+        self.view = View()
+        self.next_id = 0
+
+    def _sync(self):
+        events = self.mgr.take_events()
+        assert events == self.ref.events
+        self.ref.events = []
+        self.view.apply_all(events, self.bs)
+
+    @precondition(lambda self: len(self.ref.reqs) < 5)
+    @rule(prompt=prompt_st, lora=lora_st)
+    def allocate(self, prompt, lora):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        lora_id = None if lora is None else 3
+        expected_hit = 0
+        for h in chain(prompt, self.bs, lora):
+            if h not in self.view.blocks:
+                break
+            expected_hit += self.bs
+        got = self.mgr.allocate(rid, prompt, lora_name=lora, lora_id=lora_id)
+        assert got == self.ref.allocate(rid, prompt, lora, lora_id)
+        if got is not None:
+            assert got == expected_hit, "cached tokens != longest cached prefix"
+        self._sync()
+
+    @precondition(lambda self: 0 < len(self.ref.reqs) < 5)
+    @rule(data=st.data())
+    def fork(self, data):
+        # Parallel sampling: a second request with the same tokens so far.
+        rid = data.draw(st.sampled_from(sorted(self.ref.reqs)))
+        _, tokens, lora, _ = self.ref.reqs[rid]
+        self.allocate(list(tokens), lora)
+
+    def _append(self, rid, new):
+        ok = self.mgr.append(rid, new)
+        assert ok == self.ref.append(rid, new)
+        if not ok:  # out of blocks: preempt, as an engine would
+            self.mgr.free(rid)
+            self.ref.free_request(rid)
+
+    @precondition(lambda self: len(self.ref.reqs) > 0)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=5))
+    def append(self, data, new):
+        self._append(data.draw(st.sampled_from(sorted(self.ref.reqs))), new)
+        self._sync()
+
+    @precondition(lambda self: len(self.ref.reqs) > 1)
+    @rule(new=st.lists(st.integers(0, 1), min_size=1, max_size=3))
+    def decode_step(self, new):
+        # Every running request produces the same tokens: requests with equal histories fill
+        # equal blocks in their own block ids, the duplicate-copy case.
+        for rid in sorted(self.ref.reqs):
+            self._append(rid, new)
+        self._sync()
+
+    @precondition(lambda self: len(self.ref.reqs) > 0)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ref.reqs)))
+        self.mgr.free(rid)
+        self.ref.free_request(rid)
+        self._sync()
+
+    @precondition(lambda self: len(self.ref.holders) > 0 and len(self.ref.reqs) <= 1)
+    @rule()
+    def reset(self):
+        assert self.mgr.reset() == self.ref.reset()
+        self._sync()
+
+    @invariant()
+    def same_state(self):
+        pool = self.mgr.pool
+        assert set(pool.cached_block_hashes()) == set(self.view.blocks) == set(self.ref.holders)
+        assert pool.num_free_blocks == len(self.ref.free)
+        assert pool.free_block_ids() == self.ref.free
+        for rid, (blocks, tokens, _, _) in self.ref.reqs.items():
+            assert self.mgr.get_block_ids(rid) == blocks
+            assert self.mgr.num_tokens(rid) == len(tokens)
+        for b in pool.blocks:
+            assert b.ref_cnt == self.ref.ref[b.block_id]
+            assert b.block_hash == self.ref.hash[b.block_id]
+
+    @invariant()
+    def prefix_closed(self):
+        # A cached block's parent is cached too, which is what lets snapshot() order parents
+        # first and lets a new consumer place every snapshot block.
+        for parent, _, _, _ in self.view.blocks.values():
+            assert parent is None or parent in self.view.blocks
+
+    @invariant()
+    def snapshot_reproduces_view(self):
+        snap = self.mgr.snapshot()
+        replayed = View().apply_all(snap, self.bs)  # View checks parents-before-children
+        assert replayed.blocks == self.view.blocks
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+TestPoolStateMachine = PoolMachine.TestCase
+
+
+# --- targeted behaviour ----------------------------------------------------------------------
+
+
+def stored(events):
+    return [e for e in events if isinstance(e, BlockStored)]
+
+
+def test_allocate_reports_cached_prefix_and_stores_one_event_per_call():
+    m = KVCacheManager(16, 4)
+    prompt = list(range(10))
+    assert m.allocate("a", prompt) == 0
+    (ev,) = m.take_events()
+    hashes = chain(prompt, 4)
+    assert ev == BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=prompt[:8],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    assert m.allocate("b", prompt[:9] + [99, 98, 97, 96]) == 8
+    (ev,) = m.take_events()
+    assert ev.parent_block_hash == hashes[-1]
+    assert ev.block_hashes == chain(prompt[:9] + [99, 98, 97, 96], 4)[2:]
+    assert m.get_block_ids("b")[:2] == m.get_block_ids("a")[:2]
+
+
+def test_append_hashes_incrementally_and_equals_whole_sequence_hash():
+    m = KVCacheManager(32, 4)
+    seq = list(range(100, 131))
+    m.allocate("a", seq[:5])
+    for i in range(5, len(seq), 3):
+        assert m.append("a", seq[i : i + 3])
+    events = stored(m.take_events())
+    assert [h for e in events for h in e.block_hashes] == chain(seq, 4)
+    assert [t for e in events for t in e.token_ids] == seq[: len(seq) // 4 * 4]
+    for prev, ev in zip(events, events[1:]):
+        assert ev.parent_block_hash == prev.block_hashes[-1]
+
+
+class SpyHasher:
+    """Wraps a native BlockHasher, logging how many tokens and blocks each update carries."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def update(self, tokens, extra_keys=None, **kw):
+        out = self.inner.update(tokens, extra_keys, **kw)
+        self.log.append((len(tokens), len(out)))
+        return out
+
+    def copy(self):
+        return SpyHasher(self.inner.copy(), [])
+
+    @property
+    def num_pending(self):
+        return self.inner.num_pending
+
+
+@pytest.mark.parametrize("lora", [None, "x"])
+def test_each_token_goes_to_the_native_hash_once(monkeypatch, lora):
+    m = KVCacheManager(64, 4)
+    log = []
+    real = m.pool.new_hasher
+    monkeypatch.setattr(m.pool, "new_hasher", lambda *a, **k: SpyHasher(real(*a, **k), log))
+    m.allocate("a", list(range(18)), lora_name=lora)  # 4 full blocks, one call
+    for t in range(40):
+        m.append("a", [t])
+    assert len(log) == 41 and sum(n for n, _ in log) == 58  # one call each, never from the start
+    assert log[0][1] == 4 and sum(b for _, b in log) == 58 // 4
+    assert [h for e in stored(m.take_events()) for h in e.block_hashes] == chain(
+        list(range(18)) + list(range(40)), 4, lora
+    )
+
+
+def test_lru_eviction_tail_first_and_one_removal_per_reuse():
+    m = KVCacheManager(4, 2)
+    m.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8])  # 4 blocks, all cached
+    h = chain([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    m.free("a")
+    m.take_events()
+    assert m.allocate("b", [9, 9, 9]) == 0  # needs 2 blocks: the chain's last two go
+    events = m.take_events()
+    assert events[0] == BlockRemoved(block_hashes=[h[3], h[2]], medium="GPU")
+    assert isinstance(events[1], BlockStored) and len(events) == 2
+    # The surviving head of the chain is still a hit.
+    m.free("b")
+    assert m.allocate("c", [1, 2, 3, 4, 0]) == 4
+
+
+def test_uncached_blocks_are_reused_before_cached_ones():
+    m = KVCacheManager(4, 4)
+    m.allocate("a", [1, 2, 3, 4, 5])  # one cached block, one partial
+    m.free("a")
+    m.take_events()
+    assert m.allocate("b", [9]) == 0
+    assert m.take_events() == []  # it got the partial block; nothing evicted
+    assert m.allocate("c", [1, 2, 3, 4]) == 4
+
+
+def test_free_prefix_hits_count_against_free_blocks():
+    m = KVCacheManager(3, 2)
+    m.allocate("a", [1, 2, 3, 4, 5, 6])
+    m.free("a")
+    # Hitting 3 free blocks takes them all; one more block is needed and none is left.
+    assert m.allocate("b", [1, 2, 3, 4, 5, 6, 7]) is None
+    assert m.allocate("b", [1, 2, 3, 4, 5, 6]) == 6
+
+
+def test_failed_allocate_and_append_change_nothing():
+    m = KVCacheManager(3, 2)
+    m.allocate("a", [1, 2, 3, 4])
+    m.take_events()
+    free = m.pool.num_free_blocks
+    assert m.allocate("b", [5, 6, 7, 8, 9, 10]) is None
+    assert "b" not in m and m.take_events() == [] and m.pool.num_free_blocks == free
+    assert m.append("a", [5, 6, 7]) is False
+    assert m.num_tokens("a") == 4 and m.take_events() == []
+    assert m.append("a", [5, 6]) is True
+
+
+def test_duplicate_blocks_are_reported_once_and_removed_with_their_last_copy():
+    m = KVCacheManager(8, 2)
+    m.allocate("a", [1])
+    m.allocate("b", [1])
+    m.append("a", [2, 3, 4])
+    m.append("b", [2, 3, 4])  # same tokens in its own blocks: no second BlockStored
+    events = m.take_events()
+    assert len(stored(events)) == 1 and len(stored(events)[0].block_hashes) == 2
+    assert set(m.get_block_ids("a")).isdisjoint(m.get_block_ids("b"))
+    m.free("a")
+    m.allocate("c", [9] * 12)  # takes every free block, a's copies last: b still holds both
+    removed = [h for e in m.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert removed == []
+    assert m.allocate("d", [1, 2, 3, 4, 5]) is None  # out of blocks, but the hit is there
+    m.free("c")
+    assert m.allocate("d", [1, 2, 3, 4, 5]) == 4
+    assert m.get_block_ids("d")[:2] == m.get_block_ids("b")[:2]
+
+
+def test_the_oldest_remaining_copy_takes_over():
+    m = KVCacheManager(9, 2)
+    for rid in "abc":
+        m.allocate(rid, [1])
+    for rid in "abc":
+        m.append(rid, [2])  # three blocks hold one hash, a's first
+    a, b, c = (m.get_block_ids(rid)[0] for rid in "abc")
+    m.free("a")
+    m.allocate("fill", [9] * 14)  # all seven free blocks, a's copy last
+    m.free("c")
+    m.free("b")
+    assert m.allocate("d", [1, 2, 3]) == 2
+    assert m.get_block_ids("d")[0] == b
+
+
+def test_reset_only_when_no_block_is_in_use():
+    m = KVCacheManager(4, 2)
+    m.allocate("a", [1, 2, 3])
+    m.take_events()
+    assert m.reset() is False and m.take_events() == []
+    m.free("a")
+    assert m.reset() is True
+    assert m.take_events() == [AllBlocksCleared()]
+    assert m.snapshot() == [] and m.pool.num_cached_blocks == 0
+    assert m.allocate("b", [1, 2, 3]) == 0
+
+
+def test_lora_salts_the_hash_and_fills_the_event():
+    m = KVCacheManager(16, 2)
+    m.allocate("base", [1, 2, 3, 4])
+    assert m.allocate("a", [1, 2, 3, 4], lora_name="adapter-a") == 0
+    assert m.allocate("a2", [1, 2, 3, 4], lora_name="adapter-a") == 4
+    assert m.allocate("b", [1, 2], lora_name="adapter-b", lora_id=42) == 0
+    assert m.allocate("a3", [1, 2], lora_name="adapter-a") == 2
+    base, a, b = stored(m.take_events())
+    assert a.block_hashes == chain([1, 2, 3, 4], 2, "adapter-a") != base.block_hashes
+    assert (a.lora_name, a.lora_id, a.extra_keys) == ("adapter-a", 1, [("adapter-a",)] * 2)
+    assert (b.lora_name, b.lora_id) == ("adapter-b", 42)
+    assert (base.lora_name, base.lora_id, base.extra_keys) == (None, None, None)
+    snap = m.snapshot()
+    assert [(e.lora_name, e.lora_id) for e in snap] == [
+        (None, None),
+        ("adapter-a", 1),
+        ("adapter-b", 42),
+    ]
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_vllm_algorithms_publish_the_digest_tail_and_chain_on_full_digests(algo):
+    m = KVCacheManager(16, 4, algo=algo, seed="test-seed")
+    seq = list(range(23))
+    m.allocate("a", seq[:6], lora_name="lora-x")
+    m.append("a", seq[6:])
+    extra = [("lora-x",)] * 5
+    digests = kvbridge.hash_blocks(
+        seq, 4, algo=algo, seed="test-seed", as_bytes=True, extra_keys=extra
+    )
+    events = stored(m.take_events())
+    assert [h for e in events for h in e.block_hashes] == [
+        int.from_bytes(d[-8:], "big") for d in digests
+    ]
+    assert events[0].extra_keys == [("lora-x",)]
+    assert m.allocate("b", seq[:9], lora_name="lora-x") == 8
+    # The pool keeps each cached block's full digest, so a chain can continue from it.
+    h = m.pool.new_hasher(after=events[-1].block_hashes[-1])
+    assert h.parent == digests[-1]
+
+
+def test_a_chain_continues_from_a_cached_block():
+    m = KVCacheManager(16, 4)
+    seq = list(range(40))
+    m.allocate("a", seq[:12])
+    third = chain(seq, 4)[2]
+    rest, _ = m.pool.hash_tokens(m.pool.new_hasher(after=third), seq[12:])
+    assert rest == chain(seq, 4)[3:]
+    with pytest.raises(KeyError, match="not cached"):
+        m.pool.new_hasher(after=12345)
+
+
+def test_dynamo_algorithms():
+    with pytest.raises(ValueError, match="dynamo_seq"):
+        KVCacheManager(4, 4, algo="dynamo")
+    m = KVCacheManager(8, 4, algo="dynamo_seq")
+    seq = list(range(12))
+    m.allocate("a", seq, lora_name="x")
+    (ev,) = m.take_events()
+    assert ev.block_hashes == kvbridge.hash_blocks(seq, 4, algo="dynamo_seq", lora_name="x")
+    assert (ev.lora_name, ev.extra_keys) == ("x", None)  # Dynamo salts with the name itself
+
+
+def test_snapshot_merges_chains_and_replays_to_the_cached_set():
+    m = KVCacheManager(64, 2)
+    m.allocate("a", list(range(20)))
+    m.allocate("b", list(range(10)) + [50, 51, 52, 53])
+    m.allocate("c", [7, 7, 7, 7], lora_name="x")
+    view = View().apply_all(m.take_events(), 2)
+    snap = m.snapshot()
+    assert len(snap) == 3  # a's chain, b's branch off it, c's chain
+    assert View().apply_all(snap, 2).blocks == view.blocks
+    # The wire format is unchanged: a snapshot encodes like any batch.
+    encode_batch(KVEventBatch(ts=0.0, events=snap))
+
+
+def test_events_disabled():
+    m = KVCacheManager(4, 2, enable_events=False)
+    m.allocate("a", [1, 2, 3])
+    m.free("a")
+    assert m.reset() and m.take_events() == []
+
+
+def test_medium_is_carried_into_events():
+    m = KVCacheManager(2, 2, medium="CPU")
+    m.allocate("a", [1, 2, 3, 4])
+    m.free("a")
+    m.allocate("b", [5, 6])
+    assert {e.medium for e in m.take_events()} == {"CPU"}
+
+
+def test_misuse_raises_clear_errors():
+    m = KVCacheManager(8, 2)
+    m.allocate("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="already allocated"):
+        m.allocate("a", [1])
+    for call in (lambda: m.append("x", [1]), lambda: m.free("x"), lambda: m.get_block_ids("x")):
+        with pytest.raises(KeyError, match="unknown request id 'x'"):
+            call()
+    with pytest.raises(ValueError, match="empty"):
+        m.allocate("b", [])
+    with pytest.raises(ValueError, match="index 1 is -1"):
+        m.allocate("b", [1, -1, 3])  # in a full block
+    with pytest.raises(ValueError, match="index 2 is 4294967296"):
+        m.allocate("b", [1, 2, 2**32])  # in the partial tail
+    with pytest.raises(TypeError):
+        m.allocate("b", ["x"])
+    with pytest.raises(ValueError, match="index 0 is -5"):
+        m.append("a", [-5, 1])  # completes a block
+    with pytest.raises(ValueError, match="index 1 is 4294967296"):
+        m.append("a", [1, 2**32])  # second token lands in a new partial block
+    m2 = KVCacheManager(1, 2)
+    m2.allocate("a", [1, 2])
+    with pytest.raises(ValueError, match="index 0 is -1"):
+        m2.append("a", [-1])  # no block left, but a bad token is still an error
+    with pytest.raises(TypeError, match="lora_name"):
+        m.allocate("b", [1], lora_name=5)
+    assert "b" not in m and m.num_tokens("a") == 3 and m2.append("a", [3]) is False
+    assert m.append("a", [4]) and m.num_tokens("a") == 4
+    with pytest.raises(ValueError, match="positive"):
+        KVCacheManager(0, 16)
+    with pytest.raises(ValueError, match="positive"):
+        BlockPool(4, 0)
+    with pytest.raises(ValueError):
+        BlockPool(4, 4, algo="nope")
+
+
+def test_numpy_and_array_inputs():
+    np = pytest.importorskip("numpy")
+    import array
+
+    m = KVCacheManager(8, 2)
+    m.allocate("a", np.arange(5, dtype=np.int64))
+    m.append("a", array.array("I", [5, 6]))
+    assert [t for e in stored(m.take_events()) for t in e.token_ids] == list(range(6))
+
+
+def test_snapshot_from_another_thread_while_the_engine_mutates():
+    m = KVCacheManager(64, 4)
+    stop = threading.Event()
+    errors = []
+
+    def engine():
+        i = 0
+        while not stop.is_set():
+            rid = i % 8
+            if rid in m:
+                m.free(rid)
+            m.allocate(rid, [i % 5] * 8 + list(range(i % 13)))
+            m.append(rid, [1, 2, 3])
+            i += 1
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        for _ in range(200):
+            snap = m.snapshot()
+            try:
+                View().apply_all(snap, 4)
+            except AssertionError as exc:
+                errors.append(exc)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
