@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -657,3 +658,11 @@ def test_refcounts_unchanged():
         hash_blocks(tokens, 16, algo=algo, extra_keys=keys)
     del keys
     assert ([sys.getrefcount(t) for t in tokens[:3]], sys.getrefcount(key)) == before
+
+
+def test_stable_api_path_identical():
+    """Lists of ints are read from CPython's layout where it is known; the API path agrees."""
+    env = {**os.environ, "KVBRIDGE_ENCODE_STABLE_API": "1", "KVBRIDGE_VECTORS": str(vectors_dir())}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not stable_api"]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

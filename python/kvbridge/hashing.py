@@ -47,7 +47,9 @@ the same str/bytes/tuple object twice in one block's key pickles as a back-refer
 reproduced exactly. Subclasses (namedtuple, enums) and floats are rejected rather than guessed.
 
 Tokens: list/tuple of int, array.array, numpy arrays or any 1-D buffer of 32- or 64-bit ints
-(numpy is never imported), or any iterable of ints. Ids must lie in 0..2**32-1.
+(numpy is never imported), or any iterable of ints. Ids must lie in 0..2**32-1. A list's ints are
+read straight from CPython's int layout on the versions where it is known and self-tested (as the
+batch encoder does); ``KVBRIDGE_ENCODE_STABLE_API=1`` forces the C API for both.
 Long inputs (64k tokens and more) are hashed with the GIL released.
 
 ``BlockHasher`` keeps one sequence's chain state for the block pool: ``update(tokens)`` returns the

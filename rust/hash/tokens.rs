@@ -1,4 +1,5 @@
-//! Token ids from Python: list/tuple of int (read as PyLongs, no per-element Python calls),
+//! Token ids from Python: list/tuple of int (no per-element Python calls; a list's ints are read
+//! from CPython's own layout where `encode::cpython` vouches for it, else through the C API),
 //! any 1-D buffer of 32- or 64-bit ints (array.array, numpy, memoryview; no numpy import),
 //! or any other iterable of ints. Every id must be in 0..2**32-1.
 
@@ -8,6 +9,9 @@ use std::ptr::addr_of_mut;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+use crate::encode::cpython::{self, Layout};
 
 use super::buffer::Buffer;
 use super::scratch::Recycled;
@@ -71,27 +75,56 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     Ok(Tokens::Owned(out))
 }
 
-/// Converts a list or tuple, fetching each item by index: a non-int's __index__ may mutate the
-/// list, so no item pointer is kept across items.
+/// Converts a list or tuple. Lists of exact ints are read straight from CPython's layout where
+/// encode's self-tested reader vouches for it; everything else fetches item by item through the
+/// API, by index, because a non-int's __index__ may mutate the list under us.
 fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
     let (py, ptr) = (seq.py(), seq.as_ptr());
     let mut out = Recycled::take(&POOL);
-    // SAFETY: ptr is a live list or tuple; GetItem bounds-checks and returns a borrowed item,
-    // used before any Python code can run.
+    // SAFETY: ptr is a live list or tuple. Item pointers (from the item array or GetItem, which
+    // bounds-checks) are only used until the next call that can run Python code.
     unsafe {
         let is_list = ffi::PyList_Check(ptr) != 0;
-        let n = if is_list { ffi::PyList_Size(ptr) } else { ffi::PyTuple_Size(ptr) };
-        out.reserve(n as usize);
-        for i in 0..n {
-            let p = if is_list { ffi::PyList_GetItem(ptr, i) } else { ffi::PyTuple_GetItem(ptr, i) };
+        let n = if is_list { ffi::PyList_Size(ptr) } else { ffi::PyTuple_Size(ptr) } as usize;
+        out.reserve(n);
+        let layout = if is_list { layout(py) } else { Layout::Api };
+        if let Some(items) = cpython::list_items(layout, ptr) {
+            read_exact_ints(layout, items, &mut out);
+        }
+        for i in out.len()..n {
+            let p = if is_list {
+                ffi::PyList_GetItem(ptr, i as isize)
+            } else {
+                ffi::PyTuple_GetItem(ptr, i as isize)
+            };
             if p.is_null() {
                 // The list shrank under a user __index__.
                 return Err(PyErr::fetch(py));
             }
-            out.push(token(py, p, i as usize)?);
+            out.push(token(py, p, i)?);
         }
     }
     Ok(out)
+}
+
+/// Appends exact ints in range from the start of `items`; stops at the first other item, which
+/// the caller converts (and reports) through the API.
+#[inline(always)]
+unsafe fn read_exact_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) {
+    for &p in items {
+        if ffi::Py_TYPE(p) != addr_of_mut!(ffi::PyLong_Type) {
+            return;
+        }
+        match cpython::int_parts(layout, p) {
+            Some((false, v)) if v <= u32::MAX as u64 => out.push(v as u32),
+            _ => return,
+        }
+    }
+}
+
+fn layout(py: Python<'_>) -> Layout {
+    static LAYOUT: PyOnceLock<Layout> = PyOnceLock::new();
+    *LAYOUT.get_or_init(py, || cpython::detect(py))
 }
 
 /// One token from a Python object; exact ints take the fast path.
