@@ -13,6 +13,7 @@ anchors included, runs on the calling thread).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import pickle
@@ -95,13 +96,19 @@ def xxhash_loop(tokens, block_size):
 # --- measurement ------------------------------------------------------------------------------
 
 def best_times(fns: dict, rounds: int) -> dict:
-    """Best thread CPU time per function, alternating them so load changes hit all alike."""
+    """Best thread CPU time per function, alternating them so load changes hit all alike.
+
+    As timeit does, the cyclic GC is off while timing: otherwise the garbage one function leaves
+    (vLLM's chain makes tuples by the million) is collected on the next one's clock."""
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
+            gc.disable()
             t = time.thread_time()
             fn()
-            best[name] = min(best[name], time.thread_time() - t)
+            elapsed = time.thread_time() - t
+            gc.enable()
+            best[name] = min(best[name], elapsed)
     return best
 
 
