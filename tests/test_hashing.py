@@ -303,6 +303,7 @@ def test_out_buffer():
         assert out[:10].tolist() == want and out[10:].tolist() == [0, 0]
         q = array.array("Q", [0] * 10)
         assert hash_blocks(tokens.tolist(), 16, algo=algo, out=q) == 10 and q.tolist() == want
+        assert hash_blocks(tokens[:15], 16, algo=algo, out=array.array("Q")) == 0
 
 
 def test_out_buffer_errors():
@@ -396,7 +397,13 @@ scalars = (
     | st.binary(max_size=20)
     | st.sampled_from(["lora-a", b"mm", ("shared", 1)])  # repeated objects: pickle BINGETs
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=12)
+
+
+def tuples_of(inner):
+    return st.lists(inner, max_size=5).map(tuple)
+
+
+values = st.recursive(scalars, tuples_of, max_leaves=12)
 extra_key = st.none() | st.lists(values, max_size=5).map(tuple)
 
 

@@ -51,9 +51,10 @@ impl<'py> Output<'py> {
                     *next += 1;
                 }
             }
+            Output::Buffer { .. } if digests.is_empty() => {}
             Output::Buffer { buffer, next } => {
                 // SAFETY: out_buffer checked an aligned, contiguous, writable u64 buffer with room
-                // for every block; the export is held.
+                // for every block (so it is not empty here); the export is held.
                 let dst = unsafe { std::slice::from_raw_parts_mut(buffer.ptr() as *mut u64, buffer.len()) };
                 for (slot, d) in dst[*next..].iter_mut().zip(digests) {
                     *slot = d.event_hash();
@@ -82,7 +83,10 @@ fn out_buffer(out: &Bound<'_, PyAny>, n_blocks: usize, as_bytes: bool) -> PyResu
     }
     let buffer = Buffer::get(out, ffi::PyBUF_WRITABLE | ffi::PyBUF_C_CONTIGUOUS)?;
     let native_u64 = buffer.int_layout().is_some_and(|l| l.size == 8 && !l.signed && !l.swap);
-    if !native_u64 || !(buffer.ptr() as usize).is_multiple_of(8) {
+    // An empty export may point anywhere (array.array's is a static byte), so only a buffer that
+    // will be written must be aligned.
+    let aligned = buffer.len() == 0 || (buffer.ptr() as usize).is_multiple_of(8);
+    if !native_u64 || !aligned {
         return Err(PyTypeError::new_err(format!(
             "out must be an aligned native uint64 buffer (numpy uint64, array('Q')), not format '{}'",
             buffer.format()
