@@ -2,12 +2,11 @@
 import array
 import copy
 import hashlib
-import json
 import os
 import pickle
 import struct
+import subprocess
 import sys
-from pathlib import Path
 
 import cbor2
 import pytest
@@ -21,20 +20,6 @@ from kvbridge import ALGORITHMS, BlockHasher, hash_blocks
 
 VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 U64 = 2**64 - 1
-
-
-def vectors_dir() -> Path:
-    beside = Path(__file__).resolve().parents[2] / "shared" / "vectors"
-    if beside.is_dir():
-        return beside
-    env = os.environ.get("KVBRIDGE_VECTORS")
-    if env and Path(env).is_dir():
-        return Path(env)
-    pytest.fail(f"hash vectors not found at {beside} and KVBRIDGE_VECTORS is not set")
-
-
-def load(name):
-    return json.loads((vectors_dir() / name).read_text())["cases"]
 
 
 def as_tuple(x):
@@ -106,8 +91,8 @@ def u64(digest: bytes) -> int:
 
 # --- the shared vectors -----------------------------------------------------------------------
 
-def vllm_cases():
-    return [pytest.param(c, id=f"{c['algo']}-{c['seed']}-bs{c['block_size']}-{i}") for i, c in enumerate(load("vllm_block_hashes.json"))]
+def case_name(case):
+    return f"{case['algo']} seed={case['seed']} bs={case['block_size']}"
 
 
 def case_extra_keys(case):
@@ -115,23 +100,26 @@ def case_extra_keys(case):
     return keys if any(k is not None for k in keys) else None
 
 
-@pytest.mark.parametrize("case", vllm_cases())
-def test_vllm_vectors(case, monkeypatch):
+def test_vllm_vectors(load_vectors, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    kw = dict(algo=case["algo"], seed=case["seed"], extra_keys=case_extra_keys(case))
-    assert hash_blocks(case["tokens"], case["block_size"], **kw) == [b["hash_u64"] for b in case["blocks"]]
-    got = hash_blocks(case["tokens"], case["block_size"], as_bytes=True, **kw)
-    assert [d.hex() for d in got] == [b["hash_hex"] for b in case["blocks"]]
+    cases = load_vectors("vllm_block_hashes.json")["cases"]
+    for case in cases:
+        kw = dict(algo=case["algo"], seed=case["seed"], extra_keys=case_extra_keys(case))
+        got = hash_blocks(case["tokens"], case["block_size"], **kw)
+        assert got == [b["hash_u64"] for b in case["blocks"]], case_name(case)
+        got = hash_blocks(case["tokens"], case["block_size"], as_bytes=True, **kw)
+        assert [d.hex() for d in got] == [b["hash_hex"] for b in case["blocks"]], case_name(case)
+    assert {c["algo"] for c in cases} == set(VLLM_ALGOS)
 
 
-@pytest.mark.parametrize("case", vllm_cases())
-def test_vllm_vectors_seed_from_environment(case, monkeypatch):
-    if case["seed"] == "vllm-none-hash":
-        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    else:
-        monkeypatch.setenv("PYTHONHASHSEED", case["seed"])
-    got = hash_blocks(case["tokens"], case["block_size"], algo=case["algo"], extra_keys=case_extra_keys(case))
-    assert got == [b["hash_u64"] for b in case["blocks"]]
+def test_vllm_vectors_seed_from_environment(load_vectors, monkeypatch):
+    for case in load_vectors("vllm_block_hashes.json")["cases"]:
+        if case["seed"] == "vllm-none-hash":
+            monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONHASHSEED", case["seed"])
+        got = hash_blocks(case["tokens"], case["block_size"], algo=case["algo"], extra_keys=case_extra_keys(case))
+        assert got == [b["hash_u64"] for b in case["blocks"]], case_name(case)
 
 
 def test_explicit_seed_beats_environment(monkeypatch):
@@ -140,14 +128,15 @@ def test_explicit_seed_beats_environment(monkeypatch):
     assert hash_blocks(tokens, 16, algo="sha256", seed="vllm-none-hash") == [u64(d) for d in vllm_ref("sha256", tokens, 16)]
 
 
-@pytest.mark.parametrize("case", load("dynamo_local_hashes.json"), ids=lambda c: f"bs{c['block_size']}-{c['lora_name']}-{c['cache_namespace']}")
-def test_dynamo_vectors(case):
-    kw = dict(lora_name=case["lora_name"], cache_namespace=case["cache_namespace"])
-    assert hash_blocks(case["tokens"], case["block_size"], algo="dynamo", **kw) == case["local_hashes"]
-    got = hash_blocks(case["tokens"], case["block_size"], algo="dynamo", as_bytes=True, **kw)
-    assert got == [h.to_bytes(8, "big") for h in case["local_hashes"]]
-    seq = hash_blocks(case["tokens"], case["block_size"], algo="dynamo_seq", **kw)
-    assert seq == dynamo_seq_ref(case["local_hashes"])
+def test_dynamo_vectors(load_vectors):
+    for case in load_vectors("dynamo_local_hashes.json")["cases"]:
+        kw = dict(lora_name=case["lora_name"], cache_namespace=case["cache_namespace"])
+        name = f"bs={case['block_size']} {kw}"
+        assert hash_blocks(case["tokens"], case["block_size"], algo="dynamo", **kw) == case["local_hashes"], name
+        got = hash_blocks(case["tokens"], case["block_size"], algo="dynamo", as_bytes=True, **kw)
+        assert got == [h.to_bytes(8, "big") for h in case["local_hashes"]], name
+        seq = hash_blocks(case["tokens"], case["block_size"], algo="dynamo_seq", **kw)
+        assert seq == dynamo_seq_ref(case["local_hashes"]), name
 
 
 def test_dynamo_empty_salts_are_absent():
@@ -314,6 +303,7 @@ def test_out_buffer():
         assert out[:10].tolist() == want and out[10:].tolist() == [0, 0]
         q = array.array("Q", [0] * 10)
         assert hash_blocks(tokens.tolist(), 16, algo=algo, out=q) == 10 and q.tolist() == want
+        assert hash_blocks(tokens[:15], 16, algo=algo, out=array.array("Q")) == 0
 
 
 def test_out_buffer_errors():
@@ -407,7 +397,13 @@ scalars = (
     | st.binary(max_size=20)
     | st.sampled_from(["lora-a", b"mm", ("shared", 1)])  # repeated objects: pickle BINGETs
 )
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=12)
+
+
+def tuples_of(inner):
+    return st.lists(inner, max_size=5).map(tuple)
+
+
+values = st.recursive(scalars, tuples_of, max_leaves=12)
 extra_key = st.none() | st.lists(values, max_size=5).map(tuple)
 
 
@@ -611,6 +607,43 @@ def test_errors_leave_block_hasher_unchanged():
     assert h.update([2]) == hash_blocks([1, 2], 2)
 
 
+def test_extra_keys_nested_too_deep():
+    key = ()
+    for _ in range(300):
+        key = (key,)
+    with pytest.raises(ValueError, match=r"extra_keys\[0\]: extra key nested too deeply"):
+        hash_blocks([1], 1, algo="sha256", extra_keys=(key,))
+
+
+def test_reentrant_index_and_shrinking_list():
+    class Reentrant:
+        def __index__(self):
+            hash_blocks(list(range(100)), 4, algo="sha256")  # uses the same per-thread scratch
+            return 5
+
+    assert hash_blocks([Reentrant(), 6], 2, algo="sha256") == hash_blocks([5, 6], 2, algo="sha256")
+
+    tokens = [1, 2, 3, 4]
+
+    class Shrinking:
+        def __index__(self):
+            tokens.clear()
+            return 7
+
+    tokens[1] = Shrinking()
+    with pytest.raises(IndexError):
+        hash_blocks(tokens, 1)
+
+
+def test_threads_do_not_share_state():
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [([(i * k) % 150000 for i in range(70_000 if k % 2 else 3000)], algo) for k in range(1, 9) for algo in ("sha256", "xxh3")]
+    serial = [hash_blocks(t, 16, algo=a) for t, a in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda job: hash_blocks(job[0], 16, algo=job[1]), jobs)) == serial
+
+
 def test_refcounts_unchanged():
     tokens = list(range(10_000, 10_064))
     key = ("k", 10**30)
@@ -620,3 +653,11 @@ def test_refcounts_unchanged():
         hash_blocks(tokens, 16, algo=algo, extra_keys=keys)
     del keys
     assert ([sys.getrefcount(t) for t in tokens[:3]], sys.getrefcount(key)) == before
+
+
+def test_stable_api_path_identical(vectors_dir):
+    """Lists of ints are read from CPython's layout where it is known; the API path agrees."""
+    env = {**os.environ, "KVBRIDGE_ENCODE_STABLE_API": "1", "KVBRIDGE_VECTORS": str(vectors_dir)}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not stable_api"]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]

@@ -42,14 +42,23 @@ hash (int or its 8 bytes). With a parent, ``seed`` only matters through the pare
 ``extra_keys``: None or one entry per full block, each None or a tuple of str/int/bytes/bool/
 None/nested tuples (vLLM: LoRA, multimodal, cache salt keys, as vLLM builds them; Dynamo: the
 block's multimodal object hashes). vLLM algorithms reject ``lora_name``/``cache_namespace``:
-put those in ``extra_keys`` as the engine version does.
+put those in ``extra_keys`` as the engine version does. Pickle memoizes by object identity, so
+the same str/bytes/tuple object twice in one block's key pickles as a back-reference; that is
+reproduced exactly. Subclasses (namedtuple, enums) and floats are rejected rather than guessed.
 
 Tokens: list/tuple of int, array.array, numpy arrays or any 1-D buffer of 32- or 64-bit ints
-(numpy is never imported), or any iterable of ints. Ids must lie in 0..2**32-1.
+(numpy is never imported), or any iterable of ints. Ids must lie in 0..2**32-1. A list's ints are
+read straight from CPython's int layout on the versions where it is known and self-tested (as the
+batch encoder does); ``KVBRIDGE_ENCODE_STABLE_API=1`` forces the C API for both.
 Long inputs (64k tokens and more) are hashed with the GIL released.
 
 ``BlockHasher`` keeps one sequence's chain state for the block pool: ``update(tokens)`` returns the
 hashes of the blocks those tokens complete and keeps the partial block for the next call.
+
+    >>> hash_blocks(prompt_ids, 16, algo="sha256")            # vLLM's default, as event hashes
+    >>> d = hash_blocks(prompt_ids, 16, algo="sha256", as_bytes=True)
+    >>> hash_blocks(more_ids, 16, algo="sha256", parent=d[-1])  # continue the chain
+    >>> h = BlockHasher(16, algo="sha256"); h.update(prompt_ids); h.update([next_token])
 """
 from kvbridge._native import ALGORITHMS, BlockHasher, hash_blocks
 

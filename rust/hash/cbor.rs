@@ -35,9 +35,8 @@ pub fn head(out: &mut Vec<u8>, major: u8, n: u64) {
     }
 }
 
-/// `[parent, [tokens...], extra]` into `out` (cleared first).
+/// Appends `[parent, [tokens...], extra]` to `out`.
 pub fn block(out: &mut Vec<u8>, parent: &[u8], tokens: &[u32], extra: Option<&Value>) {
-    out.clear();
     head(out, ARRAY, 3);
     head(out, BYTES, parent.len() as u64);
     out.extend_from_slice(parent);

@@ -44,27 +44,30 @@ const MEMOIZE: u8 = 0x94;
 const BINGET: u8 = b'h';
 const LONG_BINGET: u8 = b'j';
 
-/// Reusable pickler: one buffer and memo for a whole chain, so hashing a block allocates nothing.
+/// Reusable pickler state (memo, frame position), so pickling a block allocates nothing.
+/// It writes at the end of a caller's buffer: frame positions are absolute indices into it.
 #[derive(Default, Clone)]
 pub struct Pickler {
     buf: Vec<u8>,
     frame_start: Option<usize>,
-    framing: bool,
     /// Identities in memo order: the memo index is the position.
     memo: Vec<Id>,
 }
 
 impl Pickler {
-    /// The pickle of `(parent, tuple(tokens), extra)`. `parent_id` is the identity of the parent
-    /// object if the caller handed us one (it could reappear inside `extra`), else 0.
+    /// Appends the pickle of `(parent, tuple(tokens), extra)` to `out`. `parent_id` is the
+    /// identity of the parent object if the caller handed us one (it could reappear inside
+    /// `extra`), else 0.
     pub fn block(
         &mut self,
+        out: &mut Vec<u8>,
         parent: &[u8],
         parent_id: Id,
         tokens: &[u32],
         extra: Option<&Value>,
-    ) -> &[u8] {
-        self.begin(parent.len() + tokens.len() * 6 + 32);
+    ) {
+        std::mem::swap(&mut self.buf, out);
+        self.begin(parent.len() + tokens.len() * MAX_TOKEN_BYTES + 32);
         self.boundary();
         self.save_bytes(parent, parent_id);
         self.save_tokens(tokens);
@@ -74,30 +77,30 @@ impl Pickler {
         }
         self.write(&[TUPLE3]);
         self.memoize(0);
-        self.finish()
+        self.finish();
+        std::mem::swap(&mut self.buf, out);
     }
 
-    /// The pickle of a single value (vLLM's NONE_HASH is the hash of its pickled seed).
-    pub fn value(&mut self, v: &Value) -> &[u8] {
+    /// Appends the pickle of a single value (vLLM's NONE_HASH is the hash of its pickled seed).
+    pub fn value(&mut self, out: &mut Vec<u8>, v: &Value) {
+        std::mem::swap(&mut self.buf, out);
         self.begin(64);
         self.save(v);
-        self.finish()
+        self.finish();
+        std::mem::swap(&mut self.buf, out);
     }
 
+    /// PROTO goes out before framing starts, so it is never inside a frame.
     fn begin(&mut self, capacity: usize) {
-        self.buf.clear();
         self.buf.reserve(capacity);
         self.memo.clear();
         self.frame_start = None;
-        self.framing = false;
         self.buf.extend_from_slice(&PROTO_5);
-        self.framing = true;
     }
 
-    fn finish(&mut self) -> &[u8] {
+    fn finish(&mut self) {
         self.write(&[STOP]);
         self.commit_frame();
-        &self.buf
     }
 
     #[inline(always)]
@@ -106,10 +109,10 @@ impl Pickler {
         self.buf.extend_from_slice(data);
     }
 
-    /// What any write does first: with framing on and no frame open, reserve a frame header.
+    /// What any write does first: with no frame open, reserve a frame header.
     #[inline(always)]
     fn open_frame(&mut self) {
-        if self.framing && self.frame_start.is_none() {
+        if self.frame_start.is_none() {
             self.frame_start = Some(self.buf.len());
             self.buf.extend_from_slice(&[0u8; FRAME_HEADER]);
         }
@@ -139,6 +142,7 @@ impl Pickler {
         }
     }
 
+    /// Large payloads bypass framing altogether, header included.
     fn write_payload(&mut self, header: &[u8], data: &[u8]) {
         if data.len() >= FRAME_SIZE_TARGET {
             self.commit_frame();

@@ -1,4 +1,5 @@
-//! Token ids from Python: list/tuple of int (read as PyLongs, no per-element Python calls),
+//! Token ids from Python: list/tuple of int (no per-element Python calls; a list's ints are read
+//! from CPython's own layout where `encode::cpython` vouches for it, else through the C API),
 //! any 1-D buffer of 32- or 64-bit ints (array.array, numpy, memoryview; no numpy import),
 //! or any other iterable of ints. Every id must be in 0..2**32-1.
 
@@ -8,6 +9,9 @@ use std::ptr::addr_of_mut;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+use crate::encode::cpython::{self, Layout};
 
 use super::buffer::Buffer;
 use super::scratch::Recycled;
@@ -50,22 +54,10 @@ pub fn copied(tokens: &[u32]) -> Recycled<u32> {
 
 pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     let ptr = obj.as_ptr();
-    // SAFETY: ptr is a live object; list/tuple items are borrowed while we hold the GIL and do
-    // not run Python code that could mutate the container (exact ints need no __index__ call).
+    // SAFETY: ptr is a live object.
     unsafe {
-        if ffi::PyList_Check(ptr) != 0 {
-            let n = ffi::PyList_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| {
-                ffi::PyList_GetItem(ptr, i as ffi::Py_ssize_t)
-            })
-            .map(Tokens::Owned);
-        }
-        if ffi::PyTuple_Check(ptr) != 0 {
-            let n = ffi::PyTuple_Size(ptr) as usize;
-            return collect_items(obj.py(), n, |i| {
-                ffi::PyTuple_GetItem(ptr, i as ffi::Py_ssize_t)
-            })
-            .map(Tokens::Owned);
+        if ffi::PyList_Check(ptr) != 0 || ffi::PyTuple_Check(ptr) != 0 {
+            return convert_items(obj).map(Tokens::Owned);
         }
         if ffi::PyUnicode_Check(ptr) != 0 {
             return Err(PyTypeError::new_err(
@@ -85,24 +77,60 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
     Ok(Tokens::Owned(out))
 }
 
-/// Collects n items, fetching each by index: a non-int's __index__ may mutate the container, so
-/// no pointer is kept across items.
-unsafe fn collect_items(
-    py: Python<'_>,
-    n: usize,
-    item: impl Fn(usize) -> *mut ffi::PyObject,
-) -> PyResult<Recycled<u32>> {
+/// Converts a list or tuple. Lists of exact ints are read straight from CPython's layout where
+/// encode's self-tested reader vouches for it; everything else fetches item by item through the
+/// API, by index, because a non-int's __index__ may mutate the list under us.
+fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
+    let (py, ptr) = (seq.py(), seq.as_ptr());
     let mut out = Recycled::take(&POOL);
-    out.reserve(n);
-    for i in 0..n {
-        let p = item(i);
-        if p.is_null() {
-            // The container shrank under a user __index__.
-            return Err(PyErr::fetch(py));
+    // SAFETY: ptr is a live list or tuple. Item pointers (from the item array or GetItem, which
+    // bounds-checks) are only used until the next call that can run Python code.
+    unsafe {
+        let is_list = ffi::PyList_Check(ptr) != 0;
+        let n = if is_list {
+            ffi::PyList_Size(ptr)
+        } else {
+            ffi::PyTuple_Size(ptr)
+        } as usize;
+        out.reserve(n);
+        let layout = if is_list { layout(py) } else { Layout::Api };
+        if let Some(items) = cpython::list_items(layout, ptr) {
+            read_exact_ints(layout, items, &mut out);
         }
-        out.push(token(py, p, i)?);
+        for i in out.len()..n {
+            let p = if is_list {
+                ffi::PyList_GetItem(ptr, i as isize)
+            } else {
+                ffi::PyTuple_GetItem(ptr, i as isize)
+            };
+            if p.is_null() {
+                // The list shrank under a user __index__.
+                return Err(PyErr::fetch(py));
+            }
+            out.push(token(py, p, i)?);
+        }
     }
     Ok(out)
+}
+
+/// Appends exact ints in range from the start of `items`; stops at the first other item, which
+/// the caller converts (and reports) through the API.
+#[inline(always)]
+unsafe fn read_exact_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) {
+    for &p in items {
+        if ffi::Py_TYPE(p) != addr_of_mut!(ffi::PyLong_Type) {
+            return;
+        }
+        match cpython::int_parts(layout, p) {
+            Some((false, v)) if v <= u32::MAX as u64 => out.push(v as u32),
+            _ => return,
+        }
+    }
+}
+
+fn layout(py: Python<'_>) -> Layout {
+    static LAYOUT: PyOnceLock<Layout> = PyOnceLock::new();
+    *LAYOUT.get_or_init(py, || cpython::detect(py))
 }
 
 /// One token from a Python object; exact ints take the fast path.
@@ -167,6 +195,10 @@ fn from_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
         )));
     };
     let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
+    if n == 0 {
+        // An empty export may come with a null data pointer, which no slice may hold.
+        return Ok(Tokens::Owned(Recycled::take(&POOL)));
+    }
     let contiguous = stride == layout.size as isize && (base as usize).is_multiple_of(layout.size);
     if contiguous && layout.size == 4 && !layout.swap {
         // SAFETY: aligned, contiguous, n items of 4 bytes.

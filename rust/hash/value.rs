@@ -26,7 +26,7 @@ pub enum Value {
     Tuple(Vec<Value>, Id),
 }
 
-const NESTING_LIMIT: usize = 64;
+const NESTING_LIMIT: usize = 200;
 
 impl Value {
     /// `cbor` rejects strings with lone surrogates up front, as cbor2 would: pickle writes them
