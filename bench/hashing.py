@@ -134,7 +134,11 @@ def main() -> None:
 
     dynamo = dynamo_anchor()
     if dynamo is not None:
-        assert dynamo(tokens, bs) == hash_blocks(tokens, bs, algo="dynamo")
+        # The bench doubles as the live cross-check against Dynamo's own function (the test suite
+        # checks the recorded vectors; ai-dynamo-runtime is never a test dependency).
+        for lora, ns in ((None, None), ("a", None), (None, "t"), ("a", "t")):
+            want = dynamo(tokens, bs, lora_name=lora, cache_namespace=ns)
+            assert want == hash_blocks(tokens, bs, algo="dynamo", lora_name=lora, cache_namespace=ns), (lora, ns)
         dyn_name, dyn_fn = "Dynamo compute_block_hash_for_seq", lambda: dynamo(tokens, bs)
     else:
         dyn_name = "pure xxhash loop (ai-dynamo-runtime not installed)"
