@@ -16,8 +16,6 @@ from bridge_support import Engine, Recorder, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber, encode_batch
 from kvbridge.events import BlockStored, KVEventBatch
 
-
-
 MODEL = "test-model"
 
 

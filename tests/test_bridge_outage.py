@@ -13,8 +13,6 @@ import pytest
 from bridge_support import Engine, views_match, wait_until
 from kvbridge import BackgroundPublisher, Config, KvEventSubscriber
 
-
-
 OUTAGE_S = 30.0
 RING = 2 * 1024 * 1024
 
