@@ -26,7 +26,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
 
-mod cpython;
+pub(crate) mod cpython;
 mod msgpack;
 mod plan;
 

@@ -1,14 +1,14 @@
 //! The Python face of chained block hashing: `hash_blocks` and `BlockHasher`.
 //! Arguments are checked and copied into Rust data here; the algorithms live in `algo`.
 
-mod algo;
+pub(crate) mod algo;
 mod buffer;
 mod cbor;
 mod pickle;
 mod scratch;
 mod tokenbytes;
-mod tokens;
-mod value;
+pub(crate) mod tokens;
+pub(crate) mod value;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -219,7 +219,7 @@ impl BlockHasher {
     }
 }
 
-fn new_chain(
+pub(crate) fn new_chain(
     algo_name: &str,
     block_size: i64,
     seed: Option<&Bound<'_, PyAny>>,
