@@ -319,7 +319,7 @@ impl Manager {
                 }
                 &per_block[..full]
             });
-            hash_into(py, &mut req.chain, &req.tail[..full * bs], extras.as_deref(), digests, hashes);
+            hash_into(py, &mut req.chain, &req.tail[..full * bs], extras, digests, hashes);
         }
         let full0 = req.num_tokens / bs;
         req.num_tokens = num_tokens;
