@@ -16,8 +16,12 @@ Only the manager's calls are timed (token lists are built beforehand). Reported 
 stored (a ``BlockStored`` block: hashing + bookkeeping + event recording, including the hits,
 evictions and frees around it) and per block processed (every full block a request hashed).
 
-    python bench/pool.py                 # both modes, defaults below
+Each mode runs the native manager (``NativeKVCacheManager``, what ``KVCacheManager`` is) and the
+Python reference (``PyKVCacheManager``) on the same workload, interleaved, and prints the ratio.
+
+    python bench/pool.py                 # both modes, both managers, defaults below
     python bench/pool.py --mode chunk --repeat 5
+    python bench/pool.py --impl native   # one manager only
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import random
 import time
 from collections import deque
 
-from kvbridge import KVCacheManager
+from kvbridge.pool import NativeKVCacheManager, PyKVCacheManager
 from kvbridge.events import BlockRemoved, BlockStored
 
 
@@ -52,7 +56,7 @@ def build_conversations(args, rng):
     return convs
 
 
-def drive(m: KVCacheManager, convs, args, step: int) -> dict:
+def drive(m, convs, args, step: int) -> dict:
     """The engine loop; only the manager's calls are timed."""
     clock = time.perf_counter
     # ``--active`` conversations are in flight; a finished one makes room for the next.
@@ -117,8 +121,11 @@ def drive(m: KVCacheManager, convs, args, step: int) -> dict:
     )
 
 
-def run(args, mode: str, convs) -> dict:
-    m = KVCacheManager(args.blocks, args.block_size, algo=args.algo)
+IMPLS = {"native": NativeKVCacheManager, "python": PyKVCacheManager}
+
+
+def run(args, mode: str, convs, impl: str) -> dict:
+    m = IMPLS[impl](args.blocks, args.block_size, algo=args.algo)
     step = args.chunk if mode == "chunk" else 1
     if args.no_gc:
         gc.disable()
@@ -165,6 +172,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode; the best is reported")
     ap.add_argument("--no-gc", action="store_true", help="pause the cyclic GC during runs")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--impl", choices=["both", *IMPLS], default="both")
     ap.add_argument(
         "--instructions", action="store_true", help="one run per mode, inside itertools.starmap"
     )
@@ -179,20 +187,29 @@ def main() -> None:
         f"{args.conversations} conversations x {args.turns} turns, {args.active} active, "
         f"batch={args.batch}, chunk={args.chunk}, gc={'off' if args.no_gc else 'on'}"
     )
+    impls = list(IMPLS) if args.impl == "both" else [args.impl]
     for mode in modes:
         speed = calibrate()
-        best = min((run(args, mode, convs) for _ in range(args.repeat)), key=lambda r: r["seconds"])
-        s = best["seconds"]
-        print(
-            f"{mode:5}: {best['stored'] / s / 1e6:5.2f} M blocks stored/s, "
-            f"{s / best['stored'] * 1e6:5.2f} us per block stored | "
-            f"{best['processed'] / s / 1e6:5.2f} M blocks processed/s, "
-            f"{s / best['processed'] * 1e6:5.2f} us per block processed | "
-            f"{s / best['calls'] * 1e6:5.2f} us per call | "
-            f"prefix hit rate {best['hit_rate']:.1%}, {best['removed']} evicted, "
-            f"{best['preempted']} preempted, {s:.2f} s | calibration {speed:.0f} ns/loop"
-        )
-
+        results = {impl: [] for impl in impls}
+        for _ in range(args.repeat):  # interleaved, so both see the same machine load
+            for impl in impls:
+                results[impl].append(run(args, mode, convs, impl))
+        best = {impl: min(rs, key=lambda r: r["seconds"]) for impl, rs in results.items()}
+        for impl, b in best.items():
+            s = b["seconds"]
+            print(
+                f"{mode:5} {impl:6}: {b['stored'] / s / 1e6:5.2f} M blocks stored/s, "
+                f"{s / b['stored'] * 1e6:5.2f} us per block stored | "
+                f"{b['processed'] / s / 1e6:5.2f} M blocks processed/s, "
+                f"{s / b['processed'] * 1e6:5.3f} us per block processed | "
+                f"{s / b['calls'] * 1e6:5.2f} us per call | "
+                f"prefix hit rate {b['hit_rate']:.1%}, {b['removed']} evicted, "
+                f"{b['preempted']} preempted, {s:.2f} s | calibration {speed:.0f} ns/loop"
+            )
+        if len(best) == 2:
+            ratio = best["python"]["seconds"] / best["native"]["seconds"]
+            same = all(best["native"][k] == best["python"][k] for k in ("stored", "removed", "calls"))
+            print(f"{mode:5} native is {ratio:.1f}x the Python reference; same work: {same}")
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,16 @@
 //! The Python face of chained block hashing: `hash_blocks` and `BlockHasher`.
 //! Arguments are checked in `args`, algorithms live in `algo`, results go out through `output`.
 
-mod algo;
-mod args;
+pub(crate) mod algo;
+pub(crate) mod args;
 mod buffer;
 mod cbor;
 mod output;
 mod pickle;
 mod scratch;
 mod tokenbytes;
-mod tokens;
-mod value;
+pub(crate) mod tokens;
+pub(crate) mod value;
 
 use std::cell::Cell;
 

@@ -2,6 +2,7 @@ use pyo3::prelude::*;
 
 mod encode;
 mod hash;
+mod pool;
 mod scan;
 mod wake;
 
@@ -12,5 +13,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     encode::register(m)?;
     scan::register(m)?;
     wake::register(m)?;
+    pool::register(m)?;
     Ok(())
 }

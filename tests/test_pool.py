@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvbridge
 from kvbridge import BlockPool, KVCacheManager
+from kvbridge.pool import NativeKVCacheManager, PyKVCacheManager
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 
@@ -63,6 +64,7 @@ class RefModel:
         self.holders = {}  # hash -> block ids holding it, oldest first; keys = cached set
         self.reqs = {}  # rid -> [blocks, tokens, lora_name, lora_id]
         self.events = []
+        self.lora_ids = {}  # lora_name -> the id a manager numbers it with
 
     def _new_blocks(self, count):
         out, removed = [], []
@@ -119,6 +121,8 @@ class RefModel:
         total = -(-len(tokens) // self.bs)
         if total - len(hit) + sum(self.ref[b] == 0 for b in hit) > len(self.free):
             return None
+        if lora_name is not None and lora_id is None:
+            lora_id = self.lora_ids.setdefault(lora_name, len(self.lora_ids) + 1)
         for b in hit:
             if self.ref[b] == 0:
                 self.free.remove(b)
@@ -167,22 +171,27 @@ tokens_st = st.lists(st.integers(0, 3), max_size=9)
 prompt_st = st.tuples(st.sampled_from(SYSTEM_PROMPTS + [[]]), tokens_st).map(
     lambda t: t[0] + t[1]
 ).filter(bool)
-lora_st = st.sampled_from([None, None, "adapter-a"])
+lora_st = st.sampled_from([(None, None), (None, None), ("adapter-a", 3), ("adapter-a", None)])
 
 
 class PoolMachine(RuleBasedStateMachine):
+    """The native manager against the Python one (the spec) step by step -- same results, same
+    events, same free queue, same blocks, same snapshot -- and both against RefModel."""
+
     algo = "xxh3"
 
     @initialize(num_blocks=st.integers(4, 16), block_size=st.integers(1, 4))
     def setup(self, num_blocks, block_size):
         self.bs = block_size
-        self.mgr = KVCacheManager(num_blocks, block_size, algo=self.algo)
+        self.mgr = NativeKVCacheManager(num_blocks, block_size, algo=self.algo)
+        self.spec = PyKVCacheManager(num_blocks, block_size, algo=self.algo)
         self.ref = RefModel(num_blocks, block_size, self.algo)
         self.view = View()
         self.next_id = 0
 
     def _sync(self):
         events = self.mgr.take_events()
+        assert events == self.spec.take_events()
         assert events == self.ref.events
         self.ref.events = []
         self.view.apply_all(events, self.bs)
@@ -192,14 +201,15 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, prompt, lora):
         rid = f"r{self.next_id}"
         self.next_id += 1
-        lora_id = None if lora is None else 3
+        lora_name, lora_id = lora
         expected_hit = 0
-        for h in chain(prompt, self.bs, lora, algo=self.algo):
+        for h in chain(prompt, self.bs, lora_name, algo=self.algo):
             if h not in self.view.blocks:
                 break
             expected_hit += self.bs
-        got = self.mgr.allocate(rid, prompt, lora_name=lora, lora_id=lora_id)
-        assert got == self.ref.allocate(rid, prompt, lora, lora_id)
+        got = self.mgr.allocate(rid, prompt, lora_name=lora_name, lora_id=lora_id)
+        assert got == self.spec.allocate(rid, prompt, lora_name=lora_name, lora_id=lora_id)
+        assert got == self.ref.allocate(rid, prompt, lora_name, lora_id)
         if got is not None:
             assert got == expected_hit, "cached tokens != longest cached prefix"
         self._sync()
@@ -209,14 +219,16 @@ class PoolMachine(RuleBasedStateMachine):
     def fork(self, data):
         # Parallel sampling: a second request with the same tokens so far.
         rid = data.draw(st.sampled_from(sorted(self.ref.reqs)))
-        _, tokens, lora, _ = self.ref.reqs[rid]
-        self.allocate(list(tokens), lora)
+        _, tokens, lora_name, lora_id = self.ref.reqs[rid]
+        self.allocate(list(tokens), (lora_name, lora_id))
 
     def _append(self, rid, new):
         ok = self.mgr.append(rid, new)
+        assert ok == self.spec.append(rid, new)
         assert ok == self.ref.append(rid, new)
         if not ok:  # out of blocks: preempt, as an engine would
             self.mgr.free(rid)
+            self.spec.free(rid)
             self.ref.free_request(rid)
 
     @precondition(lambda self: len(self.ref.reqs) > 0)
@@ -239,22 +251,28 @@ class PoolMachine(RuleBasedStateMachine):
     def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.ref.reqs)))
         self.mgr.free(rid)
+        self.spec.free(rid)
         self.ref.free_request(rid)
         self._sync()
 
     @precondition(lambda self: len(self.ref.holders) > 0 and len(self.ref.reqs) <= 1)
     @rule()
     def reset(self):
-        assert self.mgr.reset() == self.ref.reset()
+        assert self.mgr.reset() == self.spec.reset() == self.ref.reset()
         self._sync()
 
     @invariant()
     def same_state(self):
-        pool = self.mgr.pool
+        pool, spec = self.mgr.pool, self.spec.pool
         assert set(pool.cached_block_hashes()) == set(self.view.blocks) == set(self.ref.holders)
-        assert pool.num_free_blocks == len(self.ref.free)
-        assert pool.free_block_ids() == self.ref.free
+        assert pool.cached_block_hashes() == spec.cached_block_hashes()  # the same order too
+        assert pool.num_free_blocks == spec.num_free_blocks == len(self.ref.free)
+        assert pool.num_cached_blocks == spec.num_cached_blocks
+        assert pool.usage == spec.usage
+        assert pool.free_block_ids() == spec.free_block_ids() == self.ref.free
+        assert len(self.mgr) == len(self.spec) == len(self.ref.reqs)
         for rid, (blocks, tokens, _, _) in self.ref.reqs.items():
+            assert rid in self.mgr
             assert self.mgr.get_block_ids(rid) == blocks
             assert self.mgr.num_tokens(rid) == len(tokens)
         for b in pool.blocks:
@@ -271,6 +289,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def snapshot_reproduces_view(self):
         snap = self.mgr.snapshot()
+        assert snap == self.spec.snapshot()
         replayed = View().apply_all(snap, self.bs)  # View checks parents-before-children
         assert replayed.blocks == self.view.blocks
 
@@ -297,15 +316,20 @@ VllmAlgoPoolMachine.TestCase.settings = settings(
 TestVllmAlgoPoolStateMachine = VllmAlgoPoolMachine.TestCase
 
 
-# --- targeted behaviour ----------------------------------------------------------------------
+# --- targeted behaviour: both managers ---------------------------------------------------------
+
+
+@pytest.fixture(params=[PyKVCacheManager, NativeKVCacheManager], ids=["python", "native"])
+def Manager(request):
+    return request.param
 
 
 def stored(events):
     return [e for e in events if isinstance(e, BlockStored)]
 
 
-def test_allocate_reports_cached_prefix_and_stores_one_event_per_call():
-    m = KVCacheManager(16, 4)
+def test_allocate_reports_cached_prefix_and_stores_one_event_per_call(Manager):
+    m = Manager(16, 4)
     prompt = list(range(10))
     assert m.allocate("a", prompt) == 0
     (ev,) = m.take_events()
@@ -326,8 +350,8 @@ def test_allocate_reports_cached_prefix_and_stores_one_event_per_call():
     assert m.get_block_ids("b")[:2] == m.get_block_ids("a")[:2]
 
 
-def test_append_hashes_incrementally_and_equals_whole_sequence_hash():
-    m = KVCacheManager(32, 4)
+def test_append_hashes_incrementally_and_equals_whole_sequence_hash(Manager):
+    m = Manager(32, 4)
     seq = list(range(100, 131))
     m.allocate("a", seq[:5])
     for i in range(5, len(seq), 3):
@@ -360,7 +384,7 @@ class SpyHasher:
 
 @pytest.mark.parametrize("lora", [None, "x"])
 def test_each_token_goes_to_the_native_hash_once(monkeypatch, lora):
-    m = KVCacheManager(64, 4)
+    m = PyKVCacheManager(64, 4)
     log = []
     real = m.pool.new_hasher
     monkeypatch.setattr(m.pool, "new_hasher", lambda *a, **k: SpyHasher(real(*a, **k), log))
@@ -374,8 +398,8 @@ def test_each_token_goes_to_the_native_hash_once(monkeypatch, lora):
     )
 
 
-def test_lru_eviction_tail_first_and_one_removal_per_reuse():
-    m = KVCacheManager(4, 2)
+def test_lru_eviction_tail_first_and_one_removal_per_reuse(Manager):
+    m = Manager(4, 2)
     m.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8])  # 4 blocks, all cached
     h = chain([1, 2, 3, 4, 5, 6, 7, 8], 2)
     m.free("a")
@@ -389,8 +413,8 @@ def test_lru_eviction_tail_first_and_one_removal_per_reuse():
     assert m.allocate("c", [1, 2, 3, 4, 0]) == 4
 
 
-def test_uncached_blocks_are_reused_before_cached_ones():
-    m = KVCacheManager(4, 4)
+def test_uncached_blocks_are_reused_before_cached_ones(Manager):
+    m = Manager(4, 4)
     m.allocate("a", [1, 2, 3, 4, 5])  # one cached block, one partial
     m.free("a")
     m.take_events()
@@ -399,8 +423,8 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     assert m.allocate("c", [1, 2, 3, 4]) == 4
 
 
-def test_free_prefix_hits_count_against_free_blocks():
-    m = KVCacheManager(3, 2)
+def test_free_prefix_hits_count_against_free_blocks(Manager):
+    m = Manager(3, 2)
     m.allocate("a", [1, 2, 3, 4, 5, 6])
     m.free("a")
     # Hitting 3 free blocks takes them all; one more block is needed and none is left.
@@ -408,8 +432,8 @@ def test_free_prefix_hits_count_against_free_blocks():
     assert m.allocate("b", [1, 2, 3, 4, 5, 6]) == 6
 
 
-def test_failed_allocate_and_append_change_nothing():
-    m = KVCacheManager(3, 2)
+def test_failed_allocate_and_append_change_nothing(Manager):
+    m = Manager(3, 2)
     m.allocate("a", [1, 2, 3, 4])
     m.take_events()
     free = m.pool.num_free_blocks
@@ -420,8 +444,8 @@ def test_failed_allocate_and_append_change_nothing():
     assert m.append("a", [5, 6]) is True
 
 
-def test_duplicate_blocks_are_reported_once_and_removed_with_their_last_copy():
-    m = KVCacheManager(8, 2)
+def test_duplicate_blocks_are_reported_once_and_removed_with_their_last_copy(Manager):
+    m = Manager(8, 2)
     m.allocate("a", [1])
     m.allocate("b", [1])
     m.append("a", [2, 3, 4])
@@ -439,8 +463,8 @@ def test_duplicate_blocks_are_reported_once_and_removed_with_their_last_copy():
     assert m.get_block_ids("d")[:2] == m.get_block_ids("b")[:2]
 
 
-def test_the_oldest_remaining_copy_takes_over():
-    m = KVCacheManager(9, 2)
+def test_the_oldest_remaining_copy_takes_over(Manager):
+    m = Manager(9, 2)
     for rid in "abc":
         m.allocate(rid, [1])
     for rid in "abc":
@@ -454,8 +478,8 @@ def test_the_oldest_remaining_copy_takes_over():
     assert m.get_block_ids("d")[0] == b
 
 
-def test_reset_only_when_no_block_is_in_use():
-    m = KVCacheManager(4, 2)
+def test_reset_only_when_no_block_is_in_use(Manager):
+    m = Manager(4, 2)
     m.allocate("a", [1, 2, 3])
     m.take_events()
     assert m.reset() is False and m.take_events() == []
@@ -466,8 +490,8 @@ def test_reset_only_when_no_block_is_in_use():
     assert m.allocate("b", [1, 2, 3]) == 0
 
 
-def test_lora_salts_the_hash_and_fills_the_event():
-    m = KVCacheManager(16, 2)
+def test_lora_salts_the_hash_and_fills_the_event(Manager):
+    m = Manager(16, 2)
     m.allocate("base", [1, 2, 3, 4])
     assert m.allocate("a", [1, 2, 3, 4], lora_name="adapter-a") == 0
     assert m.allocate("a2", [1, 2, 3, 4], lora_name="adapter-a") == 4
@@ -487,8 +511,8 @@ def test_lora_salts_the_hash_and_fills_the_event():
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
-def test_vllm_algorithms_publish_the_digest_tail_and_chain_on_full_digests(algo):
-    m = KVCacheManager(16, 4, algo=algo, seed="test-seed")
+def test_vllm_algorithms_publish_the_digest_tail_and_chain_on_full_digests(Manager, algo):
+    m = Manager(16, 4, algo=algo, seed="test-seed")
     seq = list(range(23))
     m.allocate("a", seq[:6], lora_name="lora-x")
     m.append("a", seq[6:])
@@ -502,13 +526,15 @@ def test_vllm_algorithms_publish_the_digest_tail_and_chain_on_full_digests(algo)
     ]
     assert events[0].extra_keys == [("lora-x",)]
     assert m.allocate("b", seq[:9], lora_name="lora-x") == 8
+    if Manager is NativeKVCacheManager:
+        return  # the native pool keeps no digests: it has no new_hasher(after=)
     # The pool keeps each cached block's full digest, so a chain can continue from it.
     h = m.pool.new_hasher(after=events[-1].block_hashes[-1])
     assert h.parent == digests[-1]
 
 
 def test_a_chain_continues_from_a_cached_block():
-    m = KVCacheManager(16, 4)
+    m = PyKVCacheManager(16, 4)
     seq = list(range(40))
     m.allocate("a", seq[:12])
     third = chain(seq, 4)[2]
@@ -518,10 +544,10 @@ def test_a_chain_continues_from_a_cached_block():
         m.pool.new_hasher(after=12345)
 
 
-def test_dynamo_algorithms():
+def test_dynamo_algorithms(Manager):
     with pytest.raises(ValueError, match="dynamo_seq"):
-        KVCacheManager(4, 4, algo="dynamo")
-    m = KVCacheManager(8, 4, algo="dynamo_seq")
+        Manager(4, 4, algo="dynamo")
+    m = Manager(8, 4, algo="dynamo_seq")
     seq = list(range(12))
     m.allocate("a", seq, lora_name="x")
     (ev,) = m.take_events()
@@ -529,8 +555,8 @@ def test_dynamo_algorithms():
     assert (ev.lora_name, ev.extra_keys) == ("x", None)  # Dynamo salts with the name itself
 
 
-def test_snapshot_merges_chains_and_replays_to_the_cached_set():
-    m = KVCacheManager(64, 2)
+def test_snapshot_merges_chains_and_replays_to_the_cached_set(Manager):
+    m = Manager(64, 2)
     m.allocate("a", list(range(20)))
     m.allocate("b", list(range(10)) + [50, 51, 52, 53])
     m.allocate("c", [7, 7, 7, 7], lora_name="x")
@@ -542,23 +568,23 @@ def test_snapshot_merges_chains_and_replays_to_the_cached_set():
     encode_batch(KVEventBatch(ts=0.0, events=snap))
 
 
-def test_events_disabled():
-    m = KVCacheManager(4, 2, enable_events=False)
+def test_events_disabled(Manager):
+    m = Manager(4, 2, enable_events=False)
     m.allocate("a", [1, 2, 3])
     m.free("a")
     assert m.reset() and m.take_events() == []
 
 
-def test_medium_is_carried_into_events():
-    m = KVCacheManager(2, 2, medium="CPU")
+def test_medium_is_carried_into_events(Manager):
+    m = Manager(2, 2, medium="CPU")
     m.allocate("a", [1, 2, 3, 4])
     m.free("a")
     m.allocate("b", [5, 6])
     assert {e.medium for e in m.take_events()} == {"CPU"}
 
 
-def test_misuse_raises_clear_errors():
-    m = KVCacheManager(8, 2)
+def test_misuse_raises_clear_errors(Manager):
+    m = Manager(8, 2)
     m.allocate("a", [1, 2, 3])
     with pytest.raises(ValueError, match="already allocated"):
         m.allocate("a", [1])
@@ -577,7 +603,7 @@ def test_misuse_raises_clear_errors():
         m.append("a", [-5, 1])  # completes a block
     with pytest.raises(ValueError, match="index 1 is 4294967296"):
         m.append("a", [1, 2**32])  # second token lands in a new partial block
-    m2 = KVCacheManager(1, 2)
+    m2 = Manager(1, 2)
     m2.allocate("a", [1, 2])
     with pytest.raises(ValueError, match="index 0 is -1"):
         m2.append("a", [-1])  # no block left, but a bad token is still an error
@@ -586,25 +612,25 @@ def test_misuse_raises_clear_errors():
     assert "b" not in m and m.num_tokens("a") == 3 and m2.append("a", [3]) is False
     assert m.append("a", [4]) and m.num_tokens("a") == 4
     with pytest.raises(ValueError, match="positive"):
-        KVCacheManager(0, 16)
+        Manager(0, 16)
     with pytest.raises(ValueError, match="positive"):
         BlockPool(4, 0)
     with pytest.raises(ValueError):
         BlockPool(4, 4, algo="nope")
 
 
-def test_numpy_and_array_inputs():
+def test_numpy_and_array_inputs(Manager):
     import numpy as np  # a test dependency: fail loudly if missing
     import array
 
-    m = KVCacheManager(8, 2)
+    m = Manager(8, 2)
     m.allocate("a", np.arange(5, dtype=np.int64))
     m.append("a", array.array("I", [5, 6]))
     assert [t for e in stored(m.take_events()) for t in e.token_ids] == list(range(6))
 
 
-def test_snapshot_from_another_thread_while_the_engine_mutates():
-    m = KVCacheManager(64, 4)
+def test_snapshot_from_another_thread_while_the_engine_mutates(Manager):
+    m = Manager(64, 4)
     stop = threading.Event()
     errors = []
 
@@ -631,3 +657,67 @@ def test_snapshot_from_another_thread_while_the_engine_mutates():
         stop.set()
         t.join()
     assert not errors
+
+
+# --- the native manager equals the spec on every algorithm --------------------------------------
+
+
+def outcome(call):
+    """A call's result, or its exception's type and message: errors must match too."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 -- comparing which one
+        return (type(exc), str(exc))
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "dynamo_seq", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_native_equals_spec_on_a_random_workload(algo):
+    import random
+
+    rnd = random.Random(algo)
+    seed = None if algo == "dynamo_seq" else "s"
+    native = NativeKVCacheManager(24, 3, algo=algo, seed=seed, medium="CPU")
+    spec = PyKVCacheManager(24, 3, algo=algo, seed=seed, medium="CPU")
+    prefixes = [[rnd.randrange(50) for _ in range(rnd.randrange(1, 10))] for _ in range(4)]
+    loras = [(None, None), ("a", None), ("b", 7), ("", None), (None, 9)]
+    live = []
+    for step in range(600):
+        r = rnd.random()
+        if r < 0.35 or not live:
+            rid = rnd.choice([step, f"r{step}", (step, "x")])
+            tokens = rnd.choice(prefixes) + [rnd.randrange(50) for _ in range(rnd.randrange(0, 7))]
+            if rnd.random() < 0.03:
+                tokens[rnd.randrange(len(tokens))] = rnd.choice([-1, 2**32, "t"])
+            name, lora_id = rnd.choice(loras)
+            calls = [lambda m: m.allocate(rid, tokens, lora_name=name, lora_id=lora_id)]
+            if live and rnd.random() < 0.1:
+                calls = [lambda m: m.allocate(live[0], tokens)]  # duplicate id
+        elif r < 0.7:
+            rid = rnd.choice(live)
+            new = [rnd.randrange(50) for _ in range(rnd.randrange(0, 5))]
+            calls = [lambda m: m.append(rid, new)]
+        elif r < 0.95:
+            rid = live.pop(rnd.randrange(len(live)))
+            calls = [lambda m: m.free(rid)]
+        else:
+            calls = [lambda m: m.free("nope"), lambda m: m.reset()]
+        for call in calls:
+            got = outcome(lambda: call(native))
+            assert got == outcome(lambda: call(spec)), f"step {step}"
+            if r < 0.35 or not live:
+                if got is not None and not isinstance(got, tuple) and rid not in live:
+                    live.append(rid)
+        assert native.take_events() == spec.take_events(), f"step {step}"
+        if step % 50 == 0:
+            assert native.snapshot() == spec.snapshot()
+            assert native.pool.free_block_ids() == spec.pool.free_block_ids()
+    assert native.snapshot() == spec.snapshot()
+
+
+def test_native_manager_rejects_what_the_spec_rejects():
+    for kwargs in [dict(algo="dynamo"), dict(algo="nope"), dict(algo="dynamo_seq", seed=1)]:
+        assert outcome(lambda: NativeKVCacheManager(4, 4, **kwargs)) == outcome(
+            lambda: PyKVCacheManager(4, 4, **kwargs)
+        )
+    for args in [(0, 4), (4, 0), (4.0, 4), (True, 4)]:
+        assert outcome(lambda: NativeKVCacheManager(*args)) == outcome(lambda: PyKVCacheManager(*args))

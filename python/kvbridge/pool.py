@@ -5,6 +5,22 @@ reset); ``KVCacheManager`` is the request level an engine or a simulator calls. 
 the set of cached blocks is recorded as ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
 events, drained in order by ``take_events()``.
 
+Two implementations of the request level, with the same constructor, methods, errors and event
+streams:
+
+* ``NativeKVCacheManager`` (Rust, ``rust/pool.rs``): what ``KVCacheManager`` is. Each public
+  method is one native call -- hashing, prefix lookup, free queue, ref counts, eviction and event
+  recording included; events become Python objects only in ``take_events()``/``snapshot()``.
+  Its ``.pool`` answers the pool's queries (``num_free_blocks``, ``num_cached_blocks``,
+  ``usage``, ``cached_block_hashes()``, ``free_block_ids()``, ``blocks`` as read-only copies);
+  the low-level ``BlockPool`` operations (``touch``, ``get_new_blocks``, ``cache_full_blocks``,
+  ``new_hasher``, ...) exist only in Python. ``lora_id`` must be an int or None.
+* ``PyKVCacheManager`` over ``BlockPool``: the executable spec, in Python. The native manager is
+  checked against it step by step (tests/test_pool.py). Set ``KVBRIDGE_POOL=python`` in the
+  environment before import to make ``KVCacheManager`` this one.
+
+The rules below are the spec's, and both follow them.
+
 What carries over from vLLM (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``):
 
 * The free queue is in eviction order. Freeing a request puts its blocks back last-block-first,
@@ -29,25 +45,29 @@ Speed: the per-block paths are short loops over ``__slots__`` blocks, which CPyt
 specialising interpreter runs cheaply; the free queue is a linked list through the blocks (as
 in vLLM), cheaper here than an OrderedDict and allocation-free. Measured in bench/pool.py.
 
-Threading: ``BlockPool`` is not thread-safe. ``KVCacheManager`` serialises its public methods
+Threading: ``BlockPool`` is not thread-safe. Either manager serialises its public methods
 with one lock, so a publisher may call ``take_events()`` / ``snapshot()`` from another thread
 (e.g. an asyncio loop) while the engine thread allocates. ``snapshot()`` copies the hash map
 under the lock (C speed) and builds events after releasing it. A snapshot reflects every event
 recorded so far, including those not yet drained by ``take_events()``; re-applying those events
 on top of the snapshot converges to the same set, since each hash's state is decided by its
-last event.
+last event. The native manager does the same with a Rust mutex (waiting for it releases the
+GIL, so it cannot deadlock with it); a method never releases the GIL while it works, except to
+hash 64k tokens or more.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from itertools import repeat
 from typing import Any, Iterable, Sequence
 
+from kvbridge import _native
 from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.hashing import BlockHasher
 
-__all__ = ["Block", "BlockPool", "KVCacheManager"]
+__all__ = ["Block", "BlockPool", "KVCacheManager", "NativeKVCacheManager", "PyKVCacheManager"]
 
 # vLLM's own algorithms chain on full digests; their 64-bit event hash is the digest's tail.
 _VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
@@ -437,7 +457,7 @@ class _Request:
         self.plain = plain  # the hasher's output is the event hash and the chain: no wrapping
 
 
-class KVCacheManager:
+class PyKVCacheManager:
     """Requests on top of a :class:`BlockPool`: what engines and simulators call.
 
     Every full block is cached as soon as it fills; hashing is incremental (a request's tokens
@@ -602,3 +622,61 @@ class KVCacheManager:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+
+class _NativePool:
+    """The block-pool queries of a :class:`NativeKVCacheManager` (each takes its lock)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, manager: NativeKVCacheManager) -> None:
+        self._m = manager
+
+    num_blocks = property(lambda self: self._m.num_blocks)
+    block_size = property(lambda self: self._m.block_size)
+    algo = property(lambda self: self._m.algo)
+    seed = property(lambda self: self._m.seed)
+    medium = property(lambda self: self._m.medium)
+    num_free_blocks = property(lambda self: self._m.num_free_blocks)
+    num_cached_blocks = property(lambda self: self._m.num_cached_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self._m.num_free_blocks / self._m.num_blocks
+
+    def cached_block_hashes(self) -> list[int]:
+        """The cached hashes, parents before children."""
+        return self._m.cached_block_hashes()
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in eviction order, first evicted first."""
+        return self._m.free_block_ids()
+
+    @property
+    def blocks(self) -> list[Block]:
+        """A copy of every block's state (unlinked ``Block`` objects)."""
+        out = []
+        for i, (ref_cnt, block_hash) in enumerate(self._m.block_states()):
+            b = Block(i)
+            b.ref_cnt, b.block_hash = ref_cnt, block_hash
+            out.append(b)
+        return out
+
+
+class NativeKVCacheManager(_native.KVCacheManager):
+    """:class:`PyKVCacheManager`'s API and behaviour, in one native call per method.
+
+    ``NativeKVCacheManager(num_blocks, block_size, *, algo="xxh3", seed=None, medium="GPU",
+    enable_events=True)``; ``allocate(request_id, token_ids, *, lora_name=None, lora_id=None)``,
+    ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``, ``get_block_ids``,
+    ``num_tokens``, ``in``, ``len``; ``.pool`` for the pool's queries.
+    """
+
+    __slots__ = ()
+
+    @property
+    def pool(self) -> _NativePool:
+        return _NativePool(self)
+
+
+KVCacheManager = PyKVCacheManager if os.environ.get("KVBRIDGE_POOL") == "python" else NativeKVCacheManager

@@ -1,0 +1,614 @@
+//! `KVCacheManager` in native code: the request level of the prefix-caching block pool, with
+//! every public method one call that holds the GIL throughout, so a request's hashing and all
+//! of its block bookkeeping cost one Python->native transition.
+//!
+//! The semantics are those of `PyKVCacheManager` in python/kvbridge/pool.py, the executable
+//! spec (its docstring states the rules; tests/test_pool.py runs both side by side, step by
+//! step). Hashing reuses the chains in `crate::hash`; token lists are read with the encoder's
+//! verified CPython fast path (`crate::encode::cpython`), anything else with the hashing's
+//! reader, so the errors are the hashing's own.
+//!
+//! Threading: one mutex serialises the public methods, like the spec's lock. It is taken with
+//! the GIL held and released only around a contended wait (`lock_py_attached`), so it cannot
+//! deadlock with the GIL; Python code that may run inside a method (a request id's `__hash__`,
+//! a garbage collection while events are built) can switch threads, which is why this is a real
+//! lock rather than reliance on the GIL. Events and snapshots are copied out under the lock
+//! and turned into Python objects after it is released.
+
+mod core;
+mod events;
+
+use std::collections::HashMap;
+use std::ptr::addr_of_mut;
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+
+use crate::encode::cpython::{self, Layout};
+use crate::hash::algo::{Algo, Chain, Digest};
+use crate::hash::args::new_chain;
+use crate::hash::tokens;
+use crate::hash::value::Value;
+
+use self::core::{Core, Record};
+use self::events::{Classes, Context, Ints, Lora};
+
+/// From this many tokens on, hashing runs with the GIL released (as `hash_blocks` does).
+const DETACH_MIN_TOKENS: usize = 1 << 16;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Manager>()
+}
+
+struct Request {
+    blocks: Vec<u32>,
+    num_tokens: usize,
+    /// Tokens of the partial last block.
+    tail: Vec<u32>,
+    chain: Chain,
+    /// The last full block's hash: the next event's parent.
+    last_hash: Option<u64>,
+    lora: u32,
+    /// `(lora_name,)` per block when LoRA salts the hash through extra keys; grown on demand.
+    extras: Option<(Value, Vec<Option<Value>>)>,
+}
+
+struct State {
+    core: Core,
+    /// request id -> index in `slots`: a dict, so ids hash and compare as in Python.
+    requests: Py<PyDict>,
+    slots: Vec<Option<Request>>,
+    free_slots: Vec<usize>,
+    root: Chain,
+    /// dynamo_seq salts its seed with the LoRA name: one root chain per name.
+    salted_roots: HashMap<String, Chain>,
+    /// Auto-numbered LoRA ids, by name (the spec's `_lora_ids`).
+    lora_ids: HashMap<String, i64>,
+    /// (name, id) -> index in `Manager::loras`.
+    lora_index: HashMap<(Option<String>, Option<i64>), u32>,
+    // Per-call scratch, kept to spare allocations.
+    tokens: Vec<u32>,
+    digests: Vec<Digest>,
+    hashes: Vec<u64>,
+}
+
+/// The request level of a prefix-caching KV block pool with vLLM v1's semantics, recording
+/// KV events. Wrapped by `kvbridge.pool.KVCacheManager`, which documents it.
+#[pyclass(module = "kvbridge._native", name = "KVCacheManager", subclass, frozen)]
+pub struct Manager {
+    state: Mutex<State>,
+    /// Append-only; index 0 is "no LoRA". Separate from `state` so events can be built
+    /// without holding the pool.
+    loras: Mutex<Vec<Lora>>,
+    ints: Mutex<Ints>,
+    classes: Classes,
+    layout: Layout,
+    algo: Algo,
+    lora_in_extra_keys: bool,
+    #[pyo3(get)]
+    num_blocks: usize,
+    #[pyo3(get)]
+    block_size: usize,
+    #[pyo3(get)]
+    seed: Py<PyAny>,
+    #[pyo3(get)]
+    medium: Py<PyAny>,
+}
+
+fn positive(name: &str, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+    // The spec's `type(value) is not int or value <= 0`.
+    let ok = value.is_exact_instance_of::<pyo3::types::PyInt>();
+    match value.extract::<i64>() {
+        Ok(v) if ok && v > 0 => Ok(v as usize),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must be a positive int, got {}",
+            value.repr()?
+        ))),
+    }
+}
+
+fn lock<'a, T>(m: &'a Mutex<T>, py: Python<'_>) -> PyResult<MutexGuard<'a, T>> {
+    m.lock_py_attached(py).map_err(|_| {
+        PyRuntimeError::new_err("the block pool is unusable after a panic in a previous call")
+    })
+}
+
+/// The spec's `_as_token_list`: lists as they are, arrays through `tolist()`, iterables listed.
+fn as_token_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if obj.is_exact_instance_of::<PyList>() {
+        return Ok(obj.clone());
+    }
+    match obj.getattr_opt("tolist")? {
+        Some(tolist) => tolist.call0(),
+        None => {
+            Ok(PyList::new(obj.py(), obj.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.into_any())
+        }
+    }
+}
+
+/// Token ids into `out`: exact ints in an exact list straight from CPython's layout, anything
+/// else (and any bad token, so the error is the hashing's) through `hash::tokens::read`.
+fn read_tokens(obj: &Bound<'_, PyAny>, layout: Layout, out: &mut Vec<u32>) -> PyResult<()> {
+    out.clear();
+    if layout != Layout::Api && obj.is_exact_instance_of::<PyList>() {
+        // SAFETY: an exact list, read under the GIL without running Python code; the items
+        // are only read while the slice is alive.
+        let items = unsafe { cpython::list_items(layout, obj.as_ptr()) }.unwrap_or(&[]);
+        out.reserve(items.len());
+        let long = addr_of_mut!(ffi::PyLong_Type);
+        let fast = items.iter().all(|&item| {
+            // SAFETY: item is a live object owned by the list.
+            let parts = unsafe {
+                (ffi::Py_TYPE(item) == long)
+                    .then(|| cpython::int_parts(layout, item))
+                    .flatten()
+            };
+            match parts {
+                Some((false, v)) if v <= u32::MAX as u64 => {
+                    out.push(v as u32);
+                    true
+                }
+                _ => false,
+            }
+        });
+        if fast {
+            return Ok(());
+        }
+        out.clear();
+    }
+    out.extend_from_slice(tokens::read(obj)?.as_slice());
+    Ok(())
+}
+
+/// Hashes whole blocks, continuing `chain`, appending event hashes to `hashes`.
+fn hash_into(
+    py: Python<'_>,
+    chain: &mut Chain,
+    tokens: &[u32],
+    extras: Option<&[Option<Value>]>,
+    digests: &mut Vec<Digest>,
+    hashes: &mut Vec<u64>,
+) {
+    digests.clear();
+    hashes.clear();
+    if tokens.len() < DETACH_MIN_TOKENS {
+        chain.run(tokens, extras, 0, digests);
+    } else {
+        py.detach(|| chain.run(tokens, extras, 0, digests));
+    }
+    hashes.extend(digests.iter().map(Digest::event_hash));
+}
+
+impl Manager {
+    fn slot(&self, st: &State, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        match st.requests.bind(request_id.py()).get_item(request_id)? {
+            Some(slot) => slot.extract(),
+            None => Err(PyKeyError::new_err(format!(
+                "unknown request id {}",
+                request_id.repr()?
+            ))),
+        }
+    }
+
+    /// The index of (name, id) in the LoRA table, adding it on first use.
+    fn lora(
+        &self,
+        st: &mut State,
+        py: Python<'_>,
+        name: Option<&Bound<'_, PyString>>,
+        id: Option<i64>,
+    ) -> PyResult<u32> {
+        let key = (name.map(|n| n.to_string()), id);
+        if let Some(&i) = st.lora_index.get(&key) {
+            return Ok(i);
+        }
+        let mut loras = lock(&self.loras, py)?;
+        let extra = match name {
+            Some(n) if self.lora_in_extra_keys && !n.to_str()?.is_empty() => {
+                Some(PyTuple::new(py, [n])?.unbind())
+            }
+            _ => None,
+        };
+        loras.push(Lora {
+            name: name.map_or_else(|| py.None(), |n| n.clone().into_any().unbind()),
+            id: id.into_pyobject(py)?.unbind(),
+            extra,
+        });
+        let i = loras.len() as u32 - 1;
+        st.lora_index.insert(key, i);
+        Ok(i)
+    }
+
+    fn build(&self, py: Python<'_>, rec: &Record) -> PyResult<Py<PyList>> {
+        if rec.is_empty() {
+            return Ok(PyList::empty(py).unbind());
+        }
+        let loras: Vec<Lora> = lock(&self.loras, py)?
+            .iter()
+            .map(|l| l.clone_ref(py))
+            .collect();
+        let cx = Context {
+            classes: &self.classes,
+            medium: &self.medium,
+            block_size: self.block_size,
+            loras: &loras,
+        };
+        let mut ints = lock(&self.ints, py)?;
+        Ok(events::build(py, rec, &cx, &mut ints)?.unbind())
+    }
+}
+
+#[pymethods]
+impl Manager {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true))]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        algo: &str,
+        seed: Option<&Bound<'_, PyAny>>,
+        medium: Option<String>,
+        enable_events: bool,
+    ) -> PyResult<Self> {
+        let num_blocks = positive("num_blocks", num_blocks)?;
+        let block_size = positive("block_size", block_size)?;
+        if algo == "dynamo" {
+            return Err(PyValueError::new_err(
+                "algo 'dynamo' hashes blocks without their prefix; use 'dynamo_seq'",
+            ));
+        }
+        if num_blocks >= u32::MAX as usize - 2 {
+            return Err(PyValueError::new_err(format!(
+                "num_blocks must be below {}",
+                u32::MAX - 2
+            )));
+        }
+        let root = new_chain(algo, block_size as i64, seed, None, None)?;
+        let algo = root.algo;
+        Ok(Manager {
+            state: Mutex::new(State {
+                core: Core::new(num_blocks, block_size, enable_events),
+                requests: PyDict::new(py).unbind(),
+                slots: Vec::new(),
+                free_slots: Vec::new(),
+                root,
+                salted_roots: HashMap::new(),
+                lora_ids: HashMap::new(),
+                lora_index: HashMap::from([((None, None), 0)]),
+                tokens: Vec::new(),
+                digests: Vec::new(),
+                hashes: Vec::new(),
+            }),
+            loras: Mutex::new(vec![Lora {
+                name: py.None(),
+                id: py.None(),
+                extra: None,
+            }]),
+            ints: Mutex::new(Ints::default()),
+            classes: Classes::import(py)?,
+            layout: cpython::detect(py),
+            algo,
+            lora_in_extra_keys: algo != Algo::DynamoSeq,
+            num_blocks,
+            block_size,
+            seed: seed.map_or_else(|| py.None(), |s| s.clone().unbind()),
+            medium: medium.into_pyobject(py)?.unbind(),
+        })
+    }
+
+    #[getter]
+    fn algo(&self) -> &'static str {
+        self.algo.name()
+    }
+
+    /// Admit a request with its prompt; returns the cached prompt tokens, or None (nothing
+    /// changed) when there are not enough free blocks.
+    #[pyo3(signature = (request_id, token_ids, *, lora_name = None, lora_id = None))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<i64>,
+    ) -> PyResult<Option<usize>> {
+        let token_list = as_token_list(token_ids)?;
+        if !token_list.is_truthy()? {
+            return Err(PyValueError::new_err(
+                "token_ids is empty: a request needs at least one token",
+            ));
+        }
+        let lora_name = match lora_name.filter(|n| !n.is_none()) {
+            None => None,
+            Some(n) => Some(n.cast::<PyString>().map_err(|_| {
+                let kind = n
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".to_string(), |s| s.to_string());
+                PyTypeError::new_err(format!("lora_name must be a str or None, got {kind}"))
+            })?),
+        };
+        let mut guard = lock(&self.state, py)?;
+        let st = &mut *guard;
+        if st.requests.bind(py).contains(request_id)? {
+            return Err(PyValueError::new_err(format!(
+                "request id {} is already allocated",
+                request_id.repr()?
+            )));
+        }
+        let mut tokens = std::mem::take(&mut st.tokens);
+        let result = self.admit(
+            py,
+            st,
+            request_id,
+            &token_list,
+            &mut tokens,
+            lora_name,
+            lora_id,
+        );
+        st.tokens = tokens;
+        result
+    }
+
+    /// Decode growth: add tokens to a running request, caching blocks as they fill; False
+    /// (nothing changed) when there are not enough free blocks.
+    fn append(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        new_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let token_list = as_token_list(new_token_ids)?;
+        let mut guard = lock(&self.state, py)?;
+        let st = &mut *guard;
+        let slot = self.slot(st, request_id)?;
+        read_tokens(&token_list, self.layout, &mut st.tokens)?;
+        let bs = self.block_size;
+        let State {
+            core,
+            slots,
+            tokens,
+            digests,
+            hashes,
+            ..
+        } = st;
+        let req = slots[slot].as_mut().expect("live slot");
+        let num_tokens = req.num_tokens + tokens.len();
+        let num_new = num_tokens.div_ceil(bs).saturating_sub(req.blocks.len());
+        if num_new > core.num_free() {
+            return Ok(false);
+        }
+        req.tail.extend_from_slice(tokens);
+        let full = req.tail.len() / bs;
+        hashes.clear();
+        if full > 0 {
+            let extras = req.extras.as_mut().map(|(key, per_block)| {
+                if per_block.len() < full {
+                    per_block.resize(full, Some(key.clone()));
+                }
+                &per_block[..full]
+            });
+            hash_into(
+                py,
+                &mut req.chain,
+                &req.tail[..full * bs],
+                extras,
+                digests,
+                hashes,
+            );
+        }
+        let full0 = req.num_tokens / bs;
+        req.num_tokens = num_tokens;
+        core.new_blocks(num_new, &mut req.blocks);
+        if full > 0 {
+            let blocks = &req.blocks[full0..full0 + full];
+            core.cache(
+                blocks,
+                hashes,
+                &req.tail[..full * bs],
+                req.last_hash,
+                req.lora,
+            );
+            req.last_hash = hashes.last().copied();
+            req.tail.drain(..full * bs);
+        }
+        Ok(true)
+    }
+
+    /// Release a request's blocks; its cached blocks stay hittable until evicted.
+    fn free(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut guard = lock(&self.state, py)?;
+        let st = &mut *guard;
+        let slot = self.slot(st, request_id)?;
+        st.requests.bind(py).del_item(request_id)?;
+        let req = st.slots[slot].take().expect("live slot");
+        st.free_slots.push(slot);
+        st.core.free_reversed(&req.blocks);
+        Ok(())
+    }
+
+    /// Clear the prefix cache (AllBlocksCleared); False while any request holds blocks.
+    fn reset(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(lock(&self.state, py)?.core.reset())
+    }
+
+    /// Drain the recorded events, in order.
+    fn take_events(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        let rec = lock(&self.state, py)?.core.take_record();
+        self.build(py, &rec)
+    }
+
+    /// Every cached block as BlockStored events, parents before children.
+    fn snapshot(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        let rec = lock(&self.state, py)?.core.snapshot();
+        self.build(py, &rec)
+    }
+
+    /// The request's block table.
+    fn get_block_ids(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let st = lock(&self.state, py)?;
+        let slot = self.slot(&st, request_id)?;
+        Ok(st.slots[slot].as_ref().expect("live slot").blocks.clone())
+    }
+
+    fn num_tokens(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let st = lock(&self.state, py)?;
+        let slot = self.slot(&st, request_id)?;
+        Ok(st.slots[slot].as_ref().expect("live slot").num_tokens)
+    }
+
+    fn __contains__(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        lock(&self.state, py)?
+            .requests
+            .bind(py)
+            .contains(request_id)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(&self.state, py)?.requests.bind(py).len())
+    }
+
+    // --- the pool's queries (kvbridge.pool exposes them as `.pool`) ------------------------
+
+    #[getter]
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(&self.state, py)?.core.num_free())
+    }
+
+    /// Distinct cached hashes.
+    #[getter]
+    fn num_cached_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(lock(&self.state, py)?.core.num_cached())
+    }
+
+    /// The cached hashes, parents before children.
+    fn cached_block_hashes(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        Ok(lock(&self.state, py)?.core.cached_hashes())
+    }
+
+    /// The free blocks in eviction order, first evicted first.
+    fn free_block_ids(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        Ok(lock(&self.state, py)?.core.free_block_ids())
+    }
+
+    /// (ref_cnt, block_hash or None) per block id, for tests and debugging.
+    fn block_states(&self, py: Python<'_>) -> PyResult<Vec<(u32, Option<u64>)>> {
+        let st = lock(&self.state, py)?;
+        Ok((0..self.num_blocks as u32)
+            .map(|b| (st.core.ref_cnt(b), st.core.block_hash(b)))
+            .collect())
+    }
+}
+
+impl Manager {
+    #[allow(clippy::too_many_arguments)]
+    fn admit(
+        &self,
+        py: Python<'_>,
+        st: &mut State,
+        request_id: &Bound<'_, PyAny>,
+        token_list: &Bound<'_, PyAny>,
+        tokens: &mut Vec<u32>,
+        lora_name: Option<&Bound<'_, PyString>>,
+        lora_id: Option<i64>,
+    ) -> PyResult<Option<usize>> {
+        read_tokens(token_list, self.layout, tokens)?;
+        let bs = self.block_size;
+        let num_full = tokens.len() / bs;
+        let mut chain = match lora_name {
+            Some(name) if self.algo == Algo::DynamoSeq => {
+                let name = name.to_str()?;
+                match st.salted_roots.get(name) {
+                    Some(root) => root.clone(),
+                    None => {
+                        let root = new_chain(self.algo.name(), bs as i64, None, Some(name), None)?;
+                        st.salted_roots.insert(name.to_string(), root.clone());
+                        root
+                    }
+                }
+            }
+            _ => st.root.clone(),
+        };
+        // vLLM salts a LoRA block's hash with extra keys (lora_name,), one per block.
+        let mut extras = match lora_name {
+            Some(name) if self.lora_in_extra_keys => {
+                let key =
+                    Value::from_py(PyTuple::new(py, [name])?.as_any(), self.algo.cbor_extras())?;
+                Some((key.clone(), vec![Some(key); num_full]))
+            }
+            _ => None,
+        };
+        let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
+        hash_into(
+            py,
+            &mut chain,
+            &tokens[..num_full * bs],
+            per_block,
+            &mut st.digests,
+            &mut st.hashes,
+        );
+        let hashes = &st.hashes;
+        let mut blocks = Vec::with_capacity(tokens.len().div_ceil(bs));
+        st.core.find_cached_prefix(hashes, &mut blocks);
+        let num_hit = blocks.len();
+        let num_new = tokens.len().div_ceil(bs) - num_hit;
+        if !st.core.can_take(&blocks, num_new) {
+            return Ok(None);
+        }
+        let lora_id = match (lora_name, lora_id) {
+            (Some(name), None) => {
+                let next = st.lora_ids.len() as i64 + 1;
+                Some(
+                    *st.lora_ids
+                        .entry(name.to_str()?.to_string())
+                        .or_insert(next),
+                )
+            }
+            (_, id) => id,
+        };
+        let lora = self.lora(st, py, lora_name, lora_id)?;
+        st.core.touch(&blocks);
+        st.core.new_blocks(num_new, &mut blocks);
+        let hashes = &st.hashes;
+        if num_full > num_hit {
+            let parent = num_hit.checked_sub(1).map(|i| hashes[i]);
+            let cached_tokens = &tokens[num_hit * bs..num_full * bs];
+            st.core.cache(
+                &blocks[num_hit..num_full],
+                &hashes[num_hit..],
+                cached_tokens,
+                parent,
+                lora,
+            );
+        }
+        if let Some((_, per_block)) = extras.as_mut() {
+            per_block.clear();
+        }
+        let req = Request {
+            blocks,
+            num_tokens: tokens.len(),
+            tail: tokens[num_full * bs..].to_vec(),
+            chain,
+            last_hash: hashes.last().copied(),
+            lora,
+            extras,
+        };
+        let slot = match st.free_slots.pop() {
+            Some(s) => {
+                st.slots[s] = Some(req);
+                s
+            }
+            None => {
+                st.slots.push(Some(req));
+                st.slots.len() - 1
+            }
+        };
+        st.requests.bind(py).set_item(request_id, slot)?;
+        Ok(Some(num_hit * bs))
+    }
+}

@@ -1,0 +1,442 @@
+//! The block pool on plain Rust data: free queue, ref counts, the hash -> cached block map and
+//! the event record. A line-by-line port of `BlockPool` in python/kvbridge/pool.py (the
+//! executable spec; the state machine in tests/test_pool.py runs both side by side), so the
+//! comments there explain the rules; the ones here explain the representation.
+
+use std::collections::hash_map::{Entry as MapEntry, HashMap, RandomState};
+use std::hash::{BuildHasher, Hasher};
+use std::ops::Range;
+
+/// Block hashes are already uniform, so the map only mixes them with a per-process key: a full
+/// SipHash per lookup would cost more than the rest of caching a block, and the key keeps
+/// crafted prompts from piling hashes into one bucket chain.
+#[derive(Clone)]
+pub struct Mix(u64);
+
+impl Default for Mix {
+    fn default() -> Self {
+        Mix(RandomState::new().hash_one(0x6b76_6272_6964_6765u64) | 1)
+    }
+}
+
+impl BuildHasher for Mix {
+    type Hasher = MixHasher;
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(self.0)
+    }
+}
+
+pub struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 keys")
+    }
+    #[inline(always)]
+    fn write_u64(&mut self, h: u64) {
+        let x = (h ^ self.0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = x ^ (x >> 29);
+    }
+}
+
+pub type Map<V> = HashMap<u64, V, Mix>;
+
+/// What the map keeps per cached hash. `seq` is the insertion order (a dict's order in the
+/// spec, which a replacement keeps); `run`/`idx` say which `cache` call stored it and where,
+/// so a snapshot can merge what one call stored back into one event, as the spec does.
+#[derive(Clone, Copy)]
+struct Entry {
+    block: u32,
+    idx: u32,
+    seq: u64,
+    run: u64,
+    parent: Option<u64>,
+    lora: u32,
+}
+
+/// Events as offsets into two flat vectors; Python objects are made only when drained.
+#[derive(Default)]
+pub struct Record {
+    pub events: Vec<Event>,
+    pub hashes: Vec<u64>,
+    pub tokens: Vec<u32>,
+}
+
+pub enum Event {
+    /// `lora` indexes the caller's LoRA table (0: no LoRA).
+    Stored {
+        parent: Option<u64>,
+        hashes: Range<usize>,
+        tokens: Range<usize>,
+        lora: u32,
+    },
+    Removed {
+        hashes: Range<usize>,
+    },
+    Cleared,
+}
+
+impl Record {
+    pub fn is_empty(&self) -> bool {
+        self.events.is_empty()
+    }
+
+    fn stored(&mut self, parent: Option<u64>, hashes: &[u64], tokens: &[u32], lora: u32) {
+        let h = self.hashes.len();
+        let t = self.tokens.len();
+        self.hashes.extend_from_slice(hashes);
+        self.tokens.extend_from_slice(tokens);
+        self.events.push(Event::Stored {
+            parent,
+            hashes: h..self.hashes.len(),
+            tokens: t..self.tokens.len(),
+            lora,
+        });
+    }
+}
+
+pub struct Core {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    ref_cnt: Vec<u32>,
+    hash: Vec<Option<u64>>,
+    /// The free queue through block ids; `HEAD` and `TAIL` are sentinels past the blocks.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    num_free: usize,
+    /// Each block's tokens, written when it is cached: a snapshot reads them from here (a
+    /// copy that takes over a hash holds the same tokens).
+    tokens: Vec<u32>,
+    cached: Map<Entry>,
+    /// Further blocks holding an already cached hash, oldest first. Rare.
+    copies: Map<Vec<u32>>,
+    seq: u64,
+    run: u64,
+    pub record: Option<Record>,
+    scratch: Vec<u32>,
+}
+
+impl Core {
+    pub fn new(num_blocks: usize, block_size: usize, events: bool) -> Core {
+        let n = num_blocks;
+        let (head, tail) = (n as u32, n as u32 + 1);
+        // Block i sits between i-1 and i+1; block 0 follows HEAD and the last precedes TAIL.
+        let mut prev: Vec<u32> = (0..n as u32 + 2).map(|i| i.wrapping_sub(1)).collect();
+        let mut next: Vec<u32> = (1..n as u32 + 3).collect();
+        prev[0] = head;
+        next[n - 1] = tail;
+        prev[tail as usize] = n as u32 - 1;
+        next[head as usize] = 0;
+        Core {
+            num_blocks,
+            block_size,
+            ref_cnt: vec![0; n],
+            hash: vec![None; n],
+            prev,
+            next,
+            num_free: n,
+            tokens: vec![0; n * block_size],
+            cached: Map::default(),
+            copies: Map::default(),
+            seq: 0,
+            run: 0,
+            record: events.then(Record::default),
+            scratch: Vec::new(),
+        }
+    }
+
+    fn head(&self) -> u32 {
+        self.num_blocks as u32
+    }
+
+    fn tail(&self) -> u32 {
+        self.num_blocks as u32 + 1
+    }
+
+    // --- queries --------------------------------------------------------------------------
+
+    pub fn num_free(&self) -> usize {
+        self.num_free
+    }
+
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    pub fn ref_cnt(&self, b: u32) -> u32 {
+        self.ref_cnt[b as usize]
+    }
+
+    pub fn block_hash(&self, b: u32) -> Option<u64> {
+        self.hash[b as usize]
+    }
+
+    pub fn free_block_ids(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.num_free);
+        let mut b = self.next[self.head() as usize];
+        while b != self.tail() {
+            out.push(b);
+            b = self.next[b as usize];
+        }
+        out
+    }
+
+    /// Cached hashes in insertion order: parents before children.
+    pub fn cached_hashes(&self) -> Vec<u64> {
+        let mut items: Vec<(u64, u64)> = self.cached.iter().map(|(&h, e)| (e.seq, h)).collect();
+        items.sort_unstable();
+        items.into_iter().map(|(_, h)| h).collect()
+    }
+
+    /// The blocks holding the longest cached prefix of `hashes`.
+    pub fn find_cached_prefix(&self, hashes: &[u64], out: &mut Vec<u32>) {
+        for h in hashes {
+            match self.cached.get(h) {
+                Some(e) => out.push(e.block),
+                None => break,
+            }
+        }
+    }
+
+    /// Whether `hit` plus `num_new` fresh blocks can be had, counting free hits as taken.
+    pub fn can_take(&self, hit: &[u32], num_new: usize) -> bool {
+        if num_new + hit.len() <= self.num_free {
+            return true;
+        }
+        num_new
+            + hit
+                .iter()
+                .filter(|&&b| self.ref_cnt[b as usize] == 0)
+                .count()
+            <= self.num_free
+    }
+
+    // --- block lifecycle --------------------------------------------------------------------
+
+    pub fn touch(&mut self, blocks: &[u32]) {
+        let mut taken = 0;
+        for &b in blocks {
+            let b = b as usize;
+            if self.ref_cnt[b] == 0 {
+                let (p, n) = (self.prev[b], self.next[b]);
+                self.next[p as usize] = n;
+                self.prev[n as usize] = p;
+                taken += 1;
+            }
+            self.ref_cnt[b] += 1;
+        }
+        self.num_free -= taken;
+    }
+
+    /// Takes `count` blocks from the head of the free queue into `out`, evicting their hashes;
+    /// the caller checked that they are free.
+    pub fn new_blocks(&mut self, count: usize, out: &mut Vec<u32>) {
+        if count == 0 {
+            return;
+        }
+        let removed_from = self.record.as_ref().map_or(0, |r| r.hashes.len());
+        let mut b = self.next[self.head() as usize];
+        for _ in 0..count {
+            out.push(b);
+            let i = b as usize;
+            self.ref_cnt[i] = 1;
+            if let Some(h) = self.hash[i].take() {
+                let last = if self.copies.is_empty() {
+                    self.cached.remove(&h);
+                    true
+                } else {
+                    self.drop_cached(b, h)
+                };
+                if let (true, Some(r)) = (last, self.record.as_mut()) {
+                    r.hashes.push(h);
+                }
+            }
+            b = self.next[i];
+        }
+        let head = self.head();
+        self.next[head as usize] = b;
+        self.prev[b as usize] = head;
+        self.num_free -= count;
+        if let Some(r) = self.record.as_mut() {
+            if r.hashes.len() > removed_from {
+                r.events.push(Event::Removed {
+                    hashes: removed_from..r.hashes.len(),
+                });
+            }
+        }
+    }
+
+    /// Forgets that `block` holds `h`; true when that was the hash's last copy.
+    fn drop_cached(&mut self, block: u32, h: u64) -> bool {
+        let MapEntry::Occupied(mut copies) = self.copies.entry(h) else {
+            self.cached.remove(&h);
+            return true;
+        };
+        let entry = self.cached.get_mut(&h).expect("a copied hash is cached");
+        if entry.block == block {
+            // The oldest other copy takes over, keeping the hash's place and run.
+            entry.block = copies.get_mut().remove(0);
+        } else {
+            let list = copies.get_mut();
+            let at = list
+                .iter()
+                .position(|&c| c == block)
+                .expect("block holds a copy");
+            list.remove(at);
+        }
+        if copies.get().is_empty() {
+            copies.remove();
+        }
+        false
+    }
+
+    /// Marks in-use blocks without a hash as cached, one chain continuing `parent`; records a
+    /// `Stored` event per stretch of hashes not already held by other blocks.
+    pub fn cache(
+        &mut self,
+        blocks: &[u32],
+        hashes: &[u64],
+        tokens: &[u32],
+        parent: Option<u64>,
+        lora: u32,
+    ) {
+        let bs = self.block_size;
+        self.run += 1;
+        let run = self.run;
+        // Stretches of new hashes as [start, end) pairs; one stretch unless duplicates occur.
+        let mut stretches = std::mem::take(&mut self.scratch);
+        stretches.clear();
+        let mut start = 0;
+        for (i, (&b, &h)) in blocks.iter().zip(hashes).enumerate() {
+            let bi = b as usize;
+            self.hash[bi] = Some(h);
+            self.tokens[bi * bs..(bi + 1) * bs].copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
+            match self.cached.entry(h) {
+                MapEntry::Occupied(_) => {
+                    self.copies.entry(h).or_default().push(b);
+                    if i > start {
+                        stretches.extend([start as u32, i as u32]);
+                    }
+                    start = i + 1;
+                }
+                MapEntry::Vacant(v) => {
+                    self.seq += 1;
+                    let parent = if i > 0 { Some(hashes[i - 1]) } else { parent };
+                    v.insert(Entry {
+                        block: b,
+                        idx: i as u32,
+                        seq: self.seq,
+                        run,
+                        parent,
+                        lora,
+                    });
+                }
+            }
+        }
+        if start < hashes.len() {
+            stretches.extend([start as u32, hashes.len() as u32]);
+        }
+        if let Some(r) = self.record.as_mut() {
+            for pair in stretches.chunks_exact(2) {
+                let (s, e) = (pair[0] as usize, pair[1] as usize);
+                let parent = if s > 0 { Some(hashes[s - 1]) } else { parent };
+                r.stored(parent, &hashes[s..e], &tokens[s * bs..e * bs], lora);
+            }
+        }
+        self.scratch = stretches;
+    }
+
+    /// Drops one reference per block, walking `blocks` backwards (a request's tail first, so a
+    /// chain's last blocks are evicted first). Blocks reaching zero go to the tail if cached,
+    /// to the head if not.
+    pub fn free_reversed(&mut self, blocks: &[u32]) {
+        let tail = self.tail();
+        let mut last = self.prev[tail as usize];
+        let mut fresh = std::mem::take(&mut self.scratch);
+        fresh.clear();
+        let mut released = 0;
+        for &b in blocks.iter().rev() {
+            let i = b as usize;
+            self.ref_cnt[i] -= 1;
+            if self.ref_cnt[i] != 0 {
+                continue;
+            }
+            released += 1;
+            if self.hash[i].is_none() {
+                fresh.push(b);
+            } else {
+                self.next[last as usize] = b;
+                self.prev[i] = last;
+                last = b;
+            }
+        }
+        self.next[last as usize] = tail;
+        self.prev[tail as usize] = last;
+        if !fresh.is_empty() {
+            let head = self.head();
+            let mut first = self.next[head as usize];
+            for &b in fresh.iter().rev() {
+                self.next[b as usize] = first;
+                self.prev[first as usize] = b;
+                first = b;
+            }
+            self.next[head as usize] = first;
+            self.prev[first as usize] = head;
+        }
+        self.num_free += released;
+        self.scratch = fresh;
+    }
+
+    pub fn reset(&mut self) -> bool {
+        if self.num_free != self.num_blocks {
+            return false;
+        }
+        self.hash.fill(None);
+        self.cached.clear();
+        self.copies.clear();
+        if let Some(r) = self.record.as_mut() {
+            r.events.push(Event::Cleared);
+        }
+        true
+    }
+
+    // --- events ---------------------------------------------------------------------------
+
+    pub fn take_record(&mut self) -> Record {
+        match self.record.as_mut() {
+            Some(r) if !r.is_empty() => std::mem::take(r),
+            _ => Record::default(),
+        }
+    }
+
+    /// Every cached hash as `Stored` events, parents before children, consecutive hashes of
+    /// one `cache` call merged into one event as they were stored.
+    pub fn snapshot(&self) -> Record {
+        let mut entries: Vec<(u64, &Entry)> = self.cached.iter().map(|(&h, e)| (h, e)).collect();
+        entries.sort_unstable_by_key(|(_, e)| e.seq);
+        let bs = self.block_size;
+        let mut out = Record::default();
+        let mut prev: Option<&Entry> = None;
+        for (h, e) in entries {
+            let b = e.block as usize;
+            let block_tokens = &self.tokens[b * bs..(b + 1) * bs];
+            let continues = prev.is_some_and(|p| p.run == e.run && p.idx + 1 == e.idx);
+            if let (true, Some(Event::Stored { hashes, tokens, .. })) =
+                (continues, out.events.last_mut())
+            {
+                hashes.end += 1;
+                tokens.end += bs;
+                out.hashes.push(h);
+                out.tokens.extend_from_slice(block_tokens);
+                prev = Some(e);
+                continue;
+            }
+            out.stored(e.parent, &[h], block_tokens, e.lora);
+            prev = Some(e);
+        }
+        out
+    }
+}
