@@ -24,6 +24,7 @@ bench: setup
 	$(BIN)/python bench/hashing.py
 	$(BIN)/python bench/encode.py
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/bridge.py
 
 clean:
 	rm -rf $(VENV) target
