@@ -125,7 +125,14 @@ fn as_token_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     match obj.getattr_opt("tolist")? {
         Some(tolist) => tolist.call0(),
         None => {
-            Ok(PyList::new(obj.py(), obj.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.into_any())
+            let iter = obj.try_iter().map_err(|_| {
+                let name = obj.get_type().name().map(|n| n.to_string());
+                PyTypeError::new_err(format!(
+                    "token ids must be a list of int, an int array or an iterable of int, not {}",
+                    name.unwrap_or_else(|_| "?".into())
+                ))
+            })?;
+            Ok(PyList::new(obj.py(), iter.collect::<PyResult<Vec<_>>>()?)?.into_any())
         }
     }
 }

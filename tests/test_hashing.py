@@ -476,6 +476,12 @@ def test_token_out_of_range_numpy():
         hash_blocks(np.array([1, 2**32], dtype=np.uint64), 2)
 
 
+@pytest.mark.parametrize("tokens", [None, 5, 2.5])
+def test_tokens_not_a_sequence(tokens):
+    with pytest.raises(TypeError, match=f"tokens must be a list/tuple of int, .* not {type(tokens).__name__}$"):
+        hash_blocks(tokens, 1)
+
+
 @pytest.mark.parametrize("tokens,index,kind", [
     ([1, "2"], 1, "str"),
     ((1, 2, 3.0), 2, "float"),
@@ -500,7 +506,7 @@ def test_tokens_wrong_container():
         hash_blocks(b"\x01\x02", 1)
     with pytest.raises(BufferError, match="1-dimensional"):
         hash_blocks(np.zeros((2, 2), dtype=np.uint32), 1)
-    with pytest.raises(TypeError, match="not iterable"):
+    with pytest.raises(TypeError, match="or an iterable of int, not int$"):
         hash_blocks(5, 1)
 
 

@@ -599,6 +599,11 @@ def test_misuse_raises_clear_errors(Manager):
         m.allocate("b", [1, 2, 2**32])  # in the partial tail
     with pytest.raises(TypeError):
         m.allocate("b", ["x"])
+    for not_tokens in (None, 7):
+        with pytest.raises(TypeError, match=f"token ids must be .* not {type(not_tokens).__name__}$"):
+            m.allocate("b", not_tokens)
+        with pytest.raises(TypeError, match="token ids must be"):
+            m.append("a", not_tokens)
     with pytest.raises(ValueError, match="index 0 is -5"):
         m.append("a", [-5, 1])  # completes a block
     with pytest.raises(ValueError, match="index 1 is 4294967296"):

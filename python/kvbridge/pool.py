@@ -440,7 +440,16 @@ def _as_token_list(token_ids: Any) -> list[int]:
     if type(token_ids) is list:
         return token_ids
     tolist = getattr(token_ids, "tolist", None)
-    return tolist() if tolist is not None else list(token_ids)
+    if tolist is not None:
+        return tolist()
+    try:
+        return list(token_ids)
+    except TypeError:
+        raise TypeError(_NOT_TOKENS.format(type(token_ids).__name__)) from None
+
+
+# The native manager raises the same message (rust/pool.rs).
+_NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of int, not {}"
 
 
 class _Request:

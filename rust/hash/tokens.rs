@@ -68,8 +68,14 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Tokens> {
             return from_buffer(obj);
         }
     }
+    let iter = obj.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "tokens must be a list/tuple of int, an int buffer (array.array, numpy) or an iterable of int, not {}",
+            obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+        ))
+    })?;
     let mut out = Recycled::take(&POOL);
-    for (i, item) in obj.try_iter()?.enumerate() {
+    for (i, item) in iter.enumerate() {
         let item = item?;
         // SAFETY: item is an owned, live reference.
         out.push(unsafe { token(obj.py(), item.as_ptr(), i) }?);
