@@ -239,7 +239,9 @@ class KvEventPublisher:
 
     def mark_loss(self) -> None:
         """Leave a hole in the seq at this point of the hand-off order, so that consumers resync
-        by snapshot: for a relay whose source lost batches it could not recover."""
+        by snapshot: for a relay whose source lost batches it could not recover. As with dropped
+        hand-offs, messages before the hole that are not sent yet go with it: whoever is behind the
+        hole needs the snapshot anyway, and it covers them."""
         self._queue.append(_HOLE)
         if self._sleeping:
             self._nudge()
