@@ -123,7 +123,7 @@ async def _relay(args: argparse.Namespace) -> int:
         await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if running.done():
-            failed = running.exception() is not None  # logged by the relay
+            failed = not running.cancelled() and running.exception() is not None  # logged by the relay
         else:
             running.cancel()
     print(f"relay stopped; {relay.stats}", file=sys.stderr)

@@ -307,10 +307,11 @@ class Relay:
             self._reading = False
 
     async def _drain_socket(self) -> None:
-        """Frames that arrived before close(): forward them rather than drop them."""
+        """Frames that arrived before close(): forward them rather than drop them (a bounded number:
+        an engine that keeps publishing would keep this going)."""
         sub = self._sub
         assert sub is not None
-        while True:
+        for _ in range(_RCVHWM):
             try:
                 frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
