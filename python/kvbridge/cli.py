@@ -1,4 +1,5 @@
-"""``kvbridge`` command line: ``watch`` the event stream, or run the end-to-end ``demo``.
+"""``kvbridge`` command line: ``watch`` the event stream, ``relay`` a stock engine's ZMQ events to
+NATS, or run the end-to-end ``demo``.
 
 Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
 the flags below override them.
@@ -14,6 +15,7 @@ import time
 from typing import Any, Sequence
 
 from kvbridge.config import Config, ConfigError
+from kvbridge.connection import ConnectError
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
 __all__ = ["main"]
@@ -94,12 +96,48 @@ async def _watch(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- relay -----------------------------------------------------------------------------------------
+
+
+async def _relay(args: argparse.Namespace) -> int:
+    from kvbridge.relay import Relay
+
+    extra = {k: v for k, v in (("model", args.model), ("worker_id", args.worker), ("encoding", args.encoding)) if v}
+    relay = Relay(
+        _config(args, **extra), endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
+        dp_rank=args.dp_rank,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    failed = False
+    async with relay:
+        print(
+            f"relaying {relay.endpoint} (replay: {relay.replay_endpoint or 'none'}) to "
+            f"{relay.publisher.subjects.events} on {', '.join(relay.config.servers)} (Ctrl-C to stop)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        running = asyncio.ensure_future(relay.wait())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if running.done():
+            failed = not running.cancelled() and running.exception() is not None  # logged by the relay
+        else:
+            running.cancel()
+    print(f"relay stopped; {relay.stats}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 # --- entry point -----------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvbridge", description="Watch the KV-cache event stream on NATS, or run the end-to-end demo."
+        prog="kvbridge",
+        description="Watch the KV-cache event stream on NATS, relay a stock vLLM/SGLang engine's ZMQ KV events to "
+        "NATS, or run the end-to-end demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -109,6 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
     w.add_argument("--count", type=int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
     _connection_args(w)
+
+    r = sub.add_parser(
+        "relay", help="publish a stock vLLM/SGLang engine's ZMQ KV events on NATS (a sidecar), gaps repaired by replay",
+        description="Subscribe to the engine's ZMQ KV events (vLLM: --kv-events-config '{\"enable_kv_cache_events\": "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+        "\"topic\": \"kv\"}') and publish every batch, unchanged, on <prefix>.events.<model>.<worker>. "
+        "Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
+    )  # fmt: skip
+    r.add_argument("--endpoint", required=True, help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (* means this host)")
+    r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558; without it a gap is a loss")
+    r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
+    r.add_argument("--dp-rank", type=int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
+    r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL)")
+    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>)")
+    r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
+    _connection_args(r)
 
     d = sub.add_parser("demo", help="start a local nats-server, simulated workers and a router; kill the broker mid-run")
     d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
@@ -126,12 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "watch":
             return asyncio.run(_watch(args))
+        if args.command == "relay":
+            return asyncio.run(_relay(args))
         from kvbridge.demo import run_demo
 
         return asyncio.run(run_demo(args))
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2
+    except ConnectError as exc:
+        print(f"kvbridge: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["PUBLISHER_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
+__all__ = ["PUBLISHER_METRICS", "RELAY_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
 
 # stat key -> (metric name, help, kind)
 PUBLISHER_METRICS = {
@@ -66,11 +66,24 @@ SUBSCRIBER_METRICS = {
 }
 
 
+RELAY_METRICS = {
+    "frames": ("kvbridge_relay_frames", "ZMQ messages received from the engine", "counter"),
+    "forwarded": ("kvbridge_relay_forwarded_batches", "Engine batches handed to the publisher", "counter"),
+    "replayed": ("kvbridge_relay_replayed_batches", "Of those, batches recovered from the engine's replay", "counter"),
+    "malformed": ("kvbridge_relay_malformed_frames", "Engine frames that were not valid event frames", "counter"),
+    "lost_batches": ("kvbridge_relay_lost_batches", "Engine batches neither received nor replayed", "counter"),
+    "replay_requests": ("kvbridge_relay_replay_requests", "Replay requests sent to the engine", "counter"),
+    "replay_failures": ("kvbridge_relay_replay_failures", "Replay requests that failed or timed out", "counter"),
+    "engine_restarts": ("kvbridge_relay_engine_restarts", "Engine restarts seen (each starts a new epoch)", "counter"),
+    "view_blocks": ("kvbridge_relay_view_blocks", "Blocks in the relay's view of the engine's cache", "gauge"),
+}
+
+
 class _Collector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # role -> live objects with .stats (dict) and .metric_labels (dict)
-        self._objects: dict[str, weakref.WeakSet] = {"publisher": weakref.WeakSet(), "subscriber": weakref.WeakSet()}
+        self._objects: dict[str, weakref.WeakSet] = {role: weakref.WeakSet() for role in _TABLES}
 
     def add(self, role: str, obj: Any) -> None:
         with self._lock:
@@ -79,7 +92,7 @@ class _Collector(Collector):
     def collect(self) -> Iterable[Any]:
         with self._lock:
             groups = {role: list(objs) for role, objs in self._objects.items()}
-        for role, table in (("publisher", PUBLISHER_METRICS), ("subscriber", SUBSCRIBER_METRICS)):
+        for role, table in _TABLES.items():
             objs = groups[role]
             if not objs:
                 continue
@@ -97,6 +110,7 @@ class _Collector(Collector):
                 yield family
 
 
+_TABLES = {"publisher": PUBLISHER_METRICS, "subscriber": SUBSCRIBER_METRICS, "relay": RELAY_METRICS}
 _collector = _Collector()
 _registered = False
 _exporters: dict[tuple[str, int], Any] = {}
@@ -104,7 +118,7 @@ _module_lock = threading.Lock()
 
 
 def register(role: str, obj: Any) -> None:
-    """Expose ``obj.stats`` under ``role`` ('publisher' or 'subscriber') in the default registry."""
+    """Expose ``obj.stats`` under ``role`` ('publisher', 'subscriber' or 'relay') in the default registry."""
     global _registered
     with _module_lock:
         if not _registered:

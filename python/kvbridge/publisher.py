@@ -67,6 +67,8 @@ __all__ = ["BackgroundPublisher", "KvEventPublisher"]
 
 # Marks a snapshot's position in the hand-off queue.
 _CUT = object()
+# Marks where mark_loss() was called: the seq skips there.
+_HOLE = object()
 
 # After this long without hand-offs the loop stops polling and sleeps until the next publish()
 # wakes it. A wake costs the engine thread a syscall and a cross-thread wake-up (~7-20 us on a
@@ -220,17 +222,42 @@ class KvEventPublisher:
         if len(q) > self._queue_max:
             self._drop_oldest()
         if self._sleeping:
-            self._sleeping = False
-            waker = self._waker
-            if waker is not None:
-                waker.signal()
-                return
-            loop = self._loop
-            if loop is not None:
-                try:
-                    loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
-                except RuntimeError:  # loop closed: the hand-off stays queued, bounded
-                    pass
+            self._nudge()
+
+    def publish_batch(self, batch: KVEventBatch) -> None:
+        """Hand over ``batch`` to go out as a message of its own, with its own ``ts`` and
+        ``data_parallel_rank`` (the configured ``dp_rank`` when it has none), even if empty -- so a
+        relay re-publishes another publisher's stream batch for batch, byte for byte in msgpack
+        mode (a batch beyond ``max_batch_events``/``max_batch_bytes`` is still split). Never
+        blocks, like :meth:`publish`; the two may be mixed."""
+        q = self._queue
+        q.append(batch)
+        if len(q) > self._queue_max:
+            self._drop_oldest()
+        if self._sleeping:
+            self._nudge()
+
+    def mark_loss(self) -> None:
+        """Leave a hole in the seq at this point of the hand-off order, so that consumers resync
+        by snapshot: for a relay whose source lost batches it could not recover. As with dropped
+        hand-offs, messages before the hole that are not sent yet go with it: whoever is behind the
+        hole needs the snapshot anyway, and it covers them."""
+        self._queue.append(_HOLE)
+        if self._sleeping:
+            self._nudge()
+
+    def _nudge(self) -> None:
+        self._sleeping = False
+        waker = self._waker
+        if waker is not None:
+            waker.signal()
+            return
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+            except RuntimeError:  # loop closed: the hand-off stays queued, bounded
+                pass
 
     def _drop_oldest(self) -> None:
         q = self._queue
@@ -240,11 +267,11 @@ class KvEventPublisher:
                     old = q.popleft()
                 except IndexError:  # the loop drained it meanwhile
                     return
-                if old is _CUT:  # a snapshot's position must survive; rare, so just stop here
+                if old is _CUT or old is _HOLE:  # markers must survive; rare, so just stop here
                     q.appendleft(old)
                     return
                 self._dropped_batches += 1
-                self._dropped_events += len(old[1])
+                self._dropped_events += len(old.events if old.__class__ is KVEventBatch else old[1])
 
     def attach(self, manager: Any) -> None:
         """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
@@ -358,11 +385,16 @@ class KvEventPublisher:
                 item = popleft()
             except IndexError:  # dropped under us
                 break
-            if item is _CUT:
+            if item.__class__ is not tuple:  # a marker, or a batch that stays a message of its own
                 if pending:
                     self._emit(ts, pending)
                     pending = []
-                at_cut = self._next_seq - 1
+                if item is _CUT:
+                    at_cut = self._next_seq - 1
+                elif item is _HOLE:
+                    self._skip_seq()
+                else:
+                    self._emit(item.ts, item.events, item.data_parallel_rank)
                 continue
             if not pending:
                 ts = item[0]
@@ -377,30 +409,33 @@ class KvEventPublisher:
             self._skip_seq()
         return self._next_seq - 1 if at_cut is None else at_cut
 
-    def _encode(self, ts: float, events: list[Any]) -> list[tuple[bytes, int]]:
-        """``(payload, events in it)`` within the event and byte limits, in order."""
+    def _encode(self, ts: float, events: list[Any], rank: int | None = None) -> list[tuple[bytes, int]]:
+        """``(payload, events in it)`` within the event and byte limits, in order; ``rank`` None
+        is the configured dp_rank."""
+        if rank is None:
+            rank = self.config.dp_rank
         out: list[tuple[bytes, int]] = []
         step = self._max_events
         if self._bytes_per_event > 0:
             step = max(1, min(step, int(self._max_bytes * _BYTES_HEADROOM / self._bytes_per_event)))
         for i in range(0, max(len(events), 1), step):
-            self._encode_within_bytes(ts, events[i : i + step], out)
+            self._encode_within_bytes(ts, events[i : i + step], rank, out)
         if events:
             size = sum(len(p) for p, _ in out)
             self._bytes_per_event = 0.7 * self._bytes_per_event + 0.3 * size / len(events) if self._bytes_per_event else size / len(events)
         return out
 
-    def _encode_within_bytes(self, ts: float, events: list[Any], out: list[tuple[bytes, int]]) -> None:
-        payload = encode_batch(KVEventBatch(ts, events, self.config.dp_rank), self._format)
+    def _encode_within_bytes(self, ts: float, events: list[Any], rank: int | None, out: list[tuple[bytes, int]]) -> None:
+        payload = encode_batch(KVEventBatch(ts, events, rank), self._format)
         if len(payload) > self._max_bytes and len(events) > 1:
             half = len(events) // 2
-            self._encode_within_bytes(ts, events[:half], out)
-            self._encode_within_bytes(ts, events[half:], out)
+            self._encode_within_bytes(ts, events[:half], rank, out)
+            self._encode_within_bytes(ts, events[half:], rank, out)
         else:
             out.append((payload, len(events)))
 
-    def _emit(self, ts: float, events: list[Any]) -> None:
-        for payload, n_events in self._encode(ts, events):
+    def _emit(self, ts: float, events: list[Any], rank: int | None = None) -> None:
+        for payload, n_events in self._encode(ts, events, rank):
             if len(payload) > self._max_payload:
                 # One event larger than the broker accepts: it can never be delivered, so make it
                 # a visible hole (consumers resync by snapshot) instead of a message that fails forever.

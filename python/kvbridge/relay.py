@@ -1,0 +1,418 @@
+"""A sidecar that carries a stock vLLM or SGLang engine's ZMQ KV events to NATS.
+
+The engine publishes on a ZMQ PUB socket (``--kv-events-config '{"enable_kv_cache_events": true,
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic":
+"kv"}'``) multipart frames ``[topic, seq (u64 big-endian), msgpack KVEventBatch]``, and keeps its
+last batches (10,000 by default) for a DEALER that sends ``[b"", start_seq]`` to its ROUTER replay
+endpoint: the answer is ``[b"", (topic,) seq, payload]`` per held batch with seq >= start, then
+an end marker whose seq is -1 and payload empty. vLLM 0.33 puts the topic in the replies, older
+vLLM and SGLang do not: only the last two frames are read.
+
+The relay forwards every batch as its own NATS message through a :class:`KvEventPublisher`
+(``publish_batch``: msgpack payloads stay byte-identical), and keeps the engine's seq:
+
+* **gap** (ZMQ PUB drops at its high-water mark, the relay joined late or its connection dropped):
+  the missing range is asked of the replay endpoint and forwarded in order before the frame that
+  revealed it. Each reply may take ``request_timeout_s``; whatever does not come (no replay
+  endpoint, timeout, the engine's buffer moved on) is lost: counted, logged, and marked on NATS
+  as a hole in the publisher's seq (``mark_loss``; messages before it not yet sent go with it),
+  so consumers resync by snapshot.
+* **snapshot**: the relay has no block pool, so it keeps a view built from the events it
+  forwarded -- each cached block with the ``BlockStored`` it came in -- and attaches it as the
+  publisher's pool. A consumer that lost messages gets that view, parents before children. After
+  a loss the view is only as good as what arrived: blocks stored in lost batches are missing
+  until stored again, blocks removed in them linger until removed again.
+* **engine restart** (a seq lower than expected: the engine counts from 0 again): a new epoch.
+  The publisher is closed (what it holds is sent) and a new one starts, with a new ``Kv-Epoch``
+  and an empty view; consumers drop the worker's old view, as for any restarted worker. A
+  restart cannot be told from a gap when the new engine has already published more batches than
+  the relay had seen from the old one by the time its frames reach the relay.
+* **malformed** frames (wrong frame count, a seq that is not 8 bytes, a payload that is not a
+  batch) are counted, logged and skipped; a batch that cannot be decoded is a loss too.
+
+Everything runs on one asyncio loop, the publisher's: the view changes and the batch is handed
+over in one step under ``publisher.lock``, so a snapshot always matches a seq (the threading
+contract of :mod:`kvbridge.publisher`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvbridge import metrics
+from kvbridge.config import Config, ConfigError
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch
+from kvbridge.publisher import KvEventPublisher
+
+__all__ = ["Relay", "RelayView", "engine_endpoint"]
+
+log = logging.getLogger("kvbridge.relay")
+
+_END_SEQ = 0xFFFF_FFFF_FFFF_FFFF  # (-1).to_bytes(8, "big", signed=True), vLLM's END_SEQ
+# The engine's PUB keeps up to 100k batches per subscriber; ours should not be the tighter bound
+# while a replay keeps the loop from reading.
+_RCVHWM = 100_000
+
+
+def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
+    """Where to connect for an engine configured with ``endpoint``, as data-parallel rank
+    ``dp_rank``: vLLM and SGLang bind rank r at the configured port + r (``inproc``: a ``_dp<r>``
+    suffix), and a bind address ``*`` means this host."""
+    endpoint = endpoint.replace("://*:", "://127.0.0.1:")
+    if not dp_rank:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + dp_rank}"
+    raise ConfigError(f"relay endpoint {endpoint!r}: a dp rank offsets only tcp:// ports and inproc:// names")
+
+
+class RelayView:
+    """The blocks an engine holds, as the forwarded events say: the relay's stand-in for a pool
+    (``take_events`` / ``snapshot``, for :meth:`KvEventPublisher.attach`). Keyed by
+    ``(medium, hash)``; each block remembers the ``BlockStored`` it came in and its index there,
+    so applying an event copies nothing."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[Any, Any], tuple[BlockStored, int]] = {}
+
+    def apply(self, events: list[Any]) -> None:
+        blocks = self.blocks
+        for ev in events:
+            cls = ev.__class__
+            if cls is BlockStored:
+                medium = ev.medium
+                for i, h in enumerate(ev.block_hashes):
+                    blocks[(medium, h)] = (ev, i)
+            elif cls is BlockRemoved:
+                medium = ev.medium
+                for h in ev.block_hashes:
+                    blocks.pop((medium, h), None)
+            elif cls is AllBlocksCleared:
+                blocks.clear()
+
+    def take_events(self) -> list[Any]:
+        return []  # the relay hands each batch over itself, to keep the engine's batch boundaries
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every block as ``BlockStored`` events, parents before children (a parent stored again
+        after its child is still placed first); consecutive blocks of one stored chain stay one
+        event."""
+        blocks = self.blocks
+        order: list[tuple[Any, Any]] = []
+        placed: set[tuple[Any, Any]] = set()
+        for key in blocks:
+            chain = []
+            k = key
+            while k in blocks and k not in placed:
+                placed.add(k)
+                chain.append(k)
+                ev, i = blocks[k]
+                parent = ev.block_hashes[i - 1] if i else ev.parent_block_hash
+                if parent is None:
+                    break
+                k = (k[0], parent)
+            order.extend(reversed(chain))
+        out: list[BlockStored] = []
+        run: BlockStored | None = None
+        first = end = 0
+        for k in order:
+            ev, i = blocks[k]
+            if ev is run and i == end:
+                end += 1
+                continue
+            if run is not None:
+                out.append(_stored_slice(run, first, end))
+            run, first, end = ev, i, i + 1
+        if run is not None:
+            out.append(_stored_slice(run, first, end))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _stored_slice(ev: BlockStored, first: int, end: int) -> BlockStored:
+    if first == 0 and end == len(ev.block_hashes):
+        return ev
+    bs = ev.block_size
+    return msgspec.structs.replace(
+        ev,
+        block_hashes=ev.block_hashes[first:end],
+        parent_block_hash=ev.block_hashes[first - 1] if first else ev.parent_block_hash,
+        token_ids=ev.token_ids[first * bs : end * bs],
+        extra_keys=None if ev.extra_keys is None else ev.extra_keys[first:end],
+    )
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise _Malformed(f"seq frame of {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big")
+
+
+class Relay:
+    """Relays one engine's (one dp rank's) ZMQ KV events to ``<prefix>.events.<model>.<worker>``.
+
+    ``endpoint`` / ``replay_endpoint``: the engine's PUB and ROUTER addresses as configured in the
+    engine (``tcp://*:5557`` is read as this host); ``dp_rank`` offsets both ports as the engine
+    does and becomes the publisher's ``dp_rank`` unless the config has one. ``topic``: the
+    subscription prefix (vLLM's ``topic``; "" takes everything). ``await start()`` connects to
+    NATS (failing fast like the publisher) and to the engine (ZMQ connects in the background),
+    ``await close()`` forwards what has already arrived, sends it and disconnects; also an async
+    context manager. ``await wait()`` returns when the relay stops, raising what stopped it.
+    """
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        dp_rank: int | None = None,
+        **options: Any,
+    ) -> None:
+        if config is None:
+            config = Config.from_env(**options)
+        elif options:
+            config = config.replace(**options)
+        if dp_rank is not None and config.dp_rank is None:
+            config = config.replace(dp_rank=dp_rank)
+        self.config = config
+        self.endpoint = engine_endpoint(endpoint, dp_rank)
+        self.replay_endpoint = engine_endpoint(replay_endpoint, dp_rank) if replay_endpoint else None
+        self.topic = topic
+        self.metric_labels = {"model": config.model, "worker": config.worker_id}
+        self.view = RelayView()
+        self._publisher: KvEventPublisher | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+        self._reading = False  # awaiting a frame: the only point where close() may cancel the loop
+        self._stopping = False
+        self._expected: int | None = None  # the engine seq that should come next; None: any
+        self._counts = dict.fromkeys(
+            ("frames", "forwarded", "replayed", "malformed", "lost_batches", "replay_requests", "replay_failures",
+             "engine_restarts"),
+            0,
+        )  # fmt: skip
+        metrics.register("relay", self)
+
+    @property
+    def publisher(self) -> KvEventPublisher:
+        """The current epoch's publisher (a new one after each engine restart)."""
+        assert self._publisher is not None, "start() first"
+        return self._publisher
+
+    @property
+    def stats(self) -> dict[str, int]:
+        s = dict(self._counts)
+        s["view_blocks"] = len(self.view)
+        s["last_engine_seq"] = -1 if self._expected is None else self._expected - 1
+        return s
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> Relay:
+        if self._task is not None:
+            return self
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, _RCVHWM)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        try:
+            sub.connect(self.endpoint)
+            await self._start_publisher()
+        except BaseException as exc:
+            sub.close(linger=0)
+            ctx.term()
+            if isinstance(exc, zmq.ZMQError):
+                raise ConfigError(f"relay endpoint {self.endpoint!r}: {exc}") from None
+            raise
+        self._ctx, self._sub = ctx, sub
+        self._task = asyncio.create_task(self._run(), name=f"kvbridge-relay-{self.config.worker_id}")
+        log.info("relaying %s (replay: %s) to %s", self.endpoint, self.replay_endpoint, self.publisher.subjects.events)
+        return self
+
+    async def close(self) -> None:
+        task = self._task
+        if task is None or self._stopping:
+            return
+        self._stopping = True
+        if self._reading:
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            pass  # already reported by _run
+        try:
+            await self._drain_socket()
+        finally:
+            self._sub.close(linger=0)  # type: ignore[union-attr]
+            self._ctx.term()  # type: ignore[union-attr]
+            await self.publisher.close()
+
+    async def wait(self) -> None:
+        assert self._task is not None, "start() first"
+        await asyncio.shield(self._task)
+
+    async def __aenter__(self) -> Relay:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _start_publisher(self) -> None:
+        pub = KvEventPublisher(self.config)
+        await pub.start()
+        self.view = RelayView()
+        pub.attach(self.view)
+        self._publisher = pub
+
+    # -- frames in --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sub = self._sub
+        assert sub is not None
+        try:
+            while not self._stopping:
+                self._reading = True
+                frames = await sub.recv_multipart(copy=True)
+                self._reading = False
+                await self._on_frames(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kvbridge relay stopped")
+            raise
+        finally:
+            self._reading = False
+
+    async def _drain_socket(self) -> None:
+        """Frames that arrived before close(): forward them rather than drop them (a bounded number:
+        an engine that keeps publishing would keep this going)."""
+        sub = self._sub
+        assert sub is not None
+        for _ in range(_RCVHWM):
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self._on_frames(frames)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        self._counts["frames"] += 1
+        try:
+            if len(frames) != 3:
+                raise _Malformed(f"{len(frames)} frames, expected [topic, seq, payload]")
+            seq = _seq(frames[1])
+        except _Malformed as exc:
+            self._malformed(exc)
+            return
+        if self._expected is not None and seq < self._expected:
+            await self._new_epoch(seq)
+        start = self._expected or 0
+        if seq > start:
+            await self._recover(start, seq)
+        self._forward(frames[2])
+        self._expected = seq + 1
+
+    def _forward(self, payload: bytes) -> bool:
+        try:
+            batch = decode_batch(payload)
+        except DecodeError as exc:
+            self._malformed(exc)
+            self._lose(1, "undecodable")
+            return False
+        pub = self.publisher
+        with pub.lock:  # the view and the hand-off change together, as a snapshot sees them
+            self.view.apply(batch.events)
+            pub.publish_batch(batch)
+        self._counts["forwarded"] += 1
+        return True
+
+    def _malformed(self, why: Exception) -> None:
+        n = self._counts["malformed"] = self._counts["malformed"] + 1
+        if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+            log.warning("kvbridge relay: malformed frame from %s skipped (%d so far): %s", self.endpoint, n, why)
+
+    def _lose(self, n: int, why: str) -> None:
+        self._counts["lost_batches"] += n
+        self.publisher.mark_loss()
+        log.warning("kvbridge relay: %d engine batch(es) lost (%s); consumers resync from the relay's view", n, why)
+
+    # -- gaps and restarts ---------------------------------------------------------------------------
+
+    async def _recover(self, start: int, stop: int) -> None:
+        """Forward engine batches [start, stop) from the replay endpoint, in order; the rest is lost."""
+        got = await self._replay(start, stop)
+        nxt = start
+        for seq in sorted(got):
+            if seq > nxt:
+                self._lose(seq - nxt, f"seqs {nxt}..{seq - 1} not in the engine's replay buffer")
+            if self._forward(got[seq]):
+                self._counts["replayed"] += 1
+            nxt = seq + 1
+        if nxt < stop:
+            why = "no replay endpoint" if self.replay_endpoint is None else "replay incomplete"
+            self._lose(stop - nxt, f"seqs {nxt}..{stop - 1}: {why}")
+
+    async def _replay(self, start: int, stop: int) -> dict[int, bytes]:
+        if self.replay_endpoint is None:
+            return {}
+        self._counts["replay_requests"] += 1
+        timeout_ms = int(self.config.request_timeout_s * 1000)
+        got: dict[int, bytes] = {}
+        # A socket per request: a late answer to an abandoned request cannot be mistaken for this one.
+        sock = self._ctx.socket(zmq.DEALER)  # type: ignore[union-attr]
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.replay_endpoint)
+            await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.config.request_timeout_s)
+            while await sock.poll(timeout_ms, zmq.POLLIN):
+                frames = await sock.recv_multipart()
+                if len(frames) < 3 or frames[0] != b"":
+                    raise _Malformed(f"replay reply of {len(frames)} frames")
+                seq = _seq(frames[-2])
+                if seq == _END_SEQ:
+                    return got
+                if start <= seq < stop:
+                    got[seq] = frames[-1]
+                if seq >= stop - 1:
+                    return got  # the rest is live traffic the SUB socket holds
+            log.warning("kvbridge relay: replay from %s timed out after %d batches", self.replay_endpoint, len(got))
+        except (_Malformed, zmq.ZMQError, asyncio.TimeoutError) as exc:
+            log.warning("kvbridge relay: replay from %s failed: %s", self.replay_endpoint, exc)
+        finally:
+            sock.close(linger=0)
+        self._counts["replay_failures"] += 1
+        return got
+
+    async def _new_epoch(self, seq: int) -> None:
+        log.warning(
+            "kvbridge relay: engine seq went back from %d to %d: engine restarted, starting a new epoch",
+            self._expected - 1, seq,  # type: ignore[operator]
+        )  # fmt: skip
+        self._counts["engine_restarts"] += 1
+        self._expected = None
+        old = self.publisher
+        await old.close()  # the old epoch's tail goes out before the new epoch's first message
+        await self._start_publisher()

@@ -1,0 +1,416 @@
+"""The relay against real sockets: a pyzmq XPUB + ROUTER playing the engine with the bytes vLLM 0.33
+itself published (vllm_zmq_frames.json), and a real nats-server.
+
+The fake engine uses XPUB (a PUB that also reports subscriptions) to beat ZMQ's slow joiner
+without sleeps: it sends only once the relay's subscription has reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import nats
+import pytest
+import pytest_asyncio
+import zmq
+import zmq.asyncio
+
+from bridge_support import wait_until
+from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, Config, KvEventSubscriber, decode_batch
+from kvbridge.cli import build_parser
+from kvbridge.consumer import WorkerView
+from kvbridge.relay import Relay, RelayView, engine_endpoint
+from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_MSG_ID, HDR_SEQ
+
+END = b"\xff" * 8
+WAIT = 15.0  # upper bound of every wait; none is a timing assertion
+
+
+@pytest.fixture(scope="module")
+def vllm_frames(load_vectors):
+    v = load_vectors("vllm_zmq_frames.json")
+    frames = [(f["topic"].encode(), f["seq"], bytes.fromhex(f["payload_hex"])) for f in v["frames"]]
+    replay_from_2 = [[bytes.fromhex(x) for x in msg] for msg in v["replay_from_2_raw_frames_hex"]]
+    return frames, replay_from_2
+
+
+class FakeEngine:
+    """vLLM's ZmqEventPublisher on the wire: PUB frames, and a ROUTER answering replay requests
+    from what it "published" (including what it dropped, as vLLM's buffer holds those too)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, replay: bool = True, replay_topic: bool = True) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.linger = 0
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = None
+        self.replay_port = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.linger = 0
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_topic = replay_topic  # vLLM 0.33 puts the topic in replies; older vLLM/SGLang do not
+        self.held: list[tuple[bytes, int, bytes]] = []
+        self.replay_requests: list[int] = []
+        self._server = asyncio.ensure_future(self._serve()) if replay else None
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None
+
+    async def wait_subscribed(self) -> bytes:
+        assert await self.pub.poll(WAIT * 1000), "the relay never subscribed"
+        return (await self.pub.recv())[1:]
+
+    async def send(self, topic: bytes, seq: int, payload: bytes, *, drop: bool = False) -> None:
+        self.held.append((topic, seq, payload))
+        if not drop:
+            await self.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+    def restart(self) -> None:
+        self.held.clear()
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            for topic, seq, payload in list(self.held):
+                if seq >= start_seq:
+                    head = [topic] if self.replay_topic else []
+                    await self.router.send_multipart([ident, b"", *head, seq.to_bytes(8, "big"), payload])
+            await self.router.send_multipart([ident, b"", *([b""] if self.replay_topic else []), END, b""])
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.cancel()
+            await asyncio.gather(self._server, return_exceptions=True)
+            self.router.close(0)
+        self.pub.close(0)
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def zctx():
+    ctx = zmq.asyncio.Context()
+    engines: list[FakeEngine] = []
+
+    def make(**kw) -> FakeEngine:
+        engines.append(FakeEngine(ctx, **kw))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        await e.aclose()
+    ctx.term()
+
+
+class Collector:
+    """The raw event messages as `nats sub` shows them."""
+
+    def __init__(self) -> None:
+        self.msgs: list = []
+
+    async def on_msg(self, msg) -> None:
+        self.msgs.append(msg)
+
+    def seqs(self) -> list[int]:
+        return [int(m.headers[HDR_SEQ]) for m in self.msgs]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def nats_sub(nats_server):
+    nc = await nats.connect(nats_server.url)
+    subs = []
+
+    async def subscribe(subject: str) -> Collector:
+        c = Collector()
+        subs.append(await nc.subscribe(subject, cb=c.on_msg))
+        await nc.flush()
+        return c
+
+    yield subscribe
+    await nc.close()
+
+
+def relay_config(server, worker: str, **kw) -> Config:
+    return Config(servers=[server.url], model="m-relay", worker_id=worker, heartbeat_s=0, **kw)
+
+
+def hashes_after(payloads: list[bytes]) -> set:
+    view = WorkerView()
+    for p in payloads:
+        view.apply_events(decode_batch(p).events)
+    return view.blocks
+
+
+def assert_one_hole(col: Collector, before: list[bytes], after: list[bytes]) -> None:
+    """A hole in Kv-Seq where batches were lost, ``after`` intact behind it. The publisher drops what
+    it had not sent yet when it makes a hole (consumers behind it resync by snapshot, which covers
+    those), so of ``before`` a prefix arrives, depending on timing."""
+    data = [m.data for m in col.msgs]
+    k = len(data) - len(after)
+    assert data == before[:k] + after
+    hole = len(before)
+    assert col.seqs() == list(range(k)) + list(range(hole + 1, hole + 1 + len(after)))
+
+
+def relay_hashes(relay: Relay) -> set:
+    return {h for _, h in relay.view.blocks}
+
+
+# --- the wire ------------------------------------------------------------------------------------
+
+
+async def test_fake_engine_replays_exactly_as_vllm(zctx, vllm_frames):
+    frames, replay_from_2 = vllm_frames
+    engine = zctx()
+    for f in frames:
+        await engine.send(*f, drop=True)
+    dealer = engine.pub.context.socket(zmq.DEALER)
+    dealer.linger = 0
+    try:
+        dealer.connect(engine.replay_endpoint)
+        await dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+        got = []
+        while not got or got[-1][-2] != END:
+            assert await dealer.poll(WAIT * 1000)
+            got.append(await dealer.recv_multipart())
+    finally:
+        dealer.close(0)
+    assert got == replay_from_2
+
+
+def test_engine_endpoint_follows_the_engines_dp_port_offset():
+    assert engine_endpoint("tcp://*:5557") == "tcp://127.0.0.1:5557"
+    assert engine_endpoint("tcp://10.0.0.2:5557", 2) == "tcp://10.0.0.2:5559"
+    assert engine_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    with pytest.raises(ValueError):
+        engine_endpoint("ipc:///tmp/kv", 1)
+
+
+# --- relaying --------------------------------------------------------------------------------------
+
+
+async def test_frames_arrive_on_nats_byte_identical_with_headers(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-bytes")
+    async with Relay(relay_config(nats_server, "w-bytes"), endpoint=engine.endpoint, topic="kv") as relay:
+        assert await engine.wait_subscribed() == b"kv"
+        for f in frames:
+            await engine.send(*f)
+        await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "every frame on NATS")
+        epoch = relay.publisher.epoch
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames]  # the empty batch too
+    assert col.seqs() == list(range(len(frames)))
+    for m in col.msgs:
+        assert m.headers[HDR_EPOCH] == epoch
+        assert m.headers[HDR_MSG_ID] == f"w-bytes:{epoch}:{m.headers[HDR_SEQ]}"
+        assert m.headers[HDR_CONTENT_TYPE] == "application/msgpack"
+    assert relay.stats["forwarded"] == len(frames) and relay.stats["lost_batches"] == 0
+    assert relay.stats["replay_requests"] == 0
+
+
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.33-replies", "replies-without-topic"])
+async def test_a_gap_is_repaired_through_the_engines_replay(zctx, nats_sub, nats_server, vllm_frames, replay_topic):
+    frames, _ = vllm_frames
+    engine = zctx(replay_topic=replay_topic)
+    col = await nats_sub("kv.events.m-relay.w-gap")
+    cfg = relay_config(nats_server, "w-gap")
+    async with Relay(cfg, endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for topic, seq, payload in frames:
+            await engine.send(topic, seq, payload, drop=seq in (2, 3))  # lost at the PUB's high-water mark
+        await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "every frame on NATS")
+    assert engine.replay_requests == [2]
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames]
+    assert col.seqs() == list(range(len(frames)))
+    assert relay.stats["replayed"] == 2 and relay.stats["lost_batches"] == 0
+
+
+async def test_a_relay_started_late_recovers_the_engines_history(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    for f in frames[:3]:
+        await engine.send(*f, drop=True)  # published before anyone listened
+    col = await nats_sub("kv.events.m-relay.w-late")
+    async with Relay(relay_config(nats_server, "w-late"), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for f in frames[3:]:
+            await engine.send(*f)
+        await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "history and live frames on NATS")
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames]
+    assert relay.stats["replayed"] == 3
+
+
+async def test_an_unrecoverable_gap_is_a_hole_and_consumers_converge_on_the_relays_view(
+    zctx, nats_sub, nats_server, vllm_frames
+):
+    frames, _ = vllm_frames
+    engine = zctx(replay=False)
+    col = await nats_sub("kv.events.m-relay.w-hole")
+    cfg = relay_config(nats_server, "w-hole")
+    async with Relay(cfg, endpoint=engine.endpoint) as relay:
+        async with KvEventSubscriber(cfg, model="m-relay", worker="w-hole") as sub:
+            await engine.wait_subscribed()
+            for topic, seq, payload in frames:
+                await engine.send(topic, seq, payload, drop=seq == 1)
+            await wait_until(lambda: col.msgs and col.msgs[-1].data == frames[-1][2], WAIT, "the last frame on NATS")
+            expected = hashes_after([p for _, s, p in frames if s != 1])
+            key = ("m-relay", "w-hole")
+            await wait_until(
+                lambda: sub.in_sync() and key in sub.views and sub.views[key].blocks == expected
+                and sub.views[key].seq == int(col.msgs[-1].headers[HDR_SEQ]),
+                WAIT, "the subscriber's view to equal the relay's",
+            )  # fmt: skip
+            assert relay_hashes(relay) == expected
+    assert_one_hole(col, [frames[0][2]], [p for _, _, p in frames[2:]])
+    assert relay.stats["lost_batches"] == 1
+
+
+async def test_a_late_nats_subscriber_converges_through_the_relays_snapshot(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-snap")
+    cfg = relay_config(nats_server, "w-snap")
+    async with Relay(cfg, endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for f in frames[:5]:
+            await engine.send(*f)
+        await wait_until(lambda: len(col.msgs) == 5, WAIT, "the frames on NATS")
+        expected = hashes_after([p for _, _, p in frames[:5]])
+        assert expected and relay_hashes(relay) == expected
+        key = ("m-relay", "w-snap")
+        async with KvEventSubscriber(cfg, model="m-relay", worker="w-snap") as sub:
+            await engine.send(*frames[5])  # a live message makes the late subscriber ask for a snapshot
+            await wait_until(lambda: sub.in_sync() and key in sub.views and sub.views[key].seq == 5, WAIT,
+                             "the late subscriber to sync")
+            assert sub.views[key].blocks == expected
+            assert sub.stats["snapshots"] == 1
+            assert relay.publisher.stats["snapshots"] == 1
+
+
+async def test_malformed_frames_are_counted_and_skipped(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-bad")
+    async with Relay(relay_config(nats_server, "w-bad"), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        topic = frames[0][0]
+        await engine.pub.send_multipart([topic, b"\x00\x01", frames[0][2]])  # seq not 8 bytes
+        await engine.pub.send_multipart([topic, frames[0][2]])  # no seq frame
+        await engine.send(*frames[0])
+        await engine.send(topic, 1, b"\xc1 not msgpack")  # a seq whose batch cannot be read
+        for f in frames[2:]:
+            await engine.send(*f)
+        await wait_until(lambda: col.msgs and col.msgs[-1].data == frames[-1][2], WAIT, "the last frame on NATS")
+        assert not relay._task.done()
+    assert relay.stats["malformed"] == 3
+    assert relay.stats["lost_batches"] == 1  # the unreadable batch: a hole, not a replay that fails the same way
+    assert engine.replay_requests == []
+    assert_one_hole(col, [frames[0][2]], [p for _, _, p in frames[2:]])
+
+
+async def test_an_engine_restart_starts_a_new_epoch(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-epoch")
+    cfg = relay_config(nats_server, "w-epoch")
+    key = ("m-relay", "w-epoch")
+    async with Relay(cfg, endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint) as relay:
+        async with KvEventSubscriber(cfg, model="m-relay", worker="w-epoch") as sub:
+            await engine.wait_subscribed()
+            for f in frames:
+                await engine.send(*f)
+            await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "the first incarnation on NATS")
+            first_epoch = relay.publisher.epoch
+            engine.restart()
+            for f in frames[:3]:  # the engine counts from 0 again
+                await engine.send(*f)
+            await wait_until(lambda: len(col.msgs) == len(frames) + 3, WAIT, "the second incarnation on NATS")
+            second_epoch = relay.publisher.epoch
+            expected = hashes_after([p for _, _, p in frames[:3]])
+            await wait_until(lambda: sub.in_sync() and key in sub.views and sub.views[key].epoch == second_epoch
+                             and sub.views[key].blocks == expected, WAIT, "the subscriber to follow the restart")
+    assert second_epoch != first_epoch
+    assert [m.headers[HDR_EPOCH] for m in col.msgs] == [first_epoch] * len(frames) + [second_epoch] * 3
+    assert col.seqs() == list(range(len(frames))) + [0, 1, 2]
+    assert relay.stats["engine_restarts"] == 1 and relay.stats["lost_batches"] == 0
+    assert relay_hashes(relay) == expected
+
+
+# --- the view ------------------------------------------------------------------------------------
+
+
+def test_view_snapshot_puts_parents_first_and_keeps_chains_whole():
+    view = RelayView()
+    chain = BlockStored([1, 2, 3], None, list(range(12)), 4, None, "GPU", None, [("a",), None, ("c",)])
+    view.apply([chain, BlockRemoved([1], "GPU")])
+    view.apply([BlockStored([1], None, list(range(4)), 4, None, "GPU", None)])  # parent stored again, after its child
+    view.apply([BlockStored([9], None, [7] * 4, 4, None, "CPU", None), BlockRemoved([3], "CPU")])  # other medium
+    snap = view.snapshot()
+    assert [(ev.block_hashes, ev.parent_block_hash, ev.medium) for ev in snap] == [
+        ([1], None, "GPU"), ([2, 3], 1, "GPU"), ([9], None, "CPU"),
+    ]  # fmt: skip
+    assert snap[1].token_ids == list(range(4, 12)) and snap[1].extra_keys == [None, ("c",)]
+    replayed = RelayView()
+    replayed.apply(snap)
+    assert replayed.blocks.keys() == view.blocks.keys()
+    view.apply([AllBlocksCleared()])
+    assert view.snapshot() == [] and view.take_events() == []
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+
+def test_help_lists_relay_and_its_options():
+    parser = build_parser()
+    assert "relay" in parser.format_help()
+    args = parser.parse_args(["relay", "--endpoint", "tcp://127.0.0.1:5557", "--replay-endpoint", "tcp://127.0.0.1:5558",
+                              "--topic", "kv", "--model", "M", "--worker", "W"])
+    assert (args.endpoint, args.replay_endpoint, args.topic, args.model, args.worker) == (
+        "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv", "M", "W")
+
+
+async def test_cli_relays_and_exits_cleanly_on_sigterm(zctx, nats_sub, nats_server, vllm_frames):
+    frames, _ = vllm_frames
+    engine = zctx()
+    col = await nats_sub("kv.events.M.W")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvbridge", "relay", "--endpoint", engine.endpoint, "--replay-endpoint",
+        engine.replay_endpoint, "--topic", "kv", "--model", "M", "--worker", "W", "--servers", nats_server.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        await engine.wait_subscribed()
+        for topic, seq, payload in frames:
+            await engine.send(topic, seq, payload, drop=seq == 2)
+        await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "the CLI's messages on NATS")
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), WAIT)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames]
+    text = err.decode()
+    assert "relaying tcp://127.0.0.1:" in text and "relay stopped" in text and "'replayed': 1" in text
+
+
+def test_cli_bad_endpoint_is_a_clear_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "relay", "--endpoint", "ipc:///tmp/kv", "--dp-rank", "1"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "configuration error" in proc.stderr and "dp rank" in proc.stderr
