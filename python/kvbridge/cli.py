@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from kvbridge.config import Config, ConfigError
 from kvbridge.connection import ConnectError
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from kvbridge.server import NatsServerError
 
 __all__ = ["main"]
 
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2
-    except ConnectError as exc:
+    except (ConnectError, NatsServerError) as exc:
         print(f"kvbridge: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
