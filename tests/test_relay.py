@@ -27,7 +27,7 @@ from kvbridge.relay import Relay, RelayView, engine_endpoint
 from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_MSG_ID, HDR_SEQ
 
 END = b"\xff" * 8
-WAIT = 15.0  # upper bound of every wait; none is a timing assertion
+WAIT = 45.0  # upper bound of every wait (generous for a loaded CI box); none is a timing assertion
 
 
 @pytest.fixture(scope="module")
