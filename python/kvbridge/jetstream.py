@@ -209,7 +209,6 @@ class JetStreamAcks:
         pub = self.pub
         nc, ring, counts = pub._nc, pub._ring, pub._counts
         self._release_evicted()
-        subject = pub.subjects.events
         sent = 0
         while nc.is_connected:
             seq = pub._send_seq
@@ -218,16 +217,12 @@ class JetStreamAcks:
             if seq in self._acked_ahead:
                 pub._send_seq = seq + 1
                 continue
-            payload, n_events = ring.get(seq)
             if self.acked_below == seq:  # the ack clock starts when the oldest is (re)sent
                 self._progress_t = time.monotonic()
-            try:
-                await nc.publish(subject, payload, reply=self._reply_prefix + str(seq), headers=pub._headers(seq))
-            except NatsError:
-                counts["publish_errors"] += 1  # stays unacked: the watchdog sends it again
+            sent_msg = await pub._send_seq_msg(seq, reply=self._reply_prefix + str(seq))
+            if sent_msg is None:  # stays unacked: the watchdog sends it again
                 break
-            if pub._send_seq == seq:  # the ring may have restarted while we awaited
-                pub._send_seq = seq + 1
+            payload, n_events = sent_msg
             if seq < self._high:
                 self.counts["js_resent"] += 1
             else:

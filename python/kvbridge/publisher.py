@@ -565,25 +565,34 @@ class KvEventPublisher:
         nc = self._nc
         ring = self._ring
         sent = 0
-        subject = self.subjects.events
         counts = self._counts
         while self._send_seq < ring.end and nc.is_connected:
-            seq = self._send_seq
-            payload, n_events = ring.get(seq)
-            try:
-                await nc.publish(subject, payload, headers=self._headers(seq))
-            except NatsError:
-                # Broker gone or nats-py's buffer full: the message stays in the ring and goes
-                # out after the reconnect (or is evicted, and consumers resync).
-                counts["publish_errors"] += 1
+            sent_msg = await self._send_seq_msg(self._send_seq)
+            if sent_msg is None:
                 break
-            if self._send_seq == seq:  # the ring may have restarted while we awaited
-                self._send_seq = seq + 1
+            payload, n_events = sent_msg
             counts["messages"] += 1
             counts["events"] += n_events
             counts["bytes"] += len(payload)
             sent += 1
         return sent
+
+    async def _send_seq_msg(self, seq: int, reply: str = "") -> tuple[bytes, int] | None:
+        """Send ring message ``seq`` and move the send cursor past it; None if NATS refused it.
+
+        Core and JetStream sending share this; they differ only in what they count and when
+        they stop."""
+        payload, n_events = self._ring.get(seq)
+        try:
+            await self._nc.publish(self.subjects.events, payload, reply=reply, headers=self._headers(seq))
+        except NatsError:
+            # Broker gone or nats-py's buffer full: the message stays in the ring and goes out
+            # after the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
+            self._counts["publish_errors"] += 1
+            return None
+        if self._send_seq == seq:  # the ring may have restarted while we awaited
+            self._send_seq = seq + 1
+        return payload, n_events
 
     async def _on_reconnected(self) -> None:
         self._counts["reconnects"] += 1
