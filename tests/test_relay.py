@@ -289,7 +289,10 @@ async def test_a_late_nats_subscriber_converges_through_the_relays_snapshot(zctx
         expected = hashes_after([p for _, _, p in frames[:5]])
         assert expected and relay_hashes(relay) == expected
         key = ("m-relay", "w-snap")
-        async with KvEventSubscriber(cfg, model="m-relay", worker="w-snap") as sub:
+        # A request timeout far above any load-induced delay: one snapshot is what is asserted,
+        # and a retried request on a busy machine would be a second one.
+        late_cfg = cfg.replace(request_timeout_s=WAIT)
+        async with KvEventSubscriber(late_cfg, model="m-relay", worker="w-snap") as sub:
             await engine.send(*frames[5])  # a live message makes the late subscriber ask for a snapshot
             await wait_until(lambda: sub.in_sync() and key in sub.views and sub.views[key].seq == 5, WAIT,
                              "the late subscriber to sync")
