@@ -1,0 +1,225 @@
+"""KV-aware worker choice, scored the way Dynamo's KV router scores workers.
+
+For a request of ``B`` full blocks, a worker that already holds the first ``overlap`` of them
+costs::
+
+    cost = overlap_weight * (B - overlap) + load
+
+-- the blocks it would still have to prefill, weighed against how busy it is. ``load`` is what
+``loads`` says for the worker (e.g. from its ``LoadReport`` s: requests running + waiting), else the
+router's own count of the requests it sent there that are not ``done`` yet. The lowest cost wins;
+ties go to a seeded random pick among the tied workers, so runs repeat. With ``temperature > 0``
+the choice is sampled instead, ``P(w) ∝ exp(-c'(w) / temperature)`` over the costs rescaled to
+``c' = (cost - min) / (max - min)`` in [0, 1] (as Dynamo's softmax sampling does), which spreads
+load among near-equal workers; still deterministic for a given ``seed``.
+
+    >>> router = Router(index)                        # a kvbridge.Index fed by a KvEventSubscriber
+    >>> with router.route(prompt_ids) as (worker, overlap):
+    ...     send(worker, prompt)                       # in flight until the block exits
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+__all__ = ["NoWorkersError", "Router", "softmax_probabilities"]
+
+Loads = Mapping[str, float] | Callable[[str], "float | None"]
+
+
+class NoWorkersError(LookupError):
+    """There is no worker to route to: the index knows none and none were given."""
+
+
+def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def softmax_probabilities(costs: Mapping[str, float], temperature: float) -> dict[str, float]:
+    """Sampling probability per worker: ``exp(-c'/temperature)`` normalised, ``c'`` the costs
+    rescaled to [0, 1] (all equal costs: uniform)."""
+    _check_number("temperature", temperature, positive=True)
+    if not costs:
+        return {}
+    lo, hi = min(costs.values()), max(costs.values())
+    span = hi - lo
+    weights = {w: math.exp(-((c - lo) / span if span else 0.0) / temperature) for w, c in costs.items()}
+    total = sum(weights.values())
+    return {w: x / total for w, x in weights.items()}
+
+
+class Router:
+    """Chooses a worker per request from an index's overlap scores and the workers' load.
+
+    ``index``: anything with ``find_matches(tokens, lora_name=..., extra_keys=...)`` -> ``{worker:
+    leading blocks held}`` and ``workers`` (a :class:`kvbridge.Index`); ``None`` if only
+    :meth:`choose_scores` is used (scores from an :class:`kvbridge.IndexClient`).
+    ``block_size``: tokens per block (default: ``index.block_size``).
+    ``loads``: a mapping worker -> load, or a callable ``load(worker)`` returning a number or
+    None; a worker it has no number for is weighed by the router's own in-flight count.
+    ``workers``: candidates besides those the index knows (a worker with nothing cached yet).
+    """
+
+    def __init__(
+        self,
+        index: Any = None,
+        *,
+        block_size: int | None = None,
+        overlap_weight: float = 1.0,
+        loads: Loads | None = None,
+        temperature: float = 0.0,
+        seed: int | None = 0,
+        workers: Iterable[str] = (),
+    ) -> None:
+        if block_size is None:
+            block_size = getattr(index, "block_size", None)
+            if block_size is None:
+                raise ValueError("block_size is required when the index does not say its block size")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if loads is not None and not (isinstance(loads, Mapping) or callable(loads)):
+            raise TypeError(f"loads must be a mapping worker -> load or a callable, got {type(loads).__name__}")
+        self.index = index
+        self.block_size = block_size
+        self.overlap_weight = _check_number("overlap_weight", overlap_weight)
+        self.temperature = _check_number("temperature", temperature)
+        self.loads = loads
+        self.workers = [_check_worker("workers", w) for w in workers]
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        #: worker -> requests chosen and not yet done
+        self.in_flight: dict[str, int] = {}
+
+    # -- scoring --------------------------------------------------------------------------------
+
+    def load(self, worker: str) -> float:
+        """The load term of ``worker``'s cost."""
+        loads = self.loads
+        value = None
+        if loads is not None:
+            value = loads.get(worker) if isinstance(loads, Mapping) else loads(worker)
+        if value is None:
+            return float(self.in_flight.get(worker, 0))
+        return _check_number(f"load of worker {worker!r}", value)
+
+    def _candidates(self, scores: Mapping[str, int], workers: Sequence[str] | None) -> list[str]:
+        if workers is not None:
+            found = sorted({_check_worker("workers", w) for w in workers})
+            if not found:
+                raise NoWorkersError("workers is empty: no candidate to route to")
+            return found
+        known = set(self.workers)
+        if self.index is not None:
+            known.update(self.index.workers)
+        known.update(scores)
+        if not known:
+            raise NoWorkersError(
+                "no workers to route to: the index knows none yet (no events received) and no "
+                "candidates were given (Router(workers=...) or choose(..., workers=...))"
+            )
+        return sorted(known)
+
+    def costs_from_scores(
+        self, scores: Mapping[str, int], num_blocks: int, workers: Sequence[str] | None = None
+    ) -> dict[str, float]:
+        """``{worker: cost}`` for a request of ``num_blocks`` full blocks with these overlaps."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        return {
+            w: self.overlap_weight * (num_blocks - min(scores.get(w, 0), num_blocks)) + self.load(w)
+            for w in self._candidates(scores, workers)
+        }
+
+    def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
+        if self.index is None:
+            raise ValueError("this router has no index: use choose_scores() with scores from an IndexClient")
+        return self.index.find_matches(tokens, lora_name=lora_name, extra_keys=extra_keys)
+
+    def costs(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        extra_keys: Any = None,
+        workers: Sequence[str] | None = None,
+    ) -> dict[str, float]:
+        """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
+        scores = self.scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        return self.costs_from_scores(scores, len(tokens) // self.block_size, workers)
+
+    # -- choosing -------------------------------------------------------------------------------
+
+    def choose(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        extra_keys: Any = None,
+        workers: Sequence[str] | None = None,
+    ) -> tuple[str, int]:
+        """Pick a worker for this prompt: ``(worker, leading blocks it holds)``. The worker's
+        in-flight count goes up by one until :meth:`done` (or use :meth:`route`).
+
+        ``workers``: choose among exactly these (default: the index's workers and the router's
+        ``workers``). Raises :class:`NoWorkersError` when there is none."""
+        scores = self.scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        return self.choose_scores(scores, len(tokens) // self.block_size, workers=workers)
+
+    def choose_scores(
+        self, scores: Mapping[str, int], num_blocks: int, *, workers: Sequence[str] | None = None
+    ) -> tuple[str, int]:
+        """:meth:`choose` from overlap scores obtained elsewhere (e.g. ``await
+        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks."""
+        with self._lock:
+            costs = self.costs_from_scores(scores, num_blocks, workers)
+            if self.temperature > 0:
+                probs = softmax_probabilities(costs, self.temperature)
+                names = list(probs)
+                worker = self._rng.choices(names, weights=[probs[w] for w in names])[0]
+            else:
+                best = min(costs.values())
+                tied = [w for w, c in costs.items() if c == best]
+                worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+            self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        return worker, min(scores.get(worker, 0), num_blocks)
+
+    def done(self, worker: str) -> None:
+        """A request sent to ``worker`` finished: its in-flight count goes down by one."""
+        with self._lock:
+            n = self.in_flight.get(worker, 0)
+            if n <= 0:
+                raise ValueError(f"worker {worker!r} has no request in flight")
+            if n == 1:
+                del self.in_flight[worker]
+            else:
+                self.in_flight[worker] = n - 1
+
+    @contextmanager
+    def route(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        extra_keys: Any = None,
+        workers: Sequence[str] | None = None,
+    ) -> Iterator[tuple[str, int]]:
+        """:meth:`choose`, then :meth:`done` when the block exits (normally or not)."""
+        worker, overlap = self.choose(tokens, lora_name=lora_name, extra_keys=extra_keys, workers=workers)
+        try:
+            yield worker, overlap
+        finally:
+            self.done(worker)
+
+
+def _check_worker(name: str, worker: Any) -> str:
+    if not isinstance(worker, str) or not worker:
+        raise TypeError(f"{name}: a worker is a non-empty str, got {worker!r}")
+    return worker

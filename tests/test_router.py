@@ -1,0 +1,183 @@
+"""kvbridge.router: costs, choices and in-flight counting, with expectations worked out by hand."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from kvbridge import BlockStored, KVEventBatch
+from kvbridge.router import NoWorkersError, Router, softmax_probabilities
+
+from _index_standin import StandInIndex as Index
+
+BS = 4
+PROMPT = list(range(100, 116))  # 4 full blocks
+LORA_PROMPT = list(range(200, 218))  # 4 full blocks + 2 tokens
+
+
+def _store(index, worker, tokens, *, parent=None, first_hash=1, lora_name=None):
+    n = len(tokens) // BS
+    hashes = list(range(first_hash, first_hash + n))
+    extra = [(lora_name,)] * n if lora_name else None
+    ev = BlockStored(hashes, parent, tokens[: n * BS], BS, None, "GPU", lora_name, extra)
+    index.apply(worker, KVEventBatch(0.0, [ev]))
+
+
+@pytest.fixture
+def index():
+    # a holds 3 leading blocks of PROMPT, b holds 1; c holds an unrelated block.
+    idx = Index(BS)
+    _store(idx, "a", PROMPT[:12])
+    _store(idx, "b", PROMPT[:4])
+    _store(idx, "c", [9, 9, 9, 9])
+    return idx
+
+
+def test_lowest_cost_is_the_longest_prefix_when_idle(index):
+    router = Router(index)
+    # costs: a = 1*(4-3) + 0 = 1, b = 1*(4-1) = 3, c = 4
+    assert router.costs(PROMPT) == {"a": 1.0, "b": 3.0, "c": 4.0}
+    assert router.choose(PROMPT) == ("a", 3)
+    assert router.in_flight == {"a": 1}
+
+
+def test_load_outweighs_overlap(index):
+    # a: 1 + 5 = 6, b: 3 + 0 = 3, c: 4 + 0 = 4 -> b
+    router = Router(index, loads={"a": 5})
+    assert router.costs(PROMPT) == {"a": 6.0, "b": 3.0, "c": 4.0}
+    assert router.choose(PROMPT) == ("b", 1)
+
+
+def test_overlap_weight_scales_the_prefill_term(index):
+    # weight 3, loads a=5 b=4: a = 3*1 + 5 = 8, b = 3*3 + 4 = 13, c = 3*4 + 0 = 12 -> a
+    router = Router(index, overlap_weight=3, loads={"a": 5, "b": 4})
+    assert router.costs(PROMPT) == {"a": 8.0, "b": 13.0, "c": 12.0}
+    assert router.choose(PROMPT)[0] == "a"
+    # weight 0: pure load balancing; c has no load
+    assert Router(index, overlap_weight=0, loads={"a": 5, "b": 4}).choose(PROMPT) == ("c", 0)
+
+
+def test_callable_loads_fall_back_to_in_flight_counts(index):
+    # A callable that knows only b's load; a and c are weighed by requests in flight.
+    router = Router(index, loads=lambda w: 10 if w == "b" else None)
+    picks = [router.choose(PROMPT)[0] for _ in range(4)]
+    # a: 1+0, 1+1, 1+2, then 1+3 = 4 ties c (4+0): a seeded pick between a and c.
+    assert picks[:3] == ["a", "a", "a"]
+    assert picks[3] in ("a", "c")
+    assert router.in_flight["a"] == 3 + (picks[3] == "a")
+    assert router.costs(PROMPT)["b"] == 3 + 10
+
+
+def test_in_flight_counts_spread_equal_work(index):
+    router = Router(index, workers=["d"])
+    other = [7] * 16  # nobody holds it: every worker costs 4 + in flight
+    picks = [router.choose(other)[0] for _ in range(8)]
+    assert Counter(picks) == {"a": 2, "b": 2, "c": 2, "d": 2}
+    for w in picks:
+        router.done(w)
+    assert router.in_flight == {}
+
+
+def test_done_and_route_decrement(index):
+    router = Router(index)
+    with router.route(PROMPT) as (worker, overlap):
+        assert (worker, overlap) == ("a", 3)
+        assert router.in_flight == {"a": 1}
+    assert router.in_flight == {}
+    with pytest.raises(RuntimeError):
+        with router.route(PROMPT):
+            raise RuntimeError("request failed")
+    assert router.in_flight == {}
+    with pytest.raises(ValueError, match="'a' has no request in flight"):
+        router.done("a")
+
+
+def test_ties_are_seeded_and_repeatable():
+    idx = Index(BS)
+    router_args = dict(workers=["w0", "w1", "w2", "w3"], seed=7)
+    a = Router(idx, **router_args)
+    b = Router(idx, **router_args)
+    seq_a = [a.choose(PROMPT)[0] for _ in range(12)]
+    seq_b = [b.choose(PROMPT)[0] for _ in range(12)]
+    assert seq_a == seq_b
+    # every 4 picks the in-flight counts are equal again: each round is a permutation
+    for r in range(3):
+        assert sorted(seq_a[4 * r : 4 * r + 4]) == ["w0", "w1", "w2", "w3"]
+
+
+def test_explicit_candidates_restrict_the_choice(index):
+    router = Router(index)
+    assert router.choose(PROMPT, workers=["b", "c"]) == ("b", 1)
+    # a candidate the index does not know holds nothing but still counts
+    assert router.choose(PROMPT, workers=["new"]) == ("new", 0)
+    # (b and new each have one request in flight now)
+    assert router.costs(PROMPT, workers=["a", "new"]) == {"a": 1.0, "new": 5.0}
+
+
+def test_lora_and_extra_keys_reach_the_index():
+    idx = Index(BS)
+    _store(idx, "plain", LORA_PROMPT)
+    _store(idx, "adapted", LORA_PROMPT, lora_name="ad-1", first_hash=50)
+    router = Router(idx)
+    assert router.choose(LORA_PROMPT, lora_name="ad-1") == ("adapted", 4)
+    # adapted now has one request in flight
+    assert router.costs(LORA_PROMPT, lora_name="ad-1") == {"adapted": 1.0, "plain": 4.0}
+    assert router.costs(LORA_PROMPT) == {"adapted": 5.0, "plain": 0.0}
+    # a multimodal key on the first block: only a query with the same key matches it
+    mm = [("img-7",), None, None, None]
+    idx.apply("mm", KVEventBatch(0.0, [BlockStored([90, 91, 92, 93], None, LORA_PROMPT[:16], BS, None, "GPU", None, mm)]))
+    assert router.scores(LORA_PROMPT, extra_keys=mm) == {"mm": 4}
+    assert router.choose(LORA_PROMPT, extra_keys=mm) == ("mm", 4)
+    assert "mm" not in router.scores(LORA_PROMPT)
+
+
+def test_softmax_probabilities_by_hand():
+    # costs 0, 5, 10 -> rescaled 0, 0.5, 1; temperature 0.5 -> weights e^0, e^-1, e^-2
+    p = softmax_probabilities({"a": 0, "b": 5, "c": 10}, 0.5)
+    z = 1 + math.exp(-1) + math.exp(-2)
+    assert p == pytest.approx({"a": 1 / z, "b": math.exp(-1) / z, "c": math.exp(-2) / z})
+    assert softmax_probabilities({"a": 3, "b": 3}, 1.0) == {"a": 0.5, "b": 0.5}
+
+
+def test_temperature_samples_by_those_probabilities(index):
+    # loads keep the costs fixed (no in-flight feedback): a = 1, b = 3, c = 4
+    loads = {"a": 0, "b": 0, "c": 0}
+    router = Router(index, loads=loads, temperature=0.5, seed=3)
+    picks = Counter(router.choose(PROMPT)[0] for _ in range(6000))
+    expected = softmax_probabilities({"a": 1, "b": 3, "c": 4}, 0.5)
+    for w, p in expected.items():
+        assert abs(picks[w] / 6000 - p) < 0.03, (w, picks, expected)
+    again = Router(index, loads=loads, temperature=0.5, seed=3)
+    first = [again.choose(PROMPT)[0] for _ in range(50)]
+    third = Router(index, loads=loads, temperature=0.5, seed=3)
+    assert [third.choose(PROMPT)[0] for _ in range(50)] == first
+
+
+def test_choose_scores_from_a_remote_index():
+    router = Router(block_size=16, workers=["x", "y"])
+    assert router.choose_scores({"y": 2}, 5) == ("y", 2)
+    assert router.choose_scores({"x": 9}, 5) == ("x", 5)  # an overlap beyond the request is capped
+    with pytest.raises(ValueError, match="no index"):
+        router.choose(PROMPT)
+
+
+def test_clear_errors():
+    with pytest.raises(NoWorkersError, match="no workers to route to"):
+        Router(Index(BS)).choose(PROMPT)
+    with pytest.raises(NoWorkersError, match="workers is empty"):
+        Router(Index(BS), workers=["a"]).choose(PROMPT, workers=[])
+    with pytest.raises(ValueError, match="block_size is required"):
+        Router(object())
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        Router(block_size=0)
+    with pytest.raises(ValueError, match="overlap_weight must be >= 0"):
+        Router(Index(BS), overlap_weight=-1)
+    with pytest.raises(TypeError, match="temperature must be a finite number"):
+        Router(Index(BS), temperature="hot")
+    with pytest.raises(TypeError, match="loads must be a mapping"):
+        Router(Index(BS), loads=3)
+    with pytest.raises(TypeError, match="workers: a worker is a non-empty str"):
+        Router(Index(BS), workers=[1])
+    router = Router(Index(BS), workers=["a"], loads={"a": "busy"})
+    with pytest.raises(TypeError, match="load of worker 'a' must be a finite number"):
+        router.choose(PROMPT)
