@@ -25,6 +25,21 @@ def test_help_lists_both_commands_and_options():
     assert args.servers == "nats://127.0.0.1:1" and args.count == 2
 
 
+def test_index_help_documents_queries_and_options():
+    parser = build_parser()
+    assert "index" in parser.format_help()
+    proc = subprocess.run([sys.executable, "-m", "kvbridge", "index", "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for needle in ("<prefix>.query.<model>", "queue group", '{"tokens": [...]}', '{"block_hashes": [...]}',
+                   '"lora_name"', '"extra_keys"', "application/msgpack", '{"scores": {worker: leading blocks held}, '
+                   '"workers": N}', '{"error": "..."}', "nats req kv.query.MODEL", "--block-size", "--key",
+                   "--queue-group", "--metrics-port", "--servers"):
+        assert needle in text, needle
+    args = parser.parse_args(["index", "--model", "m", "--key", "engine", "--block-size", "32"])
+    assert (args.model, args.key, args.block_size, args.queue_group) == ("m", "engine", 32, "kvbridge-index")
+
+
 def test_watch_bad_config_is_a_clear_error():
     proc = subprocess.run(
         [sys.executable, "-m", "kvbridge", "watch", "--servers", "http://127.0.0.1:1"],

@@ -16,6 +16,8 @@ from kvbridge.events import (
 from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
 from kvbridge.pool import BlockPool, KVCacheManager
 from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
+from kvbridge.router import Router
+from kvbridge.service import IndexClient, IndexService
 
 __all__ = [
     "ALGORITHMS",
@@ -30,10 +32,13 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "DecodeError",
+    "IndexClient",
+    "IndexService",
     "KVCacheManager",
     "KVEventBatch",
     "KvEventPublisher",
     "KvEventSubscriber",
+    "Router",
     "Update",
     "WorkerView",
     "__version__",

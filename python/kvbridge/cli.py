@@ -1,5 +1,5 @@
 """``kvbridge`` command line: ``watch`` the event stream, ``relay`` a stock engine's ZMQ events to
-NATS, or run the end-to-end ``demo``.
+NATS, serve overlap queries from an ``index``, or run the end-to-end ``demo``.
 
 Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
 the flags below override them.
@@ -131,6 +131,35 @@ async def _relay(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# --- index -----------------------------------------------------------------------------------------
+
+
+async def _index(args: argparse.Namespace) -> int:
+    from kvbridge.service import IndexService
+
+    extra = {k: v for k, v in (("model", args.model), ("metrics_port", args.metrics_port)) if v is not None}
+    service = IndexService(
+        _config(args, **extra), block_size=args.block_size, key=args.key, queue_group=args.queue_group
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with service:
+        print(
+            f"index of {service.subscriber.subject}: answering {service.subject} (queue group "
+            f"{service.queue_group}) on {', '.join(service.config.servers)} (Ctrl-C to stop)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        await stop.wait()
+    s = service.stats
+    print(
+        f"index service stopped; {s['queries']} queries ({s['errors']} errors), {s['workers']} workers, "
+        f"{s['blocks']} blocks", file=sys.stderr,
+    )  # fmt: skip
+    return 0
+
+
 # --- entry point -----------------------------------------------------------------------------------
 
 
@@ -138,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge",
         description="Watch the KV-cache event stream on NATS, relay a stock vLLM/SGLang engine's ZMQ KV events to "
-        "NATS, or run the end-to-end demo.",
+        "NATS, serve overlap queries from a KV index, or run the end-to-end demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -165,6 +194,27 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
     _connection_args(r)
 
+    i = sub.add_parser(
+        "index", help="keep a KV index of a model's workers and answer overlap queries on NATS (replicas share them)",
+        description="Subscribe to <prefix>.events.<model>.*, keep an index of every worker's cached blocks, and "
+        "answer queries on <prefix>.query.<model> in a queue group (run several for load sharing and failover). "
+        "Request: {\"tokens\": [...]} or {\"block_hashes\": [...]}, optionally with \"lora_name\", \"extra_keys\" "
+        "(one entry per block: null or a list) and \"medium\"; JSON, or msgpack with Content-Type: "
+        "application/msgpack. Reply: {\"scores\": {worker: leading blocks held}, \"workers\": N} in the same "
+        "encoding, or {\"error\": \"...\"}. Try: nats req kv.query.MODEL '{\"tokens\": [1, 2, 3]}'. "
+        "Runs until SIGINT/SIGTERM.",
+    )  # fmt: skip
+    i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL)")
+    i.add_argument("--block-size", type=int, default=16, help="tokens per block, as the engines use (default 16)")
+    i.add_argument(
+        "--key", choices=("tokens", "engine"), default="tokens",
+        help="tokens (default): the index hashes token ids itself, queries send tokens; engine: keyed by the "
+        "engines' own block hashes, queries send block_hashes",
+    )  # fmt: skip
+    i.add_argument("--queue-group", default="kvbridge-index", help="NATS queue group shared by replicas (default kvbridge-index)")
+    i.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (KVBRIDGE_METRICS_PORT)")
+    _connection_args(i)
+
     d = sub.add_parser("demo", help="start a local nats-server, simulated workers and a router; kill the broker mid-run")
     d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
     d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
@@ -183,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_watch(args))
         if args.command == "relay":
             return asyncio.run(_relay(args))
+        if args.command == "index":
+            return asyncio.run(_index(args))
         from kvbridge.demo import run_demo
 
         return asyncio.run(run_demo(args))

@@ -12,10 +12,10 @@ import weakref
 from typing import Any, Iterable
 
 from prometheus_client import REGISTRY, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["PUBLISHER_METRICS", "RELAY_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
+__all__ = ["INDEX_METRICS", "PUBLISHER_METRICS", "RELAY_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
 
 # stat key -> (metric name, help, kind)
 PUBLISHER_METRICS = {
@@ -79,6 +79,26 @@ RELAY_METRICS = {
 }
 
 
+# The index service (kvbridge.service). A "histogram" stat is ``(cumulative buckets [(le, count)],
+# sum)``, built at scrape time from plain counters.
+INDEX_METRICS = {
+    "queries": ("kvbridge_index_queries", "Overlap queries answered (errors included)", "counter"),
+    "errors": ("kvbridge_index_query_errors", "Queries answered with an error (malformed or refused)", "counter"),
+    "latency": ("kvbridge_index_query_seconds", "Time from a query's arrival to its reply being sent", "histogram"),
+    "blocks": ("kvbridge_index_blocks", "Distinct blocks in the index", "gauge"),
+    "workers": ("kvbridge_index_workers", "Workers in the index", "gauge"),
+    "memory_bytes": ("kvbridge_index_memory_bytes", "Memory the index holds", "gauge"),
+}
+
+
+def _family(name: str, doc: str, kind: str, labels: list[str]) -> Any:
+    if kind == "counter":
+        return CounterMetricFamily(name, doc, labels=labels)
+    if kind == "histogram":
+        return HistogramMetricFamily(name, doc, labels=labels)
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
 class _Collector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -98,19 +118,25 @@ class _Collector(Collector):
                 continue
             label_names = list(objs[0].metric_labels)
             for key, (name, doc, kind) in table.items():
-                family = (
-                    CounterMetricFamily(name, doc, labels=label_names)
-                    if kind == "counter"
-                    else GaugeMetricFamily(name, doc, labels=label_names)
-                )
+                family = _family(name, doc, kind, label_names)
                 for obj in objs:
                     stats = obj.stats
                     if key in stats:
-                        family.add_metric([obj.metric_labels[n] for n in label_names], stats[key])
+                        labels = [obj.metric_labels[n] for n in label_names]
+                        if kind == "histogram":
+                            buckets, total = stats[key]
+                            family.add_metric(labels, buckets, total)
+                        else:
+                            family.add_metric(labels, stats[key])
                 yield family
 
 
-_TABLES = {"publisher": PUBLISHER_METRICS, "subscriber": SUBSCRIBER_METRICS, "relay": RELAY_METRICS}
+_TABLES = {
+    "publisher": PUBLISHER_METRICS,
+    "subscriber": SUBSCRIBER_METRICS,
+    "relay": RELAY_METRICS,
+    "index": INDEX_METRICS,
+}
 _collector = _Collector()
 _registered = False
 _exporters: dict[tuple[str, int], Any] = {}
@@ -118,7 +144,7 @@ _module_lock = threading.Lock()
 
 
 def register(role: str, obj: Any) -> None:
-    """Expose ``obj.stats`` under ``role`` ('publisher', 'subscriber' or 'relay') in the default registry."""
+    """Expose ``obj.stats`` under ``role`` ('publisher', 'subscriber', 'relay' or 'index') in the default registry."""
     global _registered
     with _module_lock:
         if not _registered:

@@ -27,6 +27,7 @@ __all__ = [
     "WorkerSubjects",
     "events_pattern",
     "parse_events_subject",
+    "query_subject",
     "sanitize_token",
 ]
 
@@ -77,6 +78,11 @@ def events_pattern(prefix: str, model: str | None = None, worker: str | None = N
     m = sanitize_token(model) if model else "*"
     w = sanitize_token(worker) if worker else "*"
     return f"{prefix}.events.{m}.{w}"
+
+
+def query_subject(prefix: str, model: str) -> str:
+    """Where an index service answers overlap queries for ``model`` (a queue group: replicas share it)."""
+    return f"{prefix}.query.{sanitize_token(model)}"
 
 
 def parse_events_subject(subject: str, prefix: str) -> tuple[str, str] | None:
