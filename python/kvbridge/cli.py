@@ -215,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (KVBRIDGE_METRICS_PORT)")
     _connection_args(i)
 
-    d = sub.add_parser("demo", help="start a local nats-server, simulated workers and a router; kill the broker mid-run")
+    d = sub.add_parser(
+        "demo", help="start a local nats-server and simulated workers; compare KV-aware, round-robin and random routing; "
+        "kill the broker mid-run",
+    )  # fmt: skip
     d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
     d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
     d.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (default 4096)")
@@ -223,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
+    d.add_argument("--turns-per-s", type=float, default=300.0, help="chat turns per second, each served by every fleet (default 300)")
+    d.add_argument(
+        "--prefill-ms-per-block", type=float, default=1.0,
+        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0)",
+    )  # fmt: skip
     return parser
 
 
