@@ -21,7 +21,7 @@ from kvbridge.pool import KVCacheManager
 from kvbridge.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 from kvbridge.subjects import query_subject
 
-from _index_standin import StandInIndex
+from _index_standin import StandInIndex as Index  # until kvbridge.Index lands on main
 
 BS = 16
 LORA = "ad-1"
@@ -125,7 +125,7 @@ async def _eventually_correct(client, fleet, what="the service's scores == brute
 async def test_scores_over_nats_equal_brute_force_json_and_msgpack(nats_server):
     model = "svc-scores"
     fleet = await Fleet(nats_server, model, seed=1).start()
-    service = await IndexService(cfg(nats_server, model, "svc"), index=StandInIndex(BS)).start()
+    service = await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start()
     fleet.poke()
     try:
         async with IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
@@ -167,7 +167,7 @@ async def test_scores_over_nats_equal_brute_force_json_and_msgpack(nats_server):
 async def test_block_hash_queries_on_an_engine_keyed_index(nats_server):
     model = "svc-engine"
     fleet = await Fleet(nats_server, model, seed=2).start()
-    service = IndexService(cfg(nats_server, model, "svc"), index=StandInIndex(BS, key="engine"))
+    service = IndexService(cfg(nats_server, model, "svc"), index=Index(BS, key="engine"))
     async with service, IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
         fleet.poke()
 
@@ -187,7 +187,7 @@ async def test_block_hash_queries_on_an_engine_keyed_index(nats_server):
 async def test_malformed_queries_get_errors_and_the_service_carries_on(nats_server):
     model = "svc-bad"
     fleet = await Fleet(nats_server, model, seed=3).start()
-    service = await IndexService(cfg(nats_server, model, "svc"), index=StandInIndex(BS)).start()
+    service = await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start()
     fleet.poke()
     nc = await nats.connect(nats_server.url)
     subject = query_subject("kv", model)
@@ -240,7 +240,7 @@ async def test_client_retries_once_when_a_replica_dies_with_the_query(nats_serve
     taken = asyncio.Event()
 
     async def replace():
-        started.append(await IndexService(cfg(nats_server, model, "svc"), index=StandInIndex(BS)).start())
+        started.append(await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start())
         fleet.poke()
 
     async def dying_replica(msg):

@@ -110,6 +110,15 @@ class _Latency:
         return cumulative, self.total
 
 
+def _config(config: Config | None, model: str | None, options: dict[str, Any]) -> Config:
+    """``config`` (or one from ``KVBRIDGE_*``), with ``options`` and ``model`` applied."""
+    if config is None:
+        config = Config.from_env(**options)
+    elif options:
+        config = config.replace(**options)
+    return config if model is None else config.replace(model=model)
+
+
 def _feed(index: Any):
     """on_update callback applying a worker's stream to ``index``: a reset (snapshot) replaces
     everything known about the worker."""
@@ -143,12 +152,7 @@ class IndexService:
         queue_group: str = DEFAULT_QUEUE_GROUP,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
-        if model is not None:
-            config = config.replace(model=model)
+        config = _config(config, model, options)
         if index is None:
             from kvbridge import Index
 
@@ -281,12 +285,7 @@ class IndexClient:
         timeout: float | None = None,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
-        if model is not None:
-            config = config.replace(model=model)
+        config = _config(config, model, options)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.config = config
