@@ -196,13 +196,10 @@ class _Fleet:
         # about 8 per worker running.
         while len(self.running) > 8 * len(self.workers):
             done = self.running.popleft()
+            with done.publisher.lock:
+                self._finish_oldest(done)
             if done is not w:
-                with done.publisher.lock:
-                    self._finish_oldest(done)
                 done.publisher.step()
-            else:
-                with w.publisher.lock:
-                    self._finish_oldest(w)
         w.publisher.step()
         if cached is None:
             self.skipped += 1
@@ -411,6 +408,9 @@ def _report(args, fleets: list[_Fleet], elapsed: float, converged: bool) -> None
         worst = max(f.stream.max_delay for f in fleets)
         print(f"  {delayed:,} messages published during the outage and catch-up (or lost with the broker) arrived "
               f"re-sent or replayed, up to {worst:.1f} s late.")
+    for f in fleets:
+        if f.skipped:
+            print(f"  {f.policy}: {f.skipped} turns found no room in the chosen worker's pool and were not served.")
     resets = sum(f.stream.resets_after_start for f in fleets)
     if resets:
         print(f"  {resets} views were rebuilt from a snapshot during the run.")
