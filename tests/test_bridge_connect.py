@@ -184,12 +184,15 @@ async def test_json_mode_is_readable_by_a_plain_subscriber(nats_server):
         Config(servers=nats_server.url, subject_prefix="kvjson", model="my.model", worker_id="w 1", encoding="json")
     ).start()
     pub.publish([stored(11), stored(12, 11)])
-    await asyncio.wait_for(_until(lambda: seen), 10)
-    m = seen[0]
+    await asyncio.wait_for(_until(lambda: len(seen) >= 2), 10)
+    # seq 0 is the heartbeat every publisher sends as it starts (it announces the epoch).
+    hb, m = seen[0], seen[1]
+    assert hb.headers["Kv-Seq"] == "0" and json.loads(hb.data)[1] == []
     assert m.subject == "kvjson.events.my_model.w_1"
-    assert m.headers["Kv-Seq"] == "0" and m.headers["Kv-Epoch"] == pub.epoch
-    assert m.headers["Nats-Msg-Id"] == f"w_1:{pub.epoch}:0"
+    assert m.headers["Kv-Seq"] == "1" and m.headers["Kv-Epoch"] == pub.epoch
+    assert m.headers["Nats-Msg-Id"] == f"w_1:{pub.epoch}:1"
     assert m.headers["Content-Type"] == "application/json"
+    assert m.headers["Kv-Heartbeat"] == "1"  # the default heartbeat_s, advertised on every message
     body = json.loads(m.data)  # [ts, [events...], dp_rank], as vLLM's structure
     assert body[1][0]["type"] == "BlockStored" and body[1][1]["parent_block_hash"] == 11
     print("nats sub would print:", m.data.decode())

@@ -68,8 +68,9 @@ async def test_watch_prints_each_batch_in_order(nats_server):
     lines = out.decode().splitlines()
     assert len(lines) == 3
     assert "cli-m/w0" in lines[0] and "view reset" in lines[0]
-    assert lines[1].endswith("seq=0 +2 stored (root -> 0000000000000002)")
-    assert lines[2].endswith("seq=1 -1 removed")
+    # seq 0 is the publisher's first heartbeat: watch leaves heartbeats out unless --heartbeats.
+    assert lines[1].endswith("seq=1 +2 stored (root -> 0000000000000002)")
+    assert lines[2].endswith("seq=2 -1 removed")
 
 
 def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):

@@ -389,6 +389,7 @@ async def test_cli_relays_and_exits_cleanly_on_sigterm(zctx, nats_sub, nats_serv
     engine = zctx()
     col = await nats_sub("kv.events.M.W")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    env["KVBRIDGE_HEARTBEAT_S"] = "0"  # engine frames only, one NATS message each
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvbridge", "relay", "--endpoint", engine.endpoint, "--replay-endpoint",
         engine.replay_endpoint, "--topic", "kv", "--model", "M", "--worker", "W", "--servers", nats_server.url,

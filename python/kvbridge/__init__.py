@@ -2,7 +2,7 @@
 
 from kvbridge._native import __version__
 from kvbridge.config import Config, ConfigError
-from kvbridge.connection import AuthenticationError, ConnectError
+from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
 from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
 from kvbridge.events import (
     AllBlocksCleared,
@@ -38,8 +38,10 @@ __all__ = [
     "KVEventBatch",
     "KvEventPublisher",
     "KvEventSubscriber",
+    "PermissionDeniedError",
     "Router",
     "Update",
+    "WorkerIdInUseError",
     "WorkerView",
     "__version__",
     "decode_batch",

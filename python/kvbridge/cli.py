@@ -71,6 +71,8 @@ async def _watch(args: argparse.Namespace) -> int:
 
     def on_update(u: Any) -> None:
         nonlocal seen
+        if not u.reset and u.n_events == 0 and not args.heartbeats:
+            return  # every idle publisher sends one per heartbeat_s: noise unless asked for
         stamp = time.strftime("%H:%M:%S", time.localtime(u.batch.ts)) + f".{int(u.batch.ts * 1000) % 1000:03d}"
         if args.json:
             body = encode_batch(u.batch, "json").decode()
@@ -176,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker", help="only this worker (default: all)")
     w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
     w.add_argument("--count", type=int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
+    w.add_argument("--heartbeats", action="store_true", help="also print heartbeats (empty batches idle publishers send)")
     _connection_args(w)
 
     r = sub.add_parser(

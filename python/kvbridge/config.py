@@ -68,6 +68,9 @@ class Config:
     max_reconnect_attempts: int = -1
     reconnect_wait_s: float = 0.5
     request_timeout_s: float = 2.0
+    #: Subscribers drop a worker not heard from for this long (never sooner than 3 of the worker's
+    #: own heartbeat intervals; a worker with heartbeat_s 0 is never dropped by time). 0: never.
+    worker_timeout_s: float = 10.0
 
     jetstream: bool = False
     stream_name: str = "KV_EVENTS"
@@ -144,7 +147,7 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 _fail(name, f"must be an integer >= {low}, got {value!r}")
-        for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s"):
+        for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s", "worker_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 _fail(name, f"must be a number >= 0, got {value!r}")

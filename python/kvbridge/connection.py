@@ -8,7 +8,11 @@ gets one try per server (and a deadline); the configured policy is switched on o
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+import logging
+import re
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable, Iterable
 
 import nats
 from nats.aio.client import Client
@@ -16,7 +20,16 @@ from nats.errors import AuthorizationError
 
 from kvbridge.config import Config
 
-__all__ = ["AuthenticationError", "ConnectError", "connect"]
+__all__ = [
+    "AuthenticationError",
+    "ConnectError",
+    "PermissionDeniedError",
+    "Permissions",
+    "WorkerIdInUseError",
+    "connect",
+]
+
+log = logging.getLogger("kvbridge.connection")
 
 
 class ConnectError(ConnectionError):
@@ -25,6 +38,72 @@ class ConnectError(ConnectionError):
 
 class AuthenticationError(ConnectError):
     """The server rejected the credentials (authentication failure / authorization violation)."""
+
+
+class PermissionDeniedError(ConnectError):
+    """The server refused this user a subject kvbridge needs (publish or subscribe); the message
+    names the operation and the subject."""
+
+
+class WorkerIdInUseError(ConnectError):
+    """Another live publisher already serves this worker id."""
+
+
+# nats-server: -ERR 'Permissions Violation for Publish to "kv.events.m.w"' (Subscription likewise,
+# with ' using queue "q"' for queue subscriptions).
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"', re.IGNORECASE)
+# At most one log line per (operation, subject) in this many seconds.
+_LOG_EVERY_S = 30.0
+
+
+class Permissions:
+    """The permission violations the server reported on one connection.
+
+    The server reports a refused publish or subscription asynchronously (an ``-ERR`` that nats-py
+    hands to ``error_cb``, without closing the connection), so nothing else would ever show it:
+    a refused publish looks sent. This counts them per (operation, subject), logs them at WARNING
+    (at most once per subject per 30 s), and lets a starting client turn them into an error."""
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.count = 0
+        self.by_subject: Counter[tuple[str, str]] = Counter()
+        self._last_log: dict[tuple[str, str], float] = {}
+        self._ignored: str | None = None
+
+    async def on_error(self, exc: Exception) -> None:
+        m = _VIOLATION.search(str(exc))
+        if m is None:
+            return
+        key = ("publish" if m.group(1).lower() == "publish" else "subscribe", m.group(2))
+        if key == ("publish", self._ignored):
+            return
+        self.count += 1
+        self.by_subject[key] += 1
+        now = time.monotonic()
+        if now - self._last_log.get(key, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+            self._last_log[key] = now
+            log.warning("kvbridge %s: NATS refused to let this user %s %s (%d refusal(s) so far)",
+                        self.who, key[0], key[1], self.by_subject[key])  # fmt: skip
+
+    def ignore_publish(self, subject: str | None) -> None:
+        """Do not count refusals to publish on ``subject`` (a probe that may be refused)."""
+        self._ignored = subject
+
+    def refused_publish(self, subject: str) -> int:
+        return self.by_subject[("publish", subject)]
+
+    def denied(self, op: str, subject: str) -> bool:
+        return self.by_subject[(op, subject)] > 0
+
+    def raise_if_denied(self, *, publish: Iterable[str] = (), subscribe: Iterable[str] = ()) -> None:
+        for op, subjects in (("publish", publish), ("subscribe", subscribe)):
+            for subject in subjects:
+                if self.denied(op, subject):
+                    raise PermissionDeniedError(
+                        f"kvbridge {self.who}: the NATS server does not allow this user to {op} {subject!r} "
+                        f"(permissions violation); grant it in the server's authorization config"
+                    )
 
 
 def _is_auth_error(exc: BaseException) -> bool:

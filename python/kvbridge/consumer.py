@@ -9,7 +9,23 @@ in-order sequence of :class:`Update` s:
   subject for the missing range; if the worker answers "gone", or the worker is new to us, or it
   changed epoch (restarted), it asks for a snapshot, delivered as one ``reset=True`` update, and
   continues with the parked messages after the snapshot's seq;
-* anything that is not a well-formed event message is counted (``stats["malformed"]``) and skipped.
+* anything that is not a well-formed event message is counted (``stats["malformed"]``) and skipped;
+  a malformed message where a replay should have filled a hole makes the worker resync by snapshot
+  (it would come back the same on every replay);
+* a worker not heard from for ``worker_timeout_s`` (never sooner than 3 of its own advertised
+  heartbeat intervals, ``Kv-Heartbeat``; never, if it sends none) is dropped: its view goes, one
+  ``reset=True`` update with ``source="expired"`` and no events says so, and it costs no more
+  requests. A worker whose subject never syncs (nobody answers) costs a few requests with growing
+  pauses until it expires;
+* two live publishers on one subject (two epochs alternating) are logged once, at WARNING, with
+  both epochs, and counted (``stats["epoch_conflicts"]``).
+
+Views never wait for anyone: ``async for`` reads from a bounded queue; an iterator that falls
+``queue_size`` updates behind is told so (``stats["iterator_behind"]``): the queue is dropped and
+the iterator continues with one ``reset=True`` update per worker (``source="behind"``) carrying the
+worker's current view (its block hashes, as one ``BlockStored`` without token ids; without tracked
+views, the worker is resynced by snapshot), so a consumer that rebuilds state from updates stays
+exact. An abandoned iterator is detached.
 
 Everything runs on the subscriber's asyncio loop; one resync task per worker at most.
 """
@@ -23,20 +39,25 @@ import inspect
 import json
 import logging
 import time
+from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable
+
+from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import connect
+from kvbridge.connection import Permissions, connect
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
 from kvbridge.subjects import (
     FORMATS,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
     HDR_EPOCH,
+    HDR_HEARTBEAT,
     HDR_REPLY,
     HDR_SEQ,
     REPLY_END,
+    REPLY_ERROR,
     REPLY_GONE,
     REPLY_SNAPSHOT,
     REPLY_SNAPSHOT_END,
@@ -56,6 +77,12 @@ _MAX_PARKED = 65536
 _STREAM_HOLE_GRACE_S = 0.5
 # Epochs proven stale per worker (old incarnations, forged headers); bounded, oldest forgotten.
 _MAX_RETIRED = 64
+# A worker is never expired sooner than this many of its own heartbeat intervals.
+_HEARTBEATS_BEFORE_EXPIRY = 3
+# Resync back-off: first pause, and the longest; nobody serving the subject starts it higher.
+_BACKOFF_S = 0.05
+_BACKOFF_NO_RESPONDERS_S = 0.5
+_BACKOFF_MAX_S = 4.0
 
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
@@ -217,7 +244,7 @@ class _Malformed(Exception):
 class _Worker:
     __slots__ = (
         "model", "worker", "subjects", "epoch", "next_seq", "parked", "parked_epoch", "retired",
-        "need_snapshot", "syncing", "view",
+        "need_snapshot", "syncing", "view", "last_heard", "heartbeat_raw", "heartbeat_s", "conflict_warned",
     )  # fmt: skip
 
     def __init__(self, prefix: str, model: str, worker: str, track_view: bool) -> None:
@@ -227,15 +254,39 @@ class _Worker:
         self.next_seq = 0
         self.parked: dict[int, _Body] = {}
         self.parked_epoch: str | None = None
-        self.retired: list[str] = []
+        #: Retired epoch -> the highest seq seen from it: a dead incarnation sends nothing newer.
+        self.retired: dict[str, int] = {}
         self.need_snapshot = True
         self.syncing: asyncio.Task | None = None
         self.view = WorkerView() if track_view else None
+        self.last_heard = time.monotonic()
+        self.heartbeat_raw: str | None = None
+        self.heartbeat_s: float | None = None  # None: not advertised
+        self.conflict_warned = False
 
-    def retire(self, epoch: str | None) -> None:
-        if epoch is not None and epoch not in self.retired:
-            self.retired.append(epoch)
-            del self.retired[:-_MAX_RETIRED]
+    def retire(self, epoch: str | None, last_seq: int) -> None:
+        if epoch is not None:
+            self.retired[epoch] = max(last_seq, self.retired.get(epoch, -1))
+            while len(self.retired) > _MAX_RETIRED:
+                del self.retired[next(iter(self.retired))]
+
+    def heard(self, heartbeat_raw: str | None) -> None:
+        self.last_heard = time.monotonic()
+        if heartbeat_raw != self.heartbeat_raw:
+            self.heartbeat_raw = heartbeat_raw
+            try:
+                hb = float(heartbeat_raw) if heartbeat_raw is not None else None
+            except ValueError:
+                hb = None
+            self.heartbeat_s = hb if hb is None or hb >= 0 else None
+
+    def timeout(self, worker_timeout_s: float) -> float | None:
+        """Seconds of silence after which this worker is gone; None: never by time."""
+        if worker_timeout_s <= 0 or self.heartbeat_s == 0:
+            return None
+        if self.heartbeat_s is None:
+            return worker_timeout_s
+        return max(worker_timeout_s, _HEARTBEATS_BEFORE_EXPIRY * self.heartbeat_s)
 
 
 class KvEventSubscriber:
@@ -270,16 +321,25 @@ class KvEventSubscriber:
         self.on_update = on_update
         self.track_views = track_views
         self.metric_labels = {"subject": self.subject}
+        if not isinstance(queue_size, int) or isinstance(queue_size, bool) or queue_size < 1:
+            raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
         self._queue_size = queue_size
         #: JetStream mode (``config.jetstream``): where in the stream to begin; see kvbridge.jetstream.
         self.stream_start = stream_start
-        self._queue: asyncio.Queue | None = None
+        # The async iterator's side: a bounded queue that deliveries never wait on (module doc).
+        self._iter_queue: deque[Update] | None = None
+        self._iter_wake = asyncio.Event()
+        self._iter_behind = False
+        self._iter_known: set[tuple[str, str]] = set()
         self._workers: dict[tuple[str, str], _Worker] = {}
         self._nc: Any = None
+        self._expiry: asyncio.Task | None = None
         self._closed = False
+        self._permissions = Permissions(f"subscriber {self.subject}")
         self._counts = dict.fromkeys(
             ("messages", "events", "bytes", "duplicates", "gaps", "replays", "replays_gone", "snapshots",
-             "epoch_changes", "malformed", "request_timeouts", "callback_errors"),
+             "epoch_changes", "epoch_conflicts", "malformed", "request_timeouts", "request_errors", "callback_errors",
+             "expired", "iterator_behind"),
             0,
         )  # fmt: skip
         metrics.register("subscriber", self)
@@ -289,37 +349,46 @@ class KvEventSubscriber:
     async def start(self) -> KvEventSubscriber:
         if self._nc is not None:
             return self
-        self._nc = await connect(self.config)
-        if self.config.jetstream:
-            from kvbridge.jetstream import subscribe_stream
+        self._nc = await connect(self.config, error_cb=self._permissions.on_error)
+        try:
+            if self.config.jetstream:
+                from kvbridge.jetstream import subscribe_stream
 
-            try:
                 await subscribe_stream(self._nc, self.config, self.subject, self._on_msg, self.stream_start)
-            except BaseException:
-                await self._nc.close()
-                self._nc = None
-                raise
-        else:
-            await self._nc.subscribe(
-                self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
-            )
-        await self._nc.flush()
+            else:
+                await self._nc.subscribe(
+                    self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
+                )
+            # A refused subscription is reported asynchronously, ahead of the PONG ending a flush.
+            await self._nc.flush()
+            await self._nc.flush()
+            self._permissions.raise_if_denied(subscribe=(self.subject,))
+        except BaseException:
+            await self._nc.close()
+            self._nc = None
+            raise
+        self._expiry = asyncio.create_task(self._expire_loop(), name=f"kvbridge-expiry-{self.subject}")
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:
+        """Stop: cancel resyncs, disconnect, end any ``async for``. Never raises."""
         if self._closed:
             return
         self._closed = True
         tasks = [w.syncing for w in self._workers.values() if w.syncing is not None]
+        if self._expiry is not None:
+            tasks.append(self._expiry)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._nc is not None:
-            await self._nc.close()
-        if self._queue is not None:
-            self._queue.put_nowait(None)
+            try:
+                await self._nc.close()
+            except Exception as exc:  # closing must not fail the caller's shutdown
+                log.debug("kvbridge subscriber: error closing the NATS connection: %r", exc)
+        self._iter_wake.set()
 
     async def __aenter__(self) -> KvEventSubscriber:
         return await self.start()
@@ -328,17 +397,70 @@ class KvEventSubscriber:
         await self.close()
 
     def __aiter__(self) -> AsyncIterator[Update]:
-        if self._queue is None:
-            self._queue = asyncio.Queue(self._queue_size)
-        return self._iterate()
+        if self._iter_queue is None:
+            self._iter_queue = deque()
+        return self._iterate(self._iter_queue)
 
-    async def _iterate(self) -> AsyncIterator[Update]:
-        assert self._queue is not None
-        while True:
-            update = await self._queue.get()
-            if update is None:
-                return
-            yield update
+    async def _iterate(self, queue: deque[Update]) -> AsyncIterator[Update]:
+        try:
+            while True:
+                if self._iter_behind:
+                    self._iter_behind = False
+                    for update in self._catch_up():
+                        yield update
+                    continue
+                if queue:
+                    yield queue.popleft()
+                    continue
+                if self._closed:
+                    return
+                self._iter_wake.clear()
+                await self._iter_wake.wait()
+        finally:
+            # Left early (break, or the generator was dropped): stop queueing for it.
+            if self._iter_queue is queue:
+                self._iter_queue = None
+                self._iter_behind = False
+                self._iter_known.clear()
+
+    def _enqueue(self, update: Update) -> None:
+        """Hand ``update`` to the iterator without ever waiting for it."""
+        queue = self._iter_queue
+        if queue is None or self._iter_behind:
+            return  # behind: the catch-up will carry this update's effect
+        if len(queue) >= self._queue_size:
+            queue.clear()
+            self._iter_behind = True
+            n = self._counts["iterator_behind"] = self._counts["iterator_behind"] + 1
+            if n & (n - 1) == 0:
+                log.warning("kvbridge subscriber: the async iterator fell %d updates behind; it continues from "
+                            "a reset per worker carrying the current view (%d time(s) so far)", self._queue_size, n)  # fmt: skip
+        else:
+            queue.append(update)
+            self._iter_known.add((update.model, update.worker))
+        self._iter_wake.set()
+
+    def _catch_up(self) -> list[Update]:
+        """For an iterator that fell behind: every worker's state now, as reset updates."""
+        now = time.time()
+        out = []
+        for key in list(self._iter_known):
+            if key not in self._workers:  # expired meanwhile
+                self._iter_known.discard(key)
+                out.append(Update(key[0], key[1], "", -1, KVEventBatch(now, []), True, "expired"))
+        for key, w in self._workers.items():
+            if w.epoch is None or w.need_snapshot:
+                continue  # not in sync yet: its snapshot is still to come, and will be queued
+            if w.view is None:
+                # No view to carry over: the worker's own snapshot will be the reset.
+                w.need_snapshot = True
+                self._ensure_sync(w)
+                continue
+            blocks = list(w.view.blocks)
+            events = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
+            out.append(Update(w.model, w.worker, w.epoch, w.view.seq, KVEventBatch(now, events), True, "behind"))
+            self._iter_known.add(key)
+        return out
 
     @property
     def views(self) -> dict[tuple[str, str], WorkerView]:
@@ -348,6 +470,7 @@ class KvEventSubscriber:
     def stats(self) -> dict[str, int]:
         s = dict(self._counts)
         s["workers"] = len(self._workers)
+        s["permission_errors"] = self._permissions.count
         return s
 
     def in_sync(self) -> bool:
@@ -371,8 +494,13 @@ class KvEventSubscriber:
         w = self._workers.get(key)
         if w is None:
             w = self._workers[key] = _Worker(self.prefix, key[0], key[1], self.track_views)
+        w.heard(msg.headers.get(HDR_HEARTBEAT))
         if epoch != w.epoch:
-            if epoch in w.retired:
+            last = w.retired.get(epoch)
+            if last is not None:
+                if seq > last:  # a retired incarnation that is still publishing: a second live publisher
+                    w.retired[epoch] = seq
+                    self._epoch_conflict(w, epoch)
                 counts["duplicates"] += 1
                 return
             if seq == 0 and self.config.jetstream and w.syncing is None:
@@ -405,6 +533,16 @@ class KvEventSubscriber:
         w.parked_epoch = epoch
         self._park(w, seq, batch)
         self._ensure_sync(w)
+
+    def _epoch_conflict(self, w: _Worker, other: str) -> None:
+        self._counts["epoch_conflicts"] += 1
+        if not w.conflict_warned:
+            w.conflict_warned = True
+            log.warning(
+                "kvbridge subscriber: two live publishers on %s (epochs %s and %s): two engines share the worker "
+                "id %r; only one of them is tracked. Give each engine its own worker_id.",
+                w.subjects.events, w.epoch, other, w.worker,
+            )  # fmt: skip
 
     async def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> None:
         """JetStream hook: the stream holds this incarnation from its first message, and a new
@@ -445,6 +583,9 @@ class KvEventSubscriber:
         if w.view is not None:
             w.view.apply(update)
         self._counts["events"] += update.n_events
+        await self._notify(update)
+
+    async def _notify(self, update: Update) -> None:
         if self.on_update is not None:
             try:
                 result = self.on_update(update)
@@ -453,8 +594,34 @@ class KvEventSubscriber:
             except Exception:
                 self._counts["callback_errors"] += 1
                 log.exception("kvbridge on_update callback failed")
-        if self._queue is not None:
-            await self._queue.put(update)
+        if self._iter_queue is not None:
+            self._enqueue(update)
+
+    # -- expiry -------------------------------------------------------------------------------------
+
+    async def _expire_loop(self) -> None:
+        timeout = self.config.worker_timeout_s
+        if timeout <= 0:
+            return
+        interval = max(0.1, min(1.0, timeout / 4))
+        while not self._closed:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for key, w in list(self._workers.items()):
+                limit = w.timeout(timeout)
+                if limit is not None and now - w.last_heard > limit:
+                    await self._expire(key, w)
+
+    async def _expire(self, key: tuple[str, str], w: _Worker) -> None:
+        """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""
+        del self._workers[key]
+        if w.syncing is not None:
+            w.syncing.cancel()
+        self._counts["expired"] += 1
+        log.info("kvbridge subscriber: worker %s/%s not heard from for %.1fs: dropped", w.model, w.worker,
+                 time.monotonic() - w.last_heard)  # fmt: skip
+        if w.epoch is not None:
+            await self._notify(Update(w.model, w.worker, w.epoch, -1, KVEventBatch(time.time(), []), True, "expired"))
 
     # -- resync -------------------------------------------------------------------------------------
 
@@ -463,7 +630,7 @@ class KvEventSubscriber:
             w.syncing = asyncio.create_task(self._resync(w), name=f"kvbridge-resync-{w.worker}")
 
     async def _resync(self, w: _Worker) -> None:
-        backoff = 0.05
+        backoff = _BACKOFF_S
         try:
             if self.config.jetstream:
                 await asyncio.sleep(_STREAM_HOLE_GRACE_S)
@@ -475,20 +642,23 @@ class KvEventSubscriber:
                     if not w.parked:
                         return
                 ok = await (self._snapshot(w) if w.need_snapshot else self._replay(w))
-                if not ok:
+                if ok is not True:
+                    if ok is _NO_RESPONDERS:  # nobody serves this subject (yet): no hurry
+                        backoff = max(backoff, _BACKOFF_NO_RESPONDERS_S)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     continue
-                backoff = 0.05
+                backoff = _BACKOFF_S
                 await self._drain_parked(w)
                 if not w.need_snapshot and not w.parked:
                     return
         finally:
             w.syncing = None
 
-    async def _request(self, subject: str, payload: bytes, until: tuple[str, ...]) -> list[Any] | None:
-        """Send a request and collect the reply stream up to a message whose Kv-Reply is in ``until``;
-        None if nobody answered in time (the worker may be down: the caller retries)."""
+    async def _request(self, subject: str, payload: bytes, until: tuple[str, ...]) -> list[Any] | object | None:
+        """Send a request and collect the reply stream up to a message whose Kv-Reply is in ``until``
+        (or an error reply); None if nobody answered in time (the worker may be down: the caller
+        retries), ``_NO_RESPONDERS`` if nobody serves the subject."""
         nc = self._nc
         inbox = nc.new_inbox()
         try:
@@ -503,15 +673,26 @@ class KvEventSubscriber:
                     if kind in until:
                         replies.append(m)
                         return replies
+                    if kind == REPLY_ERROR:
+                        self._counts["request_errors"] += 1
+                        log.warning("kvbridge subscriber: %s answered with an error: %s", subject,
+                                    m.data[:500].decode(errors="replace"))  # fmt: skip
+                        return None
                     if kind is None and HDR_SEQ not in headers:
-                        return None  # a "no responders" status, or noise
+                        # nats-py hands the server's 503 "no responders" status to the inbox as a message.
+                        return _NO_RESPONDERS if headers.get("Status") == "503" else None
                     replies.append(m)
             finally:
                 await sub.unsubscribe()
+        except NoRespondersError:
+            return _NO_RESPONDERS
         except Exception as exc:  # timeouts, disconnects, a closing client
             if not self._closed:
                 self._counts["request_timeouts"] += 1
-                log.debug("kvbridge request on %s failed: %r", subject, exc)
+                if self._permissions.denied("publish", subject):
+                    log.debug("kvbridge request on %s refused by NATS permissions", subject)
+                else:
+                    log.debug("kvbridge request on %s failed: %r", subject, exc)
             return None
 
     async def _replay(self, w: _Worker) -> bool:
@@ -520,8 +701,8 @@ class KvEventSubscriber:
         replies = await self._request(
             w.subjects.replay, json.dumps({"from": w.next_seq, "epoch": w.epoch}).encode(), (REPLY_END, REPLY_GONE)
         )
-        if replies is None:
-            return False
+        if not isinstance(replies, list):
+            return replies or False
         end = replies[-1].headers
         if end.get(HDR_EPOCH) != w.epoch or end[HDR_REPLY] == REPLY_GONE:
             if end[HDR_REPLY] == REPLY_GONE:
@@ -532,8 +713,11 @@ class KvEventSubscriber:
             try:
                 epoch, seq, batch = _parse_event_msg(m)
             except (_Malformed, DecodeError):
+                # The worker's own copy is bad: every replay would bring it back. Only a snapshot
+                # gets past it.
                 self._counts["malformed"] += 1
-                return False
+                w.need_snapshot = True
+                return True
             if epoch != w.epoch or seq < w.next_seq:
                 continue
             if seq > w.next_seq:
@@ -553,8 +737,8 @@ class KvEventSubscriber:
 
     async def _snapshot(self, w: _Worker) -> bool:
         replies = await self._request(w.subjects.snapshot, b"{}", (REPLY_SNAPSHOT_END, REPLY_UNAVAILABLE))
-        if replies is None:
-            return False
+        if not isinstance(replies, list):
+            return replies or False
         end = replies[-1].headers
         epoch = end.get(HDR_EPOCH)
         if not epoch:
@@ -564,6 +748,7 @@ class KvEventSubscriber:
             self._adopt_epoch(w, epoch)
             w.next_seq = min(w.parked) if w.parked else w.next_seq
             w.need_snapshot = False
+            self._counts["snapshots"] += 1
             await self._deliver(w, w.next_seq - 1, KVEventBatch(time.time(), []), "snapshot", reset=True)
             return True
         try:
@@ -590,9 +775,9 @@ class KvEventSubscriber:
 
     def _adopt_epoch(self, w: _Worker, epoch: str) -> None:
         if w.epoch != epoch:
-            w.retire(w.epoch)
+            w.retire(w.epoch, w.next_seq - 1)
         if w.parked_epoch != epoch:
-            w.retire(w.parked_epoch)
+            w.retire(w.parked_epoch, max(w.parked, default=-1))
             w.parked.clear()
         w.epoch = w.parked_epoch = epoch
 
@@ -619,6 +804,8 @@ def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
 
 
 _scan = _native.scan_batch_msgpack
+# _request's answer when nobody subscribes to the subject (a made-up or gone worker).
+_NO_RESPONDERS = object()
 
 
 def _decode(payload: bytes, fmt: str) -> KVEventBatch:

@@ -32,6 +32,7 @@ __all__ = [
     "MEDIUM_GPU",
     "decode_batch",
     "encode_batch",
+    "slice_event",
 ]
 
 #: vLLM publishes 64-bit ints (the last 8 bytes of the digest) or, in some modes, full digests.
@@ -132,6 +133,40 @@ def encode_batch(batch: KVEventBatch, format: Format = "msgpack", *, native: boo
         if native:
             raise
     return _msgpack_encoder.encode(batch)
+
+
+def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockStored | BlockRemoved:
+    """Blocks ``first:end`` of ``ev`` as an event of their own.
+
+    A slice of a ``BlockStored`` is still one chain: its ``parent_block_hash`` is the hash of the
+    block before it, so the slices of an event, applied in order, are the event. What is per
+    block -- ``token_ids`` (``block_size`` each), ``extra_keys`` and ``lookahead_token_ids`` (one
+    entry per block) -- is sliced with the blocks; a field that is not per block (an offload
+    placeholder's empty ``token_ids``, anything of another length) goes whole with the last slice,
+    empty lists stay empty. Used to cut events too large for one NATS message, and to cut a
+    stored run out of an event for a snapshot.
+    """
+    n = len(ev.block_hashes)
+    if first == 0 and end == n:
+        return ev
+    if ev.__class__ is BlockRemoved:
+        return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[first:end])
+    last = end == n
+
+    def per_block(values: Any, width: int, elsewhere: Any) -> Any:
+        if values is None or len(values) != n * width:
+            return values if last else elsewhere
+        return values[first * width : end * width]
+
+    changes: dict[str, Any] = {
+        "block_hashes": ev.block_hashes[first:end],
+        "parent_block_hash": ev.block_hashes[first - 1] if first else ev.parent_block_hash,
+        "token_ids": per_block(ev.token_ids, ev.block_size, []),
+        "extra_keys": per_block(ev.extra_keys, 1, None),
+    }
+    if "lookahead_token_ids" in BlockStored.__struct_fields__:
+        changes["lookahead_token_ids"] = per_block(getattr(ev, "lookahead_token_ids"), 1, None)
+    return msgspec.structs.replace(ev, **changes)
 
 
 def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> KVEventBatch:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import threading
@@ -41,21 +42,31 @@ from collections import deque
 from typing import Any, Sequence
 
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import connect
-from kvbridge.events import KVEventBatch, encode_batch
+from kvbridge.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
+from kvbridge.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    encode_batch,
+    slice_event,
+)
 from kvbridge.subjects import (
     CONTENT_TYPES,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
     HDR_EPOCH,
+    HDR_HEARTBEAT,
     HDR_MSG_ID,
     HDR_OLDEST,
     HDR_REPLY,
     HDR_SEQ,
     REPLY_END,
+    REPLY_ERROR,
     REPLY_GONE,
     REPLY_SNAPSHOT,
     REPLY_SNAPSHOT_END,
@@ -64,6 +75,8 @@ from kvbridge.subjects import (
 )
 
 __all__ = ["BackgroundPublisher", "KvEventPublisher"]
+
+log = logging.getLogger("kvbridge.publisher")
 
 # Marks a snapshot's position in the hand-off queue.
 _CUT = object()
@@ -80,6 +93,32 @@ _POLL_NS = 250_000
 # Messages are cut to this share of max_batch_bytes by the running bytes-per-event estimate, so
 # that an oversized encode (thrown away and redone in halves) stays rare.
 _BYTES_HEADROOM = 0.8
+# Room left in the server's max_payload for the headers (NATS counts them in): ours are < 200 B.
+_HEADER_ROOM = 1024
+# At start, how long another publisher serving our worker id has to answer the probe.
+_PROBE_TIMEOUT_S = 0.5
+
+_EVENT_CLASSES = frozenset((BlockStored, BlockRemoved, AllBlocksCleared))
+_EXPECTED = "a KVEventBatch or a list of events (BlockStored, BlockRemoved, AllBlocksCleared)"
+
+
+def _check_events(events: Any, what: str) -> None:
+    """TypeError naming the first element that is not an event; C-speed when all are."""
+    if not _EVENT_CLASSES.issuperset(map(type, events)):
+        for i, ev in enumerate(events):
+            if type(ev) not in _EVENT_CLASSES:
+                raise TypeError(
+                    f"{what}[{i}] is {type(ev).__name__}, expected BlockStored, BlockRemoved or AllBlocksCleared"
+                )
+
+
+class _Own:
+    """A ``publish_batch`` hand-off: goes out as a message of its own, as ``payload`` if given."""
+
+    __slots__ = ("batch", "payload")
+
+    def __init__(self, batch: KVEventBatch, payload: bytes | None) -> None:
+        self.batch, self.payload = batch, payload
 
 
 class _Waker:
@@ -196,13 +235,18 @@ class KvEventPublisher:
         self._max_events = config.max_batch_events
         self._max_bytes = config.max_batch_bytes
         self._bytes_per_event = 0.0  # running estimate, sizes messages before encoding them
+        self._splitting = False  # inside the split of one oversize event (counted once)
         self._max_payload = 1 << 20
         self._format = config.encoding
         self._content_type = CONTENT_TYPES[config.encoding]
         self._msg_id_prefix = f"{config.worker_id}:{self.epoch}:"
+        self._heartbeat_hdr = f"{config.heartbeat_s:g}"
+        self._idle_ticks = 0
+        self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
         self._counts = dict.fromkeys(
             ("messages", "events", "bytes", "evicted_unsent", "publish_errors", "reconnects", "replays",
-             "replays_gone", "snapshots"),
+             "replays_gone", "snapshots", "snapshot_errors", "heartbeats", "invalid_events", "split_events",
+             "split_batches", "oversize_dropped"),
             0,
         )  # fmt: skip
         metrics.register("publisher", self)
@@ -210,11 +254,22 @@ class KvEventPublisher:
     # -- engine side (any thread) -------------------------------------------------------------------
 
     def publish(self, batch_or_events: KVEventBatch | Sequence[Any]) -> None:
-        """Hand a batch (or a list of events) to the publisher. Never blocks; see the module doc."""
-        if batch_or_events.__class__ is KVEventBatch:
-            item = (batch_or_events.ts, batch_or_events.events)
-        else:
+        """Hand a batch (or a list of events) to the publisher. Never blocks; see the module doc.
+
+        Raises TypeError, before anything is queued, for anything but a ``KVEventBatch`` or a
+        list/tuple of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
+        cls = batch_or_events.__class__
+        if cls is KVEventBatch:
+            events = batch_or_events.events  # type: ignore[union-attr]
+            if events.__class__ is not list:
+                raise TypeError(f"publish(): batch.events must be a list of events, got {type(events).__name__}")
+            _check_events(events, "publish(): batch.events")
+            item = (batch_or_events.ts, events)  # type: ignore[union-attr]
+        elif cls is list or cls is tuple:
+            _check_events(batch_or_events, "publish(): events")
             item = (time.time(), batch_or_events)
+        else:
+            raise TypeError(f"publish() takes {_EXPECTED}, got {cls.__name__}")
         if not item[1]:
             return
         q = self._queue
@@ -224,14 +279,23 @@ class KvEventPublisher:
         if self._sleeping:
             self._nudge()
 
-    def publish_batch(self, batch: KVEventBatch) -> None:
+    def publish_batch(self, batch: KVEventBatch, payload: bytes | None = None) -> None:
         """Hand over ``batch`` to go out as a message of its own, with its own ``ts`` and
         ``data_parallel_rank`` (the configured ``dp_rank`` when it has none), even if empty -- so a
-        relay re-publishes another publisher's stream batch for batch, byte for byte in msgpack
-        mode (a batch beyond ``max_batch_events``/``max_batch_bytes`` is still split). Never
-        blocks, like :meth:`publish`; the two may be mixed."""
+        relay re-publishes another publisher's stream batch for batch. ``payload``: the batch's
+        msgpack bytes as received; in msgpack mode they are sent unchanged, as one message,
+        whatever ``max_batch_events``/``max_batch_bytes`` say, as long as the server accepts them
+        (beyond its ``max_payload`` the batch is encoded and split like any other, counted in
+        ``stats["split_batches"]``). Never blocks, like :meth:`publish`; the two may be mixed."""
+        if batch.__class__ is not KVEventBatch:
+            raise TypeError(f"publish_batch() takes a KVEventBatch, got {type(batch).__name__}")
+        if batch.events.__class__ is not list:
+            raise TypeError(f"publish_batch(): batch.events must be a list of events, got {type(batch.events).__name__}")
+        _check_events(batch.events, "publish_batch(): batch.events")
+        if payload is not None and not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"publish_batch(): payload must be bytes, got {type(payload).__name__}")
         q = self._queue
-        q.append(batch)
+        q.append(_Own(batch, None if payload is None else bytes(payload)))
         if len(q) > self._queue_max:
             self._drop_oldest()
         if self._sleeping:
@@ -271,7 +335,7 @@ class KvEventPublisher:
                     q.appendleft(old)
                     return
                 self._dropped_batches += 1
-                self._dropped_events += len(old.events if old.__class__ is KVEventBatch else old[1])
+                self._dropped_events += len(old.batch.events if old.__class__ is _Own else old[1])
 
     def attach(self, manager: Any) -> None:
         """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
@@ -294,26 +358,65 @@ class KvEventPublisher:
             return self
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._nc = await connect(self.config, reconnected_cb=self._on_reconnected)
+        self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         self._max_payload = self._nc.max_payload
         self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
-        await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
-        await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
-        if self.config.jetstream:
-            from kvbridge.jetstream import JetStreamAcks
+        try:
+            await self._check_worker_id_free()
+            await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
+            await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
+            if self.config.jetstream:
+                from kvbridge.jetstream import JetStreamAcks
 
-            self._js = JetStreamAcks(self)
-            try:
+                self._js = JetStreamAcks(self)
                 await self._js.start()
-            except BaseException:
-                await self._nc.close()
-                self._nc = self._js = None
-                raise
-        await self._nc.flush()
+            publish_probe: tuple[str, ...] = ()
+            if self.config.heartbeat_s > 0:
+                # The first heartbeat goes out now: it announces this epoch, and doubles as the
+                # probe of our publish permission. (Without heartbeats nothing is sent before the
+                # first events, and a refusal shows at run time: logged, counted as refused.)
+                self._emit(time.time(), [])
+                self._counts["heartbeats"] += 1
+                await self._send_pending()
+                publish_probe = (self.subjects.events,)
+            # The server reports refusals asynchronously, ahead of the PONG that ends a flush.
+            await self._nc.flush()
+            await self._nc.flush()
+            self._permissions.raise_if_denied(
+                publish=publish_probe, subscribe=(self.subjects.replay, self.subjects.snapshot)
+            )
+        except BaseException:
+            if self._js is not None:
+                await self._js.stop()
+            await self._nc.close()
+            self._nc = self._js = None
+            raise
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
         self._sender = asyncio.create_task(self._run_sender(), name=f"kvbridge-sender-{self.config.worker_id}")
         return self
+
+    async def _check_worker_id_free(self) -> None:
+        """Refuse to start as a worker id that a live publisher already serves: two incarnations
+        alternating on one subject would make every view flip between them. Its replay subject
+        answers if it is alive; no responders, no answer, or no right to ask: go on."""
+        self._permissions.ignore_publish(self.subjects.replay)
+        try:
+            reply = await self._nc.request(
+                self.subjects.replay, b'{"from": 0, "to": -1}', timeout=min(_PROBE_TIMEOUT_S, self.config.request_timeout_s)
+            )
+        except (NoRespondersError, NatsError, asyncio.TimeoutError):
+            return
+        finally:
+            await self._nc.flush()  # a refusal of the probe arrives before this returns
+            self._permissions.ignore_publish(None)
+        other = (reply.headers or {}).get(HDR_EPOCH)
+        if other:
+            raise WorkerIdInUseError(
+                f"worker id {self.config.worker_id!r} (model {self.config.model!r}) is already served by a live "
+                f"publisher (epoch {other}) on {self.subjects.events}: give each engine its own worker_id "
+                f"(KVBRIDGE_WORKER_ID)"
+            )
 
     async def close(self, timeout: float = 5.0) -> None:
         """Send everything handed over so far (best effort within ``timeout``), then disconnect."""
@@ -355,7 +458,11 @@ class KvEventPublisher:
             ring_messages=len(self._ring.entries),
             unsent=max(0, self._ring.end - self._send_seq),
             last_seq=self._next_seq - 1,
+            refused=self._permissions.refused_publish(self.subjects.events),
+            permission_errors=self._permissions.count,
         )
+        # A publish the server refused was counted as sent when nats-py took it.
+        s["messages"] = max(0, s["messages"] - s["refused"])
         if self._js is not None:
             s.update(self._js.stats)
         return s
@@ -394,7 +501,7 @@ class KvEventPublisher:
                 elif item is _HOLE:
                     self._skip_seq()
                 else:
-                    self._emit(item.ts, item.events, item.data_parallel_rank)
+                    self._emit_own(item)
                 continue
             if not pending:
                 ts = item[0]
@@ -426,28 +533,80 @@ class KvEventPublisher:
         return out
 
     def _encode_within_bytes(self, ts: float, events: list[Any], rank: int | None, out: list[tuple[bytes, int]]) -> None:
-        payload = encode_batch(KVEventBatch(ts, events, rank), self._format)
-        if len(payload) > self._max_bytes and len(events) > 1:
-            half = len(events) // 2
-            self._encode_within_bytes(ts, events[:half], rank, out)
-            self._encode_within_bytes(ts, events[half:], rank, out)
-        else:
-            out.append((payload, len(events)))
+        try:
+            payload = encode_batch(KVEventBatch(ts, events, rank), self._format)
+        except (TypeError, ValueError, OverflowError) as exc:  # a value msgspec cannot write either
+            if len(events) > 1:
+                payload = b""  # find the culprit by halves; the rest still goes out
+            else:
+                self._invalid(1, f"cannot encode {type(events[0]).__name__}: {exc}")
+                return
+        if len(payload) > self._max_bytes or not payload:
+            if len(events) > 1:
+                half = len(events) // 2
+                self._encode_within_bytes(ts, events[:half], rank, out)
+                self._encode_within_bytes(ts, events[half:], rank, out)
+                return
+            # One event larger than a message may be: cut its chain into parent-linked slices.
+            ev = events[0]
+            n = len(getattr(ev, "block_hashes", ()))
+            if n > 1:
+                if not self._splitting:
+                    self._counts["split_events"] += 1
+                outer, self._splitting = self._splitting, True
+                try:
+                    self._encode_within_bytes(ts, [slice_event(ev, 0, n // 2)], rank, out)
+                    self._encode_within_bytes(ts, [slice_event(ev, n // 2, n)], rank, out)
+                finally:
+                    self._splitting = outer
+                return
+        out.append((payload, len(events)))
 
     def _emit(self, ts: float, events: list[Any], rank: int | None = None) -> None:
+        if not _EVENT_CLASSES.issuperset(map(type, events)):
+            # publish() checked the hand-off, but a list can change after it was handed over.
+            valid = [ev for ev in events if type(ev) in _EVENT_CLASSES]
+            self._invalid(len(events) - len(valid), "not an event (BlockStored, BlockRemoved, AllBlocksCleared)")
+            if not valid:
+                return
+            events = valid
         for payload, n_events in self._encode(ts, events, rank):
-            if len(payload) > self._max_payload:
-                # One event larger than the broker accepts: it can never be delivered, so make it
-                # a visible hole (consumers resync by snapshot) instead of a message that fails forever.
-                self._counts["publish_errors"] += 1
-                self._skip_seq()
-                continue
-            self._next_seq += 1
-            evicted = self._ring.append(payload, n_events)
-            if evicted and self._send_seq < self._ring.first:
-                self._counts["evicted_unsent"] += self._ring.first - self._send_seq
-                self._send_seq = self._ring.first
+            self._number(payload, n_events)
         self._last_emit = time.monotonic()
+
+    def _emit_own(self, own: _Own) -> None:
+        """A publish_batch() hand-off: its own message, the given bytes when they can go as they are."""
+        payload = own.payload
+        if payload is not None and self._format == "msgpack" and len(payload) <= self._max_payload - _HEADER_ROOM:
+            self._number(payload, len(own.batch.events))
+            self._last_emit = time.monotonic()
+            return
+        if payload is not None:
+            self._counts["split_batches"] += 1
+        batch = own.batch
+        self._emit(batch.ts, batch.events, batch.data_parallel_rank)
+
+    def _number(self, payload: bytes, n_events: int) -> None:
+        """Give ``payload`` the next seq and keep it in the ring until sent (and for replay)."""
+        if len(payload) > self._max_payload - _HEADER_ROOM:
+            # A single block larger than the broker accepts: it can never be delivered, so make
+            # it a visible hole (consumers resync by snapshot) instead of a message that fails forever.
+            self._counts["oversize_dropped"] += 1
+            log.error("kvbridge: a %d-byte message cannot be sent (server max_payload %d); left as a seq hole",
+                      len(payload), self._max_payload)  # fmt: skip
+            self._skip_seq()
+            return
+        self._next_seq += 1
+        evicted = self._ring.append(payload, n_events)
+        if evicted and self._send_seq < self._ring.first:
+            self._counts["evicted_unsent"] += self._ring.first - self._send_seq
+            self._send_seq = self._ring.first
+
+    def _invalid(self, n: int, why: str) -> None:
+        total = self._counts["invalid_events"] = self._counts["invalid_events"] + n
+        if total & (total - 1) == 0 or n > 1:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+            log.warning("kvbridge publisher %s: %d invalid event(s) dropped before numbering (%d so far): %s",
+                        self.config.worker_id, n, total, why)  # fmt: skip
 
     def _skip_seq(self) -> None:
         """Leave a hole in the seq. Nothing before it can be replayed usefully (a consumer behind it
@@ -464,6 +623,7 @@ class KvEventPublisher:
             HDR_EPOCH: self.epoch,
             HDR_MSG_ID: self._msg_id_prefix + s,
             HDR_CONTENT_TYPE: self._content_type,
+            HDR_HEARTBEAT: self._heartbeat_hdr,
         }
 
     # -- loop side: sending ---------------------------------------------------------------------------
@@ -494,10 +654,20 @@ class KvEventPublisher:
             waker.consume(waker.fd)
             wake.set()
 
+        idle_ticks_before_sleep = int(_IDLE_BEFORE_SLEEP_S * 1e9 / _POLL_NS)
+
         def on_tick() -> None:
             waker.consume(waker.tick_fd)
             if self._queue or self._closing:
+                self._idle_ticks = 0
                 wake.set()
+            else:
+                # Nothing handed over: after a while, let the loop go idle (stop ticking, sleep
+                # until the next publish() or heartbeat) instead of polling forever.
+                self._idle_ticks += 1
+                if self._idle_ticks >= idle_ticks_before_sleep:
+                    self._idle_ticks = 0
+                    wake.set()
 
         try:
             loop.add_reader(waker.fd, on_wake)
@@ -557,6 +727,7 @@ class KvEventPublisher:
             except asyncio.TimeoutError:
                 if heartbeat > 0 and time.monotonic() - self._last_emit >= heartbeat:
                     self._emit(time.time(), [])
+                    self._counts["heartbeats"] += 1
             self._sleeping = False
 
     async def _send_pending(self) -> int:
@@ -612,6 +783,10 @@ class KvEventPublisher:
         except NatsError:
             return False  # the requester times out and asks again
 
+    async def _reply_error(self, inbox: str, why: str) -> None:
+        """A request never goes unanswered while we can send: say what went wrong."""
+        await self._reply(inbox, why.encode(), {HDR_REPLY: REPLY_ERROR, HDR_EPOCH: self.epoch})
+
     async def _on_replay(self, msg: Any) -> None:
         if not msg.reply:
             return
@@ -624,7 +799,7 @@ class KvEventPublisher:
             start = int(req.get("from", 0))
             end = last if req.get("to") is None else min(int(req["to"]), last)
         except (ValueError, TypeError, AttributeError) as exc:
-            await self._reply(msg.reply, f"bad replay request: {exc}".encode(), {HDR_REPLY: "error", HDR_EPOCH: self.epoch})
+            await self._reply_error(msg.reply, f"bad replay request: {exc}")
             return
         self._counts["replays"] += 1
         if start < ring.first and start <= end:
@@ -647,11 +822,19 @@ class KvEventPublisher:
         if self._manager is None:
             await self._reply(msg.reply, b"no pool attached", {HDR_REPLY: REPLY_UNAVAILABLE, HDR_EPOCH: self.epoch})
             return
-        blocks, seq = self.take_snapshot()
-        self._wake.set()  # type: ignore[union-attr]  # the sender has new messages
+        try:
+            blocks, seq = self.take_snapshot()
+            # The same cuts as live messages: an event too large for one message goes in slices.
+            payloads = [p for p, _ in self._encode(time.time(), blocks)] if blocks else []
+        except Exception as exc:  # the pool failed us: the requester is told, and asks again later
+            self._counts["snapshot_errors"] += 1
+            log.exception("kvbridge publisher %s: snapshot failed", self.config.worker_id)
+            await self._reply_error(msg.reply, f"snapshot failed: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            self._wake.set()  # type: ignore[union-attr]  # the sender may have new messages
         self._counts["snapshots"] += 1
         headers = {HDR_REPLY: REPLY_SNAPSHOT, HDR_EPOCH: self.epoch, HDR_CONTENT_TYPE: self._content_type}
-        payloads = [p for p, _ in self._encode(time.time(), blocks)] if blocks else []
         for payload in payloads:
             if not await self._reply(msg.reply, payload, headers):
                 return

@@ -15,11 +15,13 @@ __all__ = [
     "HDR_CONTENT_TYPE",
     "HDR_COUNT",
     "HDR_EPOCH",
+    "HDR_HEARTBEAT",
     "HDR_MSG_ID",
     "HDR_OLDEST",
     "HDR_REPLY",
     "HDR_SEQ",
     "REPLY_END",
+    "REPLY_ERROR",
     "REPLY_GONE",
     "REPLY_SNAPSHOT",
     "REPLY_SNAPSHOT_END",
@@ -34,6 +36,9 @@ __all__ = [
 HDR_SEQ = "Kv-Seq"
 HDR_EPOCH = "Kv-Epoch"
 HDR_MSG_ID = "Nats-Msg-Id"
+# The publisher's heartbeat interval in seconds ("0": it sends none), on every event message, so a
+# subscriber never expires a worker sooner than a few of that worker's own heartbeats.
+HDR_HEARTBEAT = "Kv-Heartbeat"
 HDR_CONTENT_TYPE = "Content-Type"
 # Replies to replay/snapshot requests are streams of messages to the requester's inbox; the kind of
 # each message is in Kv-Reply (absent on the replayed event messages themselves, which are sent
@@ -47,6 +52,7 @@ REPLY_GONE = "gone"  # the start seq is no longer buffered; Kv-Oldest = oldest s
 REPLY_SNAPSHOT = "snapshot"  # one chunk of a snapshot (a KVEventBatch of BlockStored)
 REPLY_SNAPSHOT_END = "snapshot-end"  # Kv-Seq = seq the snapshot is consistent with, Kv-Count = chunks
 REPLY_UNAVAILABLE = "unavailable"  # no pool attached: this publisher cannot snapshot
+REPLY_ERROR = "error"  # the request failed; the body says why (a request never goes unanswered)
 
 CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
 FORMATS = {v: k for k, v in CONTENT_TYPES.items()}
