@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 
 from bridge_support import pool_hashes, wait_until
-from kvbridge import BlockRemoved, Config, KvEventPublisher, hash_blocks
+from kvbridge import Config, KvEventPublisher, hash_blocks
 from kvbridge.pool import KVCacheManager
 from kvbridge.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 from kvbridge.subjects import query_subject
@@ -70,12 +70,14 @@ class Fleet:
         self.probes += [(p, LORA if lo is None else None) for p, lo in self.prompts[-6:]] + [(_tokens(rng, 70), None)]
         return self
 
-    def expected(self, tokens, lora=None) -> dict[str, int]:
+    def expected(self, tokens, lora=None, without=()) -> dict[str, int]:
         """Brute force: per worker, how many leading blocks of ``tokens`` its pool holds."""
         n = len(tokens) // BS
         hashes = hash_blocks(tokens, BS, extra_keys=[(lora,)] * n if lora else None)
         out = {}
         for name, manager in self.managers.items():
+            if name in without:
+                continue
             with self.publishers[name].lock:
                 held = pool_hashes(manager)
             k = 0
@@ -84,13 +86,6 @@ class Fleet:
             if k:
                 out[name] = k
         return out
-
-    def poke(self):
-        """Every worker sends a message that changes nothing, so a subscriber that joined after the
-        traffic discovers them. (Idle heartbeats would do it, but main's publisher does not send
-        them since 581f77e: the idle loop waits for a hand-off.)"""
-        for pub in self.publishers.values():
-            pub.publish([BlockRemoved([], "GPU")])
 
     def block_hashes(self, tokens, lora=None):
         n = len(tokens) // BS
@@ -126,7 +121,6 @@ async def test_scores_over_nats_equal_brute_force_json_and_msgpack(nats_server):
     model = "svc-scores"
     fleet = await Fleet(nats_server, model, seed=1).start()
     service = await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start()
-    fleet.poke()
     try:
         async with IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
             await _eventually_correct(client, fleet)
@@ -169,7 +163,6 @@ async def test_block_hash_queries_on_an_engine_keyed_index(nats_server):
     fleet = await Fleet(nats_server, model, seed=2).start()
     service = IndexService(cfg(nats_server, model, "svc"), index=Index(BS, key="engine"))
     async with service, IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
-        fleet.poke()
 
         async def correct():
             for tokens, lora in fleet.probes:
@@ -188,7 +181,6 @@ async def test_malformed_queries_get_errors_and_the_service_carries_on(nats_serv
     model = "svc-bad"
     fleet = await Fleet(nats_server, model, seed=3).start()
     service = await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start()
-    fleet.poke()
     nc = await nats.connect(nats_server.url)
     subject = query_subject("kv", model)
     good_tokens, good_lora = fleet.probes[0]
@@ -241,7 +233,6 @@ async def test_client_retries_once_when_a_replica_dies_with_the_query(nats_serve
 
     async def replace():
         started.append(await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start())
-        fleet.poke()
 
     async def dying_replica(msg):
         taken.set()
@@ -268,6 +259,28 @@ async def test_client_retries_once_when_a_replica_dies_with_the_query(nats_serve
             await s.close()
         await nc.close()
         await fleet.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_that_goes_silent_leaves_the_index(nats_server):
+    model = "svc-expiry"
+    fleet = await Fleet(nats_server, model, seed=6).start()
+    service = IndexService(cfg(nats_server, model, "svc", worker_timeout_s=1.0), index=Index(BS))
+    async with service, IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
+        await _eventually_correct(client, fleet)
+        assert client.workers == 3
+        assert any("w2" in fleet.expected(t, lo) for t, lo in fleet.probes)
+        await fleet.publishers.pop("w2").close()  # no more heartbeats from w2
+
+        async def w2_gone():
+            for tokens, lora in fleet.probes:
+                if await client.find_matches(tokens, lora_name=lora) != fleet.expected(tokens, lora, without={"w2"}):
+                    return False
+            return client.workers == 2
+
+        await _eventually(w2_gone, "the silent worker to leave the scores")
+        assert service.subscriber.stats["expired"] == 1
+    await fleet.close()
 
 
 async def test_client_without_any_service_is_a_clear_error(nats_server):
@@ -325,10 +338,8 @@ async def test_two_replicas_one_killed_mid_stream_no_query_lost(nats_server):
     try:
         async with IndexClient(cfg(nats_server, model, "client"), timeout=2) as client:
             first = await _start_replica(nats_server.url, model)
-            fleet.poke()
             await _eventually_correct(client, fleet, "replica 1 alone to be correct")  # it serves
             second = await _start_replica(nats_server.url, model)
-            fleet.poke()
             # Both serve (a queue group spreads queries at random): many correct answers in a row.
             streak = 0
             deadline = asyncio.get_running_loop().time() + 30

@@ -26,7 +26,6 @@ from typing import Any
 
 from kvbridge.config import Config
 from kvbridge.consumer import KvEventSubscriber, Update
-from kvbridge.events import BlockRemoved
 from kvbridge.hashing import hash_blocks
 from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import KvEventPublisher
@@ -294,9 +293,6 @@ async def run_demo(args: argparse.Namespace) -> int:
 async def _meet(fleets: list[_Fleet], timeout: float = 15.0) -> None:
     """Every subscriber knows every worker before traffic starts (so no event is hidden inside a
     first-contact snapshot, and 'events lost' counts them all)."""
-    for f in fleets:
-        for w in f.workers:
-            w.publisher.publish([BlockRemoved([], None)])  # a message that changes nothing
     deadline = time.monotonic() + timeout
     while not all(f.subscriber.stats["workers"] == len(f.workers) and f.subscriber.in_sync() for f in fleets):
         if time.monotonic() > deadline:

@@ -121,11 +121,13 @@ def _config(config: Config | None, model: str | None, options: dict[str, Any]) -
 
 def _feed(index: Any):
     """on_update callback applying a worker's stream to ``index``: a reset (snapshot) replaces
-    everything known about the worker."""
+    everything known about the worker; an expired worker is forgotten."""
 
     def on_update(update: Update) -> None:
         if update.reset:
             index.remove_worker(update.worker)
+            if update.source == "expired":
+                return
         index.apply(update.worker, update.batch)
 
     return on_update
