@@ -66,6 +66,9 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    #: Tokens beyond each block that vLLM's lookahead hashing mixed into its hash, one list per
+    #: block; None when lookahead hashing is off.
+    lookahead_token_ids: list[list[int]] | None = None
     #: SGLang's typed block metadata (``BlockStoredWithMetadata``), carried through as a map.
     #: vLLM 0.33's BlockStored has 15 fields, which makes msgspec write a map16 header
     #: (``de 00 0n``) rather than a fixmap: the field count is part of the bytes.
