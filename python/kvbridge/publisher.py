@@ -69,6 +69,18 @@ __all__ = ["BackgroundPublisher", "KvEventPublisher"]
 _CUT = object()
 # Marks where mark_loss() was called: the seq skips there.
 _HOLE = object()
+# A message's headers travel within the server's max_payload; they need far less than this.
+_HEADER_ROOM = 4096
+
+
+class _Raw:
+    """A batch handed over with its encoded bytes (``publish_batch(batch, payload)``)."""
+
+    __slots__ = ("batch", "payload")
+
+    def __init__(self, batch: KVEventBatch, payload: bytes) -> None:
+        self.batch = batch
+        self.payload = payload
 
 # After this long without hand-offs the loop stops polling and sleeps until the next publish()
 # wakes it. A wake costs the engine thread a syscall and a cross-thread wake-up (~7-20 us on a
@@ -224,14 +236,18 @@ class KvEventPublisher:
         if self._sleeping:
             self._nudge()
 
-    def publish_batch(self, batch: KVEventBatch) -> None:
+    def publish_batch(self, batch: KVEventBatch, payload: bytes | None = None) -> None:
         """Hand over ``batch`` to go out as a message of its own, with its own ``ts`` and
         ``data_parallel_rank`` (the configured ``dp_rank`` when it has none), even if empty -- so a
         relay re-publishes another publisher's stream batch for batch, byte for byte in msgpack
-        mode (a batch beyond ``max_batch_events``/``max_batch_bytes`` is still split). Never
-        blocks, like :meth:`publish`; the two may be mixed."""
+        mode (a batch beyond ``max_batch_events``/``max_batch_bytes`` is still split).
+
+        ``payload``: ``batch``'s msgpack bytes as received. In msgpack mode they go out unchanged
+        as one message whatever ``max_batch_events``/``max_batch_bytes`` say, as long as they fit
+        :attr:`max_payload`; otherwise the batch is encoded and split as above. Never blocks, like
+        :meth:`publish`; the two may be mixed."""
         q = self._queue
-        q.append(batch)
+        q.append(batch if payload is None else _Raw(batch, payload))
         if len(q) > self._queue_max:
             self._drop_oldest()
         if self._sleeping:
@@ -271,6 +287,8 @@ class KvEventPublisher:
                     q.appendleft(old)
                     return
                 self._dropped_batches += 1
+                if old.__class__ is _Raw:
+                    old = old.batch
                 self._dropped_events += len(old.events if old.__class__ is KVEventBatch else old[1])
 
     def attach(self, manager: Any) -> None:
@@ -296,7 +314,7 @@ class KvEventPublisher:
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected)
         self._max_payload = self._nc.max_payload
-        self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
+        self._max_bytes = min(self._max_bytes, self.max_payload)
         await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
         await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
         if self.config.jetstream:
@@ -393,6 +411,8 @@ class KvEventPublisher:
                     at_cut = self._next_seq - 1
                 elif item is _HOLE:
                     self._skip_seq()
+                elif item.__class__ is _Raw:
+                    self._emit_raw(item)
                 else:
                     self._emit(item.ts, item.events, item.data_parallel_rank)
                 continue
@@ -442,12 +462,30 @@ class KvEventPublisher:
                 self._counts["publish_errors"] += 1
                 self._skip_seq()
                 continue
-            self._next_seq += 1
-            evicted = self._ring.append(payload, n_events)
-            if evicted and self._send_seq < self._ring.first:
-                self._counts["evicted_unsent"] += self._ring.first - self._send_seq
-                self._send_seq = self._ring.first
+            self._append(payload, n_events)
         self._last_emit = time.monotonic()
+
+    def _append(self, payload: bytes, n_events: int) -> None:
+        """The next seq's message into the ring."""
+        self._next_seq += 1
+        evicted = self._ring.append(payload, n_events)
+        if evicted and self._send_seq < self._ring.first:
+            self._counts["evicted_unsent"] += self._ring.first - self._send_seq
+            self._send_seq = self._ring.first
+
+    def _emit_raw(self, raw: _Raw) -> None:
+        if self._format == "msgpack" and len(raw.payload) <= self.max_payload:
+            self._append(raw.payload, len(raw.batch.events))
+            self._last_emit = time.monotonic()
+        else:
+            batch = raw.batch
+            self._emit(batch.ts, batch.events, batch.data_parallel_rank)
+
+    @property
+    def max_payload(self) -> int:
+        """The largest payload that goes out as one message (the server's limit, less room for
+        the headers); known after :meth:`start`."""
+        return self._max_payload - _HEADER_ROOM
 
     def _skip_seq(self) -> None:
         """Leave a hole in the seq. Nothing before it can be replayed usefully (a consumer behind it
