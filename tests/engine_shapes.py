@@ -83,4 +83,3 @@ class SglAllBlocksCleared(SglEvent, tag="AllBlocksCleared"):
     pass
 
 
-SglEvents = Union[SglBlockStored, SglBlockRemoved, SglAllBlocksCleared]
