@@ -539,6 +539,14 @@ def test_view_snapshot_puts_parents_first_and_keeps_chains_whole():
     assert view.snapshot() == [] and view.take_events() == []
 
 
+def test_view_snapshot_slices_lookahead_token_ids_per_block():
+    view = RelayView()
+    view.apply([BlockStored([1, 2, 3], None, list(range(12)), 4, None, "GPU", None,
+                            lookahead_token_ids=[[12], [13], [14]]), BlockRemoved([1], "GPU")])  # fmt: skip
+    (rest,) = view.snapshot()
+    assert (rest.block_hashes, rest.parent_block_hash, rest.lookahead_token_ids) == ([2, 3], 1, [[13], [14]])
+
+
 # --- the command line ------------------------------------------------------------------------------
 
 
