@@ -235,3 +235,22 @@ def test_megabyte_blobs(payload, format):
     assert len(payload) >= _MB
     with pytest.raises(DecodeError, match="KVEventBatch"):
         events.decode_batch(payload, format)
+
+
+def test_vllm_033_lookahead_token_ids_roundtrip_byte_identical():
+    from engine_shapes import VllmBatch, VllmBlockRemoved, VllmBlockStored
+
+    from kvbridge import _native
+
+    stored = VllmBlockStored(
+        [11, 12], 10, list(range(8)), 4, None, "GPU", None, session_id="s", lookahead_token_ids=[[8, 9], [70000]]
+    )
+    payload = msgspec.msgpack.encode(VllmBatch(1.5, [stored, VllmBlockRemoved([10], "GPU")], 0))
+    batch = events.decode_batch(payload)
+    assert batch.events[0].lookahead_token_ids == [[8, 9], [70000]]
+    assert batch.events[0].session_id == "s" and batch.events[0].metadata is None
+    for native in (None, True, False):
+        assert events.encode_batch(batch, native=native) == payload
+    assert events.decode_batch(events.encode_batch(batch, "json"), "json") == batch
+    ts, rank, n_events, n_blocks, _ = _native.scan_batch_msgpack(payload)  # the fast path takes it too
+    assert (ts, rank, n_events, n_blocks) == (1.5, 0, 2, 3)

@@ -67,6 +67,9 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    #: Tokens beyond each block that vLLM's lookahead hashing mixed into its hash, one list per
+    #: block; None when lookahead hashing is off.
+    lookahead_token_ids: list[list[int]] | None = None
     #: SGLang's typed block metadata (``BlockStoredWithMetadata``), carried through as a map.
     #: vLLM 0.33's BlockStored has 15 fields, which makes msgspec write a map16 header
     #: (``de 00 0n``) rather than a fixmap: the field count is part of the bytes.
@@ -163,9 +166,8 @@ def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockSt
         "parent_block_hash": ev.block_hashes[first - 1] if first else ev.parent_block_hash,
         "token_ids": per_block(ev.token_ids, ev.block_size, []),
         "extra_keys": per_block(ev.extra_keys, 1, None),
+        "lookahead_token_ids": per_block(ev.lookahead_token_ids, 1, None),
     }
-    if "lookahead_token_ids" in BlockStored.__struct_fields__:
-        changes["lookahead_token_ids"] = per_block(getattr(ev, "lookahead_token_ids"), 1, None)
     return msgspec.structs.replace(ev, **changes)
 
 
