@@ -25,10 +25,13 @@ import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
+
 from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import connect
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.events import LoadReport, decode_load_report
 from kvbridge.subjects import (
     FORMATS,
     HDR_CONTENT_TYPE,
@@ -43,7 +46,9 @@ from kvbridge.subjects import (
     REPLY_UNAVAILABLE,
     WorkerSubjects,
     events_pattern,
+    load_subject,
     parse_events_subject,
+    parse_load_subject,
 )
 
 __all__ = ["KvEventSubscriber", "Update", "WorkerView"]
@@ -275,6 +280,8 @@ class KvEventSubscriber:
         self.stream_start = stream_start
         self._queue: asyncio.Queue | None = None
         self._workers: dict[tuple[str, str], _Worker] = {}
+        self._load_subject = load_subject(self.prefix, model, worker)
+        self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
         self._nc: Any = None
         self._closed = False
         self._counts = dict.fromkeys(
@@ -303,6 +310,7 @@ class KvEventSubscriber:
             await self._nc.subscribe(
                 self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
             )
+        await self._nc.subscribe(self._load_subject, cb=self._on_load)
         await self._nc.flush()
         if self.config.metrics_port is not None:
             metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
@@ -353,6 +361,42 @@ class KvEventSubscriber:
     def in_sync(self) -> bool:
         """True when no worker is resyncing (handy for tests and tools)."""
         return all(w.syncing is None and not w.need_snapshot for w in self._workers.values())
+
+    # -- load reports (kvbridge.vllm's stat logger) --------------------------------------------------
+
+    @property
+    def loads(self) -> dict[tuple[str, str], tuple[LoadReport, float]]:
+        """Each ``(model, worker)``'s latest :class:`LoadReport` and its age in seconds. When several
+        API servers report one worker (each sees part of the steps), the gauges are the newest
+        report's and the prefix-cache counters add up each API server's latest report that is at
+        most two of its intervals older than the newest."""
+        now = time.monotonic()
+        out = {}
+        for key, by_api in self._loads.items():
+            newest, at = max(by_api.values(), key=lambda r: r[1])
+            if len(by_api) > 1:
+                current = [r for r, t in by_api.values() if at - t <= 2 * r.interval_s]
+                newest = msgspec.structs.replace(
+                    newest,
+                    prefix_cache_queries=sum(r.prefix_cache_queries for r in current),
+                    prefix_cache_hits=sum(r.prefix_cache_hits for r in current),
+                )
+            out[key] = (newest, now - at)
+        return out
+
+    async def _on_load(self, msg: Any) -> None:
+        try:
+            key = parse_load_subject(msg.subject, self.prefix)
+            fmt = FORMATS.get((msg.headers or {}).get(HDR_CONTENT_TYPE, "application/msgpack"))
+            if key is None or fmt is None:
+                raise DecodeError("not a load report subject or Content-Type")
+            report = decode_load_report(msg.data, fmt)
+        except DecodeError as exc:
+            n = self._counts["malformed"] = self._counts["malformed"] + 1
+            if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+                log.warning("kvbridge: malformed load report on %s skipped (%d malformed so far): %s", msg.subject, n, exc)
+            return
+        self._loads.setdefault(key, {})[report.api_rank] = (report, time.monotonic())
 
     # -- live messages ----------------------------------------------------------------------------
 
