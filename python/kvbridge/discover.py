@@ -139,8 +139,14 @@ class RelaySet:
         entry = self._entries.pop(endpoint, None)
         if entry is None:
             return
-        if entry.relay is not None and quiet_s > 0:
-            await _until_quiet(entry.relay, quiet_s)
+        if quiet_s > 0:
+            # A relay still connecting to NATS (the engine may already have sent to its socket)
+            # gets the time of one connect attempt to come up, then forwards what it has.
+            deadline = time.monotonic() + 2 * entry.spec.config.connect_timeout_s + 1
+            while entry.relay is None and not entry.task.done() and time.monotonic() < deadline:  # type: ignore[union-attr]
+                await asyncio.sleep(0.02)
+            if entry.relay is not None:
+                await _until_quiet(entry.relay, quiet_s)
         assert entry.task is not None
         entry.task.cancel()
         await asyncio.gather(entry.task, return_exceptions=True)

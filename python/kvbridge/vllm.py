@@ -447,7 +447,7 @@ class KvBridgeStatLogger(_AggregateBase):
         self.engine_indexes = list(engine_indexes) if engine_indexes else [0]
         self.stats = {"record_errors": 0, "unknown_engine": 0, "event_batches": 0, "loads_published": 0,
                       "load_failures": 0}  # fmt: skip
-        self._slots: dict[int, _Slot | None] = {}
+        self._slots: dict[int, _Slot | None] = dict.fromkeys(self.engine_indexes)  # None: not reported here
         self._warn = RateLimitedLog(log)
         self.plan = Plan(off="not configured")
         try:
@@ -535,13 +535,13 @@ class KvBridgeStatLogger(_AggregateBase):
     def _record_slowly(self, s: Any, engine_idx: Any, exc: Exception) -> None:
         """The fast path failed: an unknown engine, or stats of another shape. Take what is there."""
         try:
-            slot = self._slots.get(engine_idx) if isinstance(engine_idx, int) else None
+            if not (isinstance(engine_idx, int) and engine_idx in self._slots):
+                self.stats["unknown_engine"] += 1
+                self._warn.warning("engine", "kvbridge: stats for engine index %r, which this logger was not "
+                                   "built for (%s): skipped", engine_idx, sorted(self._slots))  # fmt: skip
+                return
+            slot = self._slots[engine_idx]
             if slot is None:
-                if engine_idx not in self._slots:
-                    self.stats["unknown_engine"] += 1
-                    self._warn.warning(("engine", engine_idx), "kvbridge: stats for engine index %r, "
-                                       "which this logger was not built for (%s): skipped", engine_idx,
-                                       sorted(self._slots))  # fmt: skip
                 return
             self.stats["record_errors"] += 1
             self._warn.warning("record", "kvbridge: scheduler stats not as expected (%r): using the fields present", exc)
