@@ -548,3 +548,29 @@ async def test_at_exit_the_relays_forward_what_was_sent_then_stop(nats_server, n
     await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "the frames on NATS")
     assert [m.data for m in col.msgs] == [p for _, _, p in frames]
     assert [int(m.headers[HDR_SEQ]) for m in col.msgs] == list(range(len(frames)))
+
+
+async def test_plugin_and_logger_factory_in_one_engine_share_one_relay_per_rank(monkeypatch, nats_server, rank_engines):
+    e0, e1 = rank_engines(2)
+    monkeypatch.setenv("KVBRIDGE_SERVERS", nats_server.url)
+    cfg = vllm_config(e0.port, e0.replay_port, served="share-m")
+    plugin = kv_vllm.KvBridgeStatLogger(vllm_config=cfg, engine_indexes=[0, 1])
+    rt = kv_vllm._runtime
+    await wait_until(lambda: len(rt.relays) == 2 and all(rt.relays.relay(s.endpoint) for s in plugin.plan.relays),
+                     WAIT, "the plugin's relays")  # fmt: skip
+    coded = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=cfg, engine_indexes=[0, 1])
+    # A barrier: the loop runs callbacks in order, so the second logger's requests, if any, have run.
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rt.loop))
+    assert kv_vllm._runtime is rt and len(rt.relays) == 2
+    assert list(coded._slots.values()) == [None, None]  # the plugin reports these workers' load already
+    coded.record(SchedulerStats(num_running_reqs=5), None, engine_idx=0)
+    assert plugin._slots[0].running == 0 and coded.stats["record_errors"] == 0
+
+
+def test_watch_load_columns():
+    from kvbridge.cli import load_columns
+
+    report = LoadReport(ts=1.0, kv_cache_usage=0.421, running=3, waiting=2, prefix_cache_queries=200,
+                        prefix_cache_hits=50)  # fmt: skip
+    assert load_columns({("m", "w"): (report, 1.2)}, "m", "w") == "  [kv 42% run 3 wait 2 hit 25%, 1s ago]"
+    assert load_columns({}, "m", "w") == ""
