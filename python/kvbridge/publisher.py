@@ -697,13 +697,13 @@ class KvEventPublisher:
             wake.clear()
             handed = len(self._queue)
             self._drain()
-            sent = await self._send_pending()
+            await self._send_pending()
             if self._closing:
                 if self._queue:  # handed over while we were sending: close() promises those too
                     continue
                 return
             now = loop.time()
-            if handed or sent or self._queue:
+            if handed or self._queue:  # a heartbeat or a re-send is not traffic: no reason to poll
                 last_busy = now
             if self._queue:
                 await asyncio.sleep(0)
