@@ -417,6 +417,7 @@ authorization {
     {user: router, password: r1, permissions: {
       publish: ["_INBOX.>"],
       subscribe: ["perm.events.>", "perm.load.>", "_INBOX.>"]}}
+    {user: mute, password: m1, permissions: {publish: ["_INBOX.>"], subscribe: [">"]}}
     {user: admin, password: a1}
   ]
 }
@@ -443,6 +444,15 @@ async def test_permission_refusals_fail_start_and_are_logged(tmp_path, caplog):
         await wait_until(lambda: admin.views.get((MODEL, "w1")) is not None and admin.views[(MODEL, "w1")].blocks == {77},
                          15, "admin view")  # fmt: skip
         assert pub.stats["refused"] == 0 and pub.stats["permission_errors"] == 0
+        # Without heartbeats nothing probes at start: refusals show at run time, counted as
+        # refused, not sent.
+        mute = await KvEventPublisher(base.replace(worker_id="mute", user="mute", password="m1", heartbeat_s=0)).start()
+        mute.publish([stored(5)])
+        await wait_until(lambda: mute.stats["refused"] == 1, 15, "a refusal")
+        mute.publish([stored(6)])
+        await wait_until(lambda: mute.stats["refused"] == 2, 15, "two refusals")
+        assert mute.stats["messages"] == 0 and mute.stats["permission_errors"] == 2
+        await mute.close()
         for c in (admin, sub, pub):
             await c.close()
 
