@@ -37,6 +37,7 @@ enum Ty {
     OptInt,
     OptStr,
     OptExtraKeys,
+    OptIntLists,
     OptMetadata,
 }
 
@@ -56,6 +57,7 @@ const STORED_FIELDS: &[(&[u8], Ty, bool)] = &[
     (b"locality", Ty::OptStr, false),
     (b"ownership", Ty::OptStr, false),
     (b"session_id", Ty::OptStr, false),
+    (b"lookahead_token_ids", Ty::OptIntLists, false),
     (b"metadata", Ty::OptMetadata, false),
 ];
 const REMOVED_FIELDS: &[(&[u8], Ty, bool)] = &[
@@ -231,6 +233,24 @@ impl<'a> Reader<'a> {
         Some(())
     }
 
+    /// A list of ints (token ids): just each marker and its width; this loop is most of the bytes.
+    fn ints(&mut self) -> Option<()> {
+        for _ in 0..self.array_len()? {
+            match self.byte()? {
+                0x00..=0x7f | 0xe0..=0xff => {}
+                0xcc | 0xd0 => self.p += 1,
+                0xcd | 0xd1 => self.p += 2,
+                0xce | 0xd2 => self.p += 4,
+                0xcf | 0xd3 => self.p += 8,
+                _ => return None,
+            }
+        }
+        if self.p > self.b.len() {
+            return None;
+        }
+        Some(())
+    }
+
     fn value(&mut self, ty: Ty, hashes: &mut Vec<Hash>) -> Option<()> {
         match ty {
             Ty::Hashes => {
@@ -246,22 +266,7 @@ impl<'a> Reader<'a> {
                     self.hash()?;
                 }
             }
-            Ty::Ints => {
-                for _ in 0..self.array_len()? {
-                    // Token ids: just the marker and its width; this loop is most of the bytes.
-                    match self.byte()? {
-                        0x00..=0x7f | 0xe0..=0xff => {}
-                        0xcc | 0xd0 => self.p += 1,
-                        0xcd | 0xd1 => self.p += 2,
-                        0xce | 0xd2 => self.p += 4,
-                        0xcf | 0xd3 => self.p += 8,
-                        _ => return None,
-                    }
-                }
-                if self.p > self.b.len() {
-                    return None;
-                }
-            }
+            Ty::Ints => self.ints()?,
             Ty::Int => {
                 self.int()?;
             }
@@ -284,6 +289,13 @@ impl<'a> Reader<'a> {
                                 self.any(1)?;
                             }
                         }
+                    }
+                }
+            }
+            Ty::OptIntLists => {
+                if !self.nil() {
+                    for _ in 0..self.array_len()? {
+                        self.ints()?;
                     }
                 }
             }

@@ -73,6 +73,7 @@ def events(wire: Wire):
         locality=_optional(texts),
         ownership=_optional(texts),
         session_id=_optional(texts),
+        lookahead_token_ids=_optional(st.lists(st.lists(ints, max_size=6), max_size=5)),
         metadata=_optional(st.dictionaries(texts, free, max_size=4)),
     )
     removed = st.builds(

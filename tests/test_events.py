@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge import events
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch
+from kvbridge.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    slice_event,
+)
 
 
 def test_vllm_batches_roundtrip_byte_identical(load_vectors):
@@ -235,3 +244,68 @@ def test_megabyte_blobs(payload, format):
     assert len(payload) >= _MB
     with pytest.raises(DecodeError, match="KVEventBatch"):
         events.decode_batch(payload, format)
+
+
+def test_vllm_033_lookahead_token_ids_roundtrip_byte_identical():
+    from engine_shapes import VllmBatch, VllmBlockRemoved, VllmBlockStored
+
+    from kvbridge import _native
+
+    stored = VllmBlockStored(
+        [11, 12], 10, list(range(8)), 4, None, "GPU", None, session_id="s", lookahead_token_ids=[[8, 9], [70000]]
+    )
+    payload = msgspec.msgpack.encode(VllmBatch(1.5, [stored, VllmBlockRemoved([10], "GPU")], 0))
+    batch = events.decode_batch(payload)
+    assert batch.events[0].lookahead_token_ids == [[8, 9], [70000]]
+    assert batch.events[0].session_id == "s" and batch.events[0].metadata is None
+    for native in (None, True, False):
+        assert events.encode_batch(batch, native=native) == payload
+    assert events.decode_batch(events.encode_batch(batch, "json"), "json") == batch
+    ts, rank, n_events, n_blocks, _ = _native.scan_batch_msgpack(payload)  # the fast path takes it too
+    assert (ts, rank, n_events, n_blocks) == (1.5, 0, 2, 3)
+
+
+# -- slicing an event into parent-linked pieces --------------------------------------------------
+
+
+@st.composite
+def _stored_and_cuts(draw):
+    n = draw(st.integers(1, 12))
+    bs = draw(st.integers(1, 4))
+    hashes = draw(st.lists(st.integers(0, 2**64 - 1), min_size=n, max_size=n, unique=True))
+    per_block_tokens = draw(st.booleans())
+    tokens = draw(st.lists(st.integers(0, 2**32 - 1), min_size=n * bs, max_size=n * bs)) if per_block_tokens else []
+    extra = draw(st.none() | st.lists(st.none() | st.tuples(st.text(max_size=3)), min_size=n, max_size=n))
+    look = draw(st.none() | st.lists(st.lists(st.integers(0, 9), max_size=3), min_size=n, max_size=n))
+    ev = BlockStored(hashes, draw(st.none() | st.integers(0, 9)), tokens, bs, None, "GPU", "lora", extra_keys=extra,
+                     lookahead_token_ids=look)  # fmt: skip
+    cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=n)) if n > 1 else []))
+    return ev, [0, *cuts, n]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_stored_and_cuts())
+def test_slices_of_a_stored_event_are_the_event(case):
+    ev, bounds = case
+    parts = [slice_event(ev, a, b) for a, b in zip(bounds, bounds[1:])]
+    assert [h for p in parts for h in p.block_hashes] == ev.block_hashes
+    parent = ev.parent_block_hash
+    for p in parts:  # one chain: each slice hangs off the block before it
+        assert p.parent_block_hash == parent
+        parent = p.block_hashes[-1]
+    assert [t for p in parts for t in p.token_ids] == ev.token_ids
+    if ev.extra_keys is not None:
+        assert [k for p in parts for k in p.extra_keys] == ev.extra_keys
+    if ev.lookahead_token_ids is not None:
+        assert [k for p in parts for k in p.lookahead_token_ids] == ev.lookahead_token_ids
+    assert all(p.lora_name == "lora" and p.medium == "GPU" and p.block_size == ev.block_size for p in parts)
+    # Each slice is a valid event on the wire.
+    batch = KVEventBatch(1.0, parts)
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_slices_of_a_removal_are_the_removal():
+    ev = BlockRemoved(list(range(10)), "GPU")
+    parts = [slice_event(ev, 0, 3), slice_event(ev, 3, 10)]
+    assert [h for p in parts for h in p.block_hashes] == list(range(10))
+    assert slice_event(ev, 0, 10) is ev

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import nats
 import pytest
 import pytest_asyncio
@@ -20,10 +21,21 @@ import zmq
 import zmq.asyncio
 
 from bridge_support import wait_until
+from engine_shapes import (
+    SglAllBlocksCleared,
+    SglBatch,
+    SglBlockRemoved,
+    SglBlockStored,
+    VllmBatch,
+    VllmBlockRemoved,
+    VllmBlockStored,
+)
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, Config, KvEventSubscriber, decode_batch
+from kvbridge.config import ConfigError
 from kvbridge.cli import build_parser
 from kvbridge.consumer import WorkerView
 from kvbridge.relay import Relay, RelayView, engine_endpoint
+from kvbridge.server import NatsServer
 from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_MSG_ID, HDR_SEQ
 
 END = b"\xff" * 8
@@ -188,11 +200,26 @@ async def test_fake_engine_replays_exactly_as_vllm(zctx, vllm_frames):
 
 
 def test_engine_endpoint_follows_the_engines_dp_port_offset():
+    """vLLM 0.33's ZmqEventPublisher.offset_endpoint_port, plus ``*`` read as this host."""
     assert engine_endpoint("tcp://*:5557") == "tcp://127.0.0.1:5557"
     assert engine_endpoint("tcp://10.0.0.2:5557", 2) == "tcp://10.0.0.2:5559"
+    assert engine_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
     assert engine_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
-    with pytest.raises(ValueError):
+    assert engine_endpoint("ipc:///tmp/kv") == engine_endpoint("ipc:///tmp/kv", 0) == "ipc:///tmp/kv"
+    # Port 0 is left to the OS, for every rank.
+    assert engine_endpoint("tcp://*:0", 3) == "tcp://127.0.0.1:0"
+    assert engine_endpoint("tcp://10.0.0.2:0", 1) == "tcp://10.0.0.2:0"
+    with pytest.raises(ValueError, match="dp rank"):
         engine_endpoint("ipc:///tmp/kv", 1)
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        engine_endpoint("tcp://10.0.0.2", 1)
+
+
+def test_a_port_0_endpoint_cannot_be_connected_to():
+    with pytest.raises(ConfigError, match="port 0"):
+        Relay(Config(worker_id="w"), endpoint="tcp://*:0")
+    with pytest.raises(ConfigError, match="port 0"):
+        Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:0", dp_rank=1)
 
 
 # --- relaying --------------------------------------------------------------------------------------
@@ -229,10 +256,12 @@ async def test_a_gap_is_repaired_through_the_engines_replay(zctx, nats_sub, nats
         for topic, seq, payload in frames:
             await engine.send(topic, seq, payload, drop=seq in (2, 3))  # lost at the PUB's high-water mark
         await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "every frame on NATS")
-    assert engine.replay_requests == [2]
+    # The gap's request; after it, at most an idle probe from the next seq (a slow close).
+    assert engine.replay_requests[0] == 2 and set(engine.replay_requests[1:]) <= {len(frames)}
     assert [m.data for m in col.msgs] == [p for _, _, p in frames]
     assert col.seqs() == list(range(len(frames)))
     assert relay.stats["replayed"] == 2 and relay.stats["lost_batches"] == 0
+    assert relay.stats["replay_requests"] == 1
 
 
 async def test_a_relay_started_late_recovers_the_engines_history(zctx, nats_sub, nats_server, vllm_frames):
@@ -319,7 +348,8 @@ async def test_malformed_frames_are_counted_and_skipped(zctx, nats_sub, nats_ser
         assert not relay._task.done()
     assert relay.stats["malformed"] == 3
     assert relay.stats["lost_batches"] == 1  # the unreadable batch: a hole, not a replay that fails the same way
-    assert engine.replay_requests == []
+    assert relay.stats["replay_requests"] == 0
+    assert set(engine.replay_requests) <= {len(frames)}  # at most an idle probe after the last frame
     assert_one_hole(col, [frames[0][2]], [p for _, _, p in frames[2:]])
 
 
@@ -351,6 +381,143 @@ async def test_an_engine_restart_starts_a_new_epoch(zctx, nats_sub, nats_server,
     assert relay_hashes(relay) == expected
 
 
+# --- payloads unchanged ------------------------------------------------------------------------------
+
+TOPIC = b"kv@127.0.0.1@model-x"
+
+
+def vllm_payloads() -> list[bytes]:
+    """Batches as vLLM 0.33 writes them, larger than the publisher's own batch limit (1024 events):
+    vLLM writes one BlockRemoved per evicted block, so a long prefill makes such batches."""
+    stored = VllmBlockStored(list(range(1, 65)), None, list(range(64 * 16)), 16, None, "GPU", None)
+    removals = [VllmBlockRemoved([h], "GPU") for h in range(10_000, 16_500)]
+    lookahead = VllmBlockStored(
+        [2**63 + 5, 2**64 - 1], 64, list(range(32)), 16, None, "GPU", None, [None, ("lora-a",)],
+        session_id="s-1", lookahead_token_ids=[[70_000, 1], [2]],
+    )  # fmt: skip
+    return [
+        msgspec.msgpack.encode(VllmBatch(1.0, [stored, *removals[:1500]], 0)),  # 1 stored + 1500 removed
+        msgspec.msgpack.encode(VllmBatch(2.0, removals[1500:], 0)),  # 5000 removals
+        msgspec.msgpack.encode(VllmBatch(3.0, [lookahead], 0)),
+    ]
+
+
+def sglang_payloads() -> list[bytes]:
+    """Batches as SGLang 0.5 writes them: the batch's rank written even when None, ``medium`` left
+    out when None, ``cache_salt``/``session_id``/``lora_name`` where SGLang puts them."""
+    return [
+        msgspec.msgpack.encode(SglBatch(1.0, [SglBlockStored([1, 2], None, list(range(8)), 4, None)])),
+        msgspec.msgpack.encode(SglBatch(2.0, [
+            SglBlockStored([3], 2, [8, 9, 10, 11], 4, 7, "GPU", cache_salt="salt", session_id="s", lora_name="l"),
+            SglBlockStored([4], None, [1, 2, 3, 4], 4, None, "CPU_PINNED", cache_salt="x"),
+            SglBlockRemoved([1]),
+            SglBlockRemoved([4], "CPU_PINNED"),
+        ], 1)),  # fmt: skip
+        msgspec.msgpack.encode(SglBatch(3.0, [SglAllBlocksCleared(), SglBlockStored([5], None, [0] * 4, 4, None)], 0)),
+        msgspec.msgpack.encode(SglBatch(4.0, [*(SglBlockRemoved([h]) for h in range(100, 2100))], 0)),
+    ]
+
+
+@pytest.mark.parametrize("engine_shape", ["vllm", "sglang"])
+async def test_each_engine_batch_is_one_nats_message_byte_identical(zctx, nats_sub, nats_server, engine_shape):
+    payloads = vllm_payloads() if engine_shape == "vllm" else sglang_payloads()
+    engine = zctx()
+    worker = f"w-same-{engine_shape}"
+    col = await nats_sub(f"kv.events.m-relay.{worker}")
+    async with Relay(relay_config(nats_server, worker), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for seq, payload in enumerate(payloads):
+            await engine.send(TOPIC, seq, payload)
+        await wait_until(lambda: len(col.msgs) >= len(payloads), WAIT, "the batches on NATS")
+        expected = hashes_after(payloads)
+        assert relay_hashes(relay) == expected
+    assert [m.data for m in col.msgs] == payloads  # one message per engine batch, the engine's bytes
+    assert col.seqs() == list(range(len(payloads)))
+    assert relay.stats["split_batches"] == 0 and relay.stats["lost_batches"] == 0
+    if engine_shape == "vllm":
+        got = decode_batch(col.msgs[2].data).events[0]
+        assert got.lookahead_token_ids == [[70_000, 1], [2]] and got.session_id == "s-1"
+
+
+async def test_a_batch_over_max_payload_is_split_and_counted(zctx, tmp_path):
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 65536\n")
+    removals = [VllmBlockRemoved([h], "GPU") for h in range(1, 6001)]  # ~160 KB of msgpack
+    big = msgspec.msgpack.encode(VllmBatch(1.0, removals, 0))
+    small = msgspec.msgpack.encode(VllmBatch(2.0, [VllmBlockStored([7], None, [1] * 4, 4, None, "GPU", None)], 0))
+    engine = zctx()
+    with NatsServer(config_file=str(conf)) as server:
+        nc = await nats.connect(server.url)
+        col = Collector()
+        try:
+            await nc.subscribe("kv.events.m-relay.w-split", cb=col.on_msg)
+            await nc.flush()
+            assert nc.max_payload == 65536
+            async with Relay(relay_config(server, "w-split"), endpoint=engine.endpoint) as relay:
+                await engine.wait_subscribed()
+                await engine.send(TOPIC, 0, big)
+                await engine.send(TOPIC, 1, small)
+                await wait_until(lambda: col.msgs and col.msgs[-1].data == small, WAIT, "both batches on NATS")
+        finally:
+            await nc.close()
+    parts = [decode_batch(m.data) for m in col.msgs[:-1]]
+    assert len(parts) > 1 and all(len(m.data) <= 65536 for m in col.msgs)
+    assert [ev for p in parts for ev in p.events] == decode_batch(big).events  # in order, nothing lost
+    assert col.seqs() == list(range(len(col.msgs)))
+    assert relay.stats["split_batches"] == 1 and relay.stats["lost_batches"] == 0
+
+
+# --- a quiet tail --------------------------------------------------------------------------------------
+
+
+async def test_a_tail_dropped_before_the_engine_goes_idle_is_fetched_by_the_idle_probe(
+    zctx, nats_sub, nats_server, vllm_frames
+):
+    frames, _ = vllm_frames
+    n = len(frames)
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-tail")
+    async with Relay(relay_config(nats_server, "w-tail"), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for topic, seq, payload in frames:
+            await engine.send(topic, seq, payload, drop=seq >= n - 2)  # the burst's end, dropped; then idle
+        await wait_until(lambda: len(col.msgs) == n, WAIT, "the dropped tail on NATS, with no new engine frame")
+        assert n - 2 in engine.replay_requests
+        # One probe per quiet spell: the next comes only after a new frame and a new quiet spell.
+        await engine.send(frames[0][0], n, frames[-1][2])
+        await wait_until(lambda: n + 1 in engine.replay_requests, WAIT, "a probe after the next quiet spell")
+        assert engine.replay_requests == [n - 2, n + 1]
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames] + [frames[-1][2]]
+    assert col.seqs() == list(range(n + 1))
+    assert relay.stats["replay_requests"] == 0  # no gap ever showed: the probes fetched the tail
+    assert relay.stats["idle_probes"] == 2 and relay.stats["replayed"] == 2 and relay.stats["lost_batches"] == 0
+
+
+async def test_a_live_twin_of_a_probed_batch_is_skipped_not_taken_for_a_restart(
+    zctx, nats_sub, nats_server, vllm_frames
+):
+    frames, _ = vllm_frames
+    n = len(frames)
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-twin")
+    async with Relay(relay_config(nats_server, "w-twin"), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for topic, seq, payload in frames:
+            await engine.send(topic, seq, payload, drop=seq == n - 1)
+        await wait_until(lambda: len(col.msgs) == n, WAIT, "the probed last batch on NATS")
+        # The same frame arrives late on the PUB socket (it was only delayed), then the next one.
+        await engine.pub.send_multipart([frames[-1][0], (n - 1).to_bytes(8, "big"), frames[-1][2]])
+        await engine.send(frames[0][0], n, frames[0][2])
+        await wait_until(lambda: len(col.msgs) == n + 1, WAIT, "the next batch on NATS")
+        epoch = relay.publisher.epoch
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames] + [frames[0][2]]
+    assert [m.headers[HDR_EPOCH] for m in col.msgs] == [epoch] * (n + 1)
+    assert relay.stats["duplicates"] == 1 and relay.stats["engine_restarts"] == 0
+
+
 # --- the view ------------------------------------------------------------------------------------
 
 
@@ -370,6 +537,14 @@ def test_view_snapshot_puts_parents_first_and_keeps_chains_whole():
     assert replayed.blocks.keys() == view.blocks.keys()
     view.apply([AllBlocksCleared()])
     assert view.snapshot() == [] and view.take_events() == []
+
+
+def test_view_snapshot_slices_lookahead_token_ids_per_block():
+    view = RelayView()
+    view.apply([BlockStored([1, 2, 3], None, list(range(12)), 4, None, "GPU", None,
+                            lookahead_token_ids=[[12], [13], [14]]), BlockRemoved([1], "GPU")])  # fmt: skip
+    (rest,) = view.snapshot()
+    assert (rest.block_hashes, rest.parent_block_hash, rest.lookahead_token_ids) == ([2, 3], 1, [[13], [14]])
 
 
 # --- the command line ------------------------------------------------------------------------------

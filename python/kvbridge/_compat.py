@@ -85,6 +85,7 @@ class _MapBlockStored(_MapEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
     metadata: dict[str, Any] | None = None
     cache_salt: str | None = None
 

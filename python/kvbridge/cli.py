@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from kvbridge.config import Config, ConfigError
 from kvbridge.connection import ConnectError
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_load_report
 from kvbridge.server import NatsServerError
 
 __all__ = ["main"]
@@ -63,6 +63,16 @@ def describe_events(events: Sequence[Any]) -> str:
     return ", ".join(parts) if parts else "(heartbeat)"
 
 
+def load_columns(loads: dict, model: str, worker: str) -> str:
+    """The worker's latest load report (``KvEventSubscriber.loads``) as a few columns, or ""."""
+    entry = loads.get((model, worker))
+    if entry is None:
+        return ""
+    r, age = entry
+    hit = f" hit {100 * r.prefix_cache_hits / r.prefix_cache_queries:.0f}%" if r.prefix_cache_queries else ""
+    return f"  [kv {100 * r.kv_cache_usage:.0f}% run {r.running} wait {r.waiting}{hit}, {age:.0f}s ago]"
+
+
 async def _watch(args: argparse.Namespace) -> int:
     from kvbridge.consumer import KvEventSubscriber
 
@@ -74,15 +84,19 @@ async def _watch(args: argparse.Namespace) -> int:
         if not u.reset and u.n_events == 0 and not args.heartbeats:
             return  # every idle publisher sends one per heartbeat_s: noise unless asked for
         stamp = time.strftime("%H:%M:%S", time.localtime(u.batch.ts)) + f".{int(u.batch.ts * 1000) % 1000:03d}"
+        loads = sub.loads
+        load = load_columns(loads, u.model, u.worker)
         if args.json:
             body = encode_batch(u.batch, "json").decode()
-            print(f'{{"model":"{u.model}","worker":"{u.worker}","seq":{u.seq},"source":"{u.source}","batch":{body}}}')
+            report = loads.get((u.model, u.worker))
+            extra = f',"load":{encode_load_report(report[0], "json").decode()}' if report else ""
+            print(f'{{"model":"{u.model}","worker":"{u.worker}","seq":{u.seq},"source":"{u.source}","batch":{body}{extra}}}')
         elif u.reset:
             blocks = sum(len(ev.block_hashes) for ev in u.batch.events if isinstance(ev, BlockStored))
-            print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks")
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks{load}")
         else:
             tag = "" if u.source == "live" else f" [{u.source}]"
-            print(f"{stamp} {u.model}/{u.worker} seq={u.seq}{tag} {describe_events(u.batch.events)}")
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq}{tag} {describe_events(u.batch.events)}{load}")
         sys.stdout.flush()
         seen += 1
         if args.count and seen >= args.count:
@@ -102,8 +116,34 @@ async def _watch(args: argparse.Namespace) -> int:
 # --- relay -----------------------------------------------------------------------------------------
 
 
+async def _discover(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvbridge.discover import Discovery
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("kvbridge").addHandler(handler)
+    logging.getLogger("kvbridge").setLevel(logging.INFO)
+    extra = {"encoding": args.encoding} if args.encoding else {}
+    discovery = Discovery(args.discover, _config(args, **extra), model=args.model, worker=args.worker,
+                          interval_s=args.interval)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with discovery:
+        print(f"following {discovery.url} every {args.interval}s (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        await stop.wait()
+    print(f"relays stopped; {discovery.relays.stats}, {discovery.stats}", file=sys.stderr)
+    return 0
+
+
 async def _relay(args: argparse.Namespace) -> int:
     from kvbridge.relay import Relay
+
+    if args.discover:
+        return await _discover(args)
 
     extra = {k: v for k, v in (("model", args.model), ("worker_id", args.worker), ("encoding", args.encoding)) if v}
     relay = Relay(
@@ -173,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    w = sub.add_parser("watch", help="print the event stream, per worker, in order, gaps repaired")
+    w = sub.add_parser(
+        "watch", help="print the event stream, per worker, in order, gaps repaired",
+        description="Print each worker's event batches in order, gaps repaired; when the worker publishes load "
+        "reports (the vLLM stat logger does), each line ends with its latest: [kv <KV-cache usage> run <running> "
+        "wait <waiting> hit <prefix-cache hit rate>, <age> ago].",
+    )  # fmt: skip
     w.add_argument("--model", help="only this model (default: all)")
     w.add_argument("--worker", help="only this worker (default: all)")
     w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
@@ -186,14 +231,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Subscribe to the engine's ZMQ KV events (vLLM: --kv-events-config '{\"enable_kv_cache_events\": "
         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
         "\"topic\": \"kv\"}') and publish every batch, unchanged, on <prefix>.events.<model>.<worker>. "
-        "Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
+        "With --discover, one relay per data-parallel rank that a vLLM API server lists at /kv_event_sources, "
+        "following ranks that appear or go away. Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
     )  # fmt: skip
-    r.add_argument("--endpoint", required=True, help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (* means this host)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--endpoint", help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (* means this host)")
+    src.add_argument(
+        "--discover", metavar="URL",
+        help="a vLLM API server, http://HOST:PORT: relay every rank its /kv_event_sources lists (* there means HOST); "
+        "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
+    )  # fmt: skip
+    r.add_argument("--interval", type=float, default=2.0, help="with --discover: seconds between polls (default 2)")
     r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558; without it a gap is a loss")
     r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
     r.add_argument("--dp-rank", type=int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
-    r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL)")
-    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>)")
+    r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL; with --discover, default: the served "
+                   "model name from /v1/models)")
+    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>); with "
+                   "--discover a template, {dp_rank} replaced (default <HOST>-dp{dp_rank})")
     r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
     _connection_args(r)
 

@@ -77,6 +77,9 @@ class Config:
     stream_max_age_s: float = 3600.0
     stream_duplicate_window_s: float = 120.0
 
+    #: vLLM stat logger (kvbridge.vllm): publish each engine's LoadReport at most this often; 0: never.
+    load_interval_s: float = 1.0
+
     #: Prometheus HTTP exporter port on 127.0.0.1-or-``metrics_addr``; None: no exporter.
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
@@ -147,7 +150,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 _fail(name, f"must be an integer >= {low}, got {value!r}")
-        for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s", "worker_timeout_s"):
+        for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s", "worker_timeout_s",
+                     "load_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 _fail(name, f"must be a number >= 0, got {value!r}")

@@ -42,12 +42,14 @@ import time
 from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import Permissions, connect
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.events import LoadReport, decode_load_report
 from kvbridge.subjects import (
     FORMATS,
     HDR_CONTENT_TYPE,
@@ -64,7 +66,9 @@ from kvbridge.subjects import (
     REPLY_UNAVAILABLE,
     WorkerSubjects,
     events_pattern,
+    load_subject,
     parse_events_subject,
+    parse_load_subject,
 )
 
 __all__ = ["KvEventSubscriber", "Update", "WorkerView"]
@@ -332,6 +336,8 @@ class KvEventSubscriber:
         self._iter_behind = False
         self._iter_known: set[tuple[str, str]] = set()
         self._workers: dict[tuple[str, str], _Worker] = {}
+        self._load_subject = load_subject(self.prefix, model, worker)
+        self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
         self._nc: Any = None
         self._expiry: asyncio.Task | None = None
         self._closed = False
@@ -359,6 +365,7 @@ class KvEventSubscriber:
                 await self._nc.subscribe(
                     self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
                 )
+            await self._nc.subscribe(self._load_subject, cb=self._on_load)
             # A refused subscription is reported asynchronously, ahead of the PONG ending a flush.
             await self._nc.flush()
             await self._nc.flush()
@@ -476,6 +483,42 @@ class KvEventSubscriber:
     def in_sync(self) -> bool:
         """True when no worker is resyncing (handy for tests and tools)."""
         return all(w.syncing is None and not w.need_snapshot for w in self._workers.values())
+
+    # -- load reports (kvbridge.vllm's stat logger) --------------------------------------------------
+
+    @property
+    def loads(self) -> dict[tuple[str, str], tuple[LoadReport, float]]:
+        """Each ``(model, worker)``'s latest :class:`LoadReport` and its age in seconds. When several
+        API servers report one worker (each sees part of the steps), the gauges are the newest
+        report's and the prefix-cache counters add up each API server's latest report that is at
+        most two of its intervals older than the newest."""
+        now = time.monotonic()
+        out = {}
+        for key, by_api in self._loads.items():
+            newest, at = max(by_api.values(), key=lambda r: r[1])
+            if len(by_api) > 1:
+                current = [r for r, t in by_api.values() if at - t <= 2 * r.interval_s]
+                newest = msgspec.structs.replace(
+                    newest,
+                    prefix_cache_queries=sum(r.prefix_cache_queries for r in current),
+                    prefix_cache_hits=sum(r.prefix_cache_hits for r in current),
+                )
+            out[key] = (newest, now - at)
+        return out
+
+    async def _on_load(self, msg: Any) -> None:
+        try:
+            key = parse_load_subject(msg.subject, self.prefix)
+            fmt = FORMATS.get((msg.headers or {}).get(HDR_CONTENT_TYPE, "application/msgpack"))
+            if key is None or fmt is None:
+                raise DecodeError("not a load report subject or Content-Type")
+            report = decode_load_report(msg.data, fmt)
+        except DecodeError as exc:
+            n = self._counts["malformed"] = self._counts["malformed"] + 1
+            if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+                log.warning("kvbridge: malformed load report on %s skipped (%d malformed so far): %s", msg.subject, n, exc)
+            return
+        self._loads.setdefault(key, {})[report.api_rank] = (report, time.monotonic())
 
     # -- live messages ----------------------------------------------------------------------------
 
@@ -615,6 +658,7 @@ class KvEventSubscriber:
     async def _expire(self, key: tuple[str, str], w: _Worker) -> None:
         """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""
         del self._workers[key]
+        self._loads.pop(key, None)
         if w.syncing is not None:
             w.syncing.cancel()
         self._counts["expired"] += 1

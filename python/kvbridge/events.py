@@ -29,9 +29,12 @@ __all__ = [
     "ExternalBlockHash",
     "KVCacheEvent",
     "KVEventBatch",
+    "LoadReport",
     "MEDIUM_GPU",
     "decode_batch",
+    "decode_load_report",
     "encode_batch",
+    "encode_load_report",
     "slice_event",
 ]
 
@@ -67,6 +70,9 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    #: Tokens beyond each block that vLLM's lookahead hashing mixed into its hash, one list per
+    #: block; None when lookahead hashing is off.
+    lookahead_token_ids: list[list[int]] | None = None
     #: SGLang's typed block metadata (``BlockStoredWithMetadata``), carried through as a map.
     #: vLLM 0.33's BlockStored has 15 fields, which makes msgspec write a map16 header
     #: (``de 00 0n``) rather than a fixmap: the field count is part of the bytes.
@@ -163,9 +169,8 @@ def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockSt
         "parent_block_hash": ev.block_hashes[first - 1] if first else ev.parent_block_hash,
         "token_ids": per_block(ev.token_ids, ev.block_size, []),
         "extra_keys": per_block(ev.extra_keys, 1, None),
+        "lookahead_token_ids": per_block(ev.lookahead_token_ids, 1, None),
     }
-    if "lookahead_token_ids" in BlockStored.__struct_fields__:
-        changes["lookahead_token_ids"] = per_block(getattr(ev, "lookahead_token_ids"), 1, None)
     return msgspec.structs.replace(ev, **changes)
 
 
@@ -188,3 +193,47 @@ def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgp
     if batch is None:
         raise DecodeError(f"not a KVEventBatch ({format}): {first_error}") from None
     return batch
+
+
+# -- load reports -----------------------------------------------------------------------------------
+# Not part of vLLM's wire format: kvbridge's own message on <prefix>.load.<model>.<worker>, sent by
+# kvbridge.vllm's stat logger. A map (field names on the wire) so that fields can be added.
+
+
+class LoadReport(msgspec.Struct, kw_only=True, gc=False):
+    """One engine's load as vLLM's scheduler counts it, at ``ts`` (wall clock, seconds).
+
+    ``kv_cache_usage`` (0..1), ``running`` and ``waiting`` (vLLM's waiting gauge: waiting plus
+    skipped-waiting requests) are gauges, the latest values. ``prefix_cache_queries`` and
+    ``prefix_cache_hits`` (tokens) are counters since the previous report of the same API server
+    (``api_rank``), over ``interval_s`` seconds: with several API servers each step's stats reach
+    one of them, so a consumer takes the newest gauges and adds the counters.
+    """
+
+    ts: float
+    kv_cache_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    interval_s: float = 0.0
+    api_rank: int = 0
+    engine_index: int = 0
+    dp_rank: int | None = None
+
+
+_load_decoders = {"msgpack": msgspec.msgpack.Decoder(LoadReport), "json": msgspec.json.Decoder(LoadReport)}
+
+
+def encode_load_report(report: LoadReport, format: Format = "msgpack") -> bytes:
+    _check_format(format)
+    return (_json_encoder if format == "json" else _msgpack_encoder).encode(report)
+
+
+def decode_load_report(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> LoadReport:
+    """Decode one report; anything else raises :class:`DecodeError`."""
+    _check_format(format)
+    try:
+        return _load_decoders[format].decode(payload)
+    except (msgspec.DecodeError, TypeError, RecursionError) as exc:
+        raise DecodeError(f"not a LoadReport ({format}): {exc}") from None

@@ -448,6 +448,12 @@ class KvEventPublisher:
         await self.close()
 
     @property
+    def max_payload(self) -> int:
+        """The largest payload one message may carry: the server's max_payload less room for
+        our headers (known once started; 1 MiB, the server default, before)."""
+        return self._max_payload - _HEADER_ROOM
+
+    @property
     def stats(self) -> dict[str, int]:
         s = dict(self._counts)
         s.update(
@@ -577,7 +583,7 @@ class KvEventPublisher:
     def _emit_own(self, own: _Own) -> None:
         """A publish_batch() hand-off: its own message, the given bytes when they can go as they are."""
         payload = own.payload
-        if payload is not None and self._format == "msgpack" and len(payload) <= self._max_payload - _HEADER_ROOM:
+        if payload is not None and self._format == "msgpack" and len(payload) <= self.max_payload:
             self._number(payload, len(own.batch.events))
             self._last_emit = time.monotonic()
             return
@@ -588,7 +594,7 @@ class KvEventPublisher:
 
     def _number(self, payload: bytes, n_events: int) -> None:
         """Give ``payload`` the next seq and keep it in the ring until sent (and for replay)."""
-        if len(payload) > self._max_payload - _HEADER_ROOM:
+        if len(payload) > self.max_payload:
             # A single block larger than the broker accepts: it can never be delivered, so make
             # it a visible hole (consumers resync by snapshot) instead of a message that fails forever.
             self._counts["oversize_dropped"] += 1
@@ -691,13 +697,13 @@ class KvEventPublisher:
             wake.clear()
             handed = len(self._queue)
             self._drain()
-            sent = await self._send_pending()
+            await self._send_pending()
             if self._closing:
                 if self._queue:  # handed over while we were sending: close() promises those too
                     continue
                 return
             now = loop.time()
-            if handed or sent or self._queue:
+            if handed or self._queue:  # a heartbeat or a re-send is not traffic: no reason to poll
                 last_busy = now
             if self._queue:
                 await asyncio.sleep(0)

@@ -8,8 +8,11 @@ endpoint: the answer is ``[b"", (topic,) seq, payload]`` per held batch with seq
 an end marker whose seq is -1 and payload empty. vLLM 0.33 puts the topic in the replies, older
 vLLM and SGLang do not: only the last two frames are read.
 
-The relay forwards every batch as its own NATS message through a :class:`KvEventPublisher`
-(``publish_batch``: msgpack payloads stay byte-identical), and keeps the engine's seq:
+The relay forwards each engine batch's payload bytes unchanged as one NATS message, through a
+:class:`KvEventPublisher` (``publish_batch(batch, payload)``; in JSON mode it is re-encoded). Only a
+batch larger than the server's ``max_payload`` is split by the publisher, at event boundaries
+(``split_batches`` counts those). It decodes each batch only to keep its own view (below), and keeps
+the engine's seq:
 
 * **gap** (ZMQ PUB drops at its high-water mark, the relay joined late or its connection dropped):
   the missing range is asked of the replay endpoint and forwarded in order before the frame that
@@ -17,6 +20,12 @@ The relay forwards every batch as its own NATS message through a :class:`KvEvent
   endpoint, timeout, the engine's buffer moved on) is lost: counted, logged, and marked on NATS
   as a hole in the publisher's seq (``mark_loss``; messages before it not yet sent go with it),
   so consumers resync by snapshot.
+* **quiet tail**: the engine's PUB may drop the last batches of a burst, and vLLM sends nothing
+  while idle, so no later frame reveals that gap. After ``idle_probe_s`` (1 s) without frames
+  following traffic, the relay asks the replay endpoint for everything from the next expected seq
+  -- the engine answers with its end marker alone when nothing is missing -- and forwards what
+  comes; live twins of those batches, should the SUB socket deliver them too, are skipped
+  (``duplicates``). One probe per quiet spell; no timer runs while the engine is idle after it.
 * **snapshot**: the relay has no block pool, so it keeps a view built from the events it
   forwarded -- each cached block with the ``BlockStored`` it came in -- and attaches it as the
   publisher's pool. A consumer that lost messages gets that view, parents before children. After
@@ -41,13 +50,12 @@ import asyncio
 import logging
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from kvbridge import metrics
 from kvbridge.config import Config, ConfigError
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch, slice_event
 from kvbridge.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
@@ -62,17 +70,34 @@ _RCVHWM = 100_000
 
 def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
     """Where to connect for an engine configured with ``endpoint``, as data-parallel rank
-    ``dp_rank``: vLLM and SGLang bind rank r at the configured port + r (``inproc``: a ``_dp<r>``
-    suffix), and a bind address ``*`` means this host."""
+    ``dp_rank``, by vLLM 0.33's rules (``ZmqEventPublisher.offset_endpoint_port``): rank 0 binds
+    ``endpoint`` itself; rank r, for an endpoint containing ``inproc``, the name with a ``_dp<r>``
+    suffix, for one containing ``tcp``, the port + r -- except port 0, which is left to the OS
+    (so the engine binds a port of its choosing, and that port is what to connect to). Anything
+    else (``ipc://``) cannot be offset: vLLM refuses it too. A bind address ``*`` means this host."""
     endpoint = endpoint.replace("://*:", "://127.0.0.1:")
     if not dp_rank:
         return endpoint
     if "inproc" in endpoint:
         return f"{endpoint}_dp{dp_rank}"
-    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
-        base, port = endpoint.rsplit(":", 1)
-        return f"{base}:{int(port) + dp_rank}"
+    if "tcp" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        try:
+            number = int(port)
+        except ValueError:
+            raise ConfigError(
+                f"relay endpoint {endpoint!r}: expected tcp://host:port to offset by the dp rank"
+            ) from None
+        return endpoint if number == 0 else f"{base}:{number + dp_rank}"
     raise ConfigError(f"relay endpoint {endpoint!r}: a dp rank offsets only tcp:// ports and inproc:// names")
+
+
+def _check_connectable(endpoint: str) -> str:
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        raise ConfigError(
+            f"relay endpoint {endpoint!r}: port 0 lets the engine's OS pick its port; pass the port it bound"
+        )
+    return endpoint
 
 
 class RelayView:
@@ -132,27 +157,14 @@ class RelayView:
                 end += 1
                 continue
             if run is not None:
-                out.append(_stored_slice(run, first, end))
+                out.append(slice_event(run, first, end))
             run, first, end = ev, i, i + 1
         if run is not None:
-            out.append(_stored_slice(run, first, end))
+            out.append(slice_event(run, first, end))
         return out
 
     def __len__(self) -> int:
         return len(self.blocks)
-
-
-def _stored_slice(ev: BlockStored, first: int, end: int) -> BlockStored:
-    if first == 0 and end == len(ev.block_hashes):
-        return ev
-    bs = ev.block_size
-    return msgspec.structs.replace(
-        ev,
-        block_hashes=ev.block_hashes[first:end],
-        parent_block_hash=ev.block_hashes[first - 1] if first else ev.parent_block_hash,
-        token_ids=ev.token_ids[first * bs : end * bs],
-        extra_keys=None if ev.extra_keys is None else ev.extra_keys[first:end],
-    )
 
 
 class _Malformed(Exception):
@@ -169,8 +181,11 @@ class Relay:
     """Relays one engine's (one dp rank's) ZMQ KV events to ``<prefix>.events.<model>.<worker>``.
 
     ``endpoint`` / ``replay_endpoint``: the engine's PUB and ROUTER addresses as configured in the
-    engine (``tcp://*:5557`` is read as this host); ``dp_rank`` offsets both ports as the engine
-    does and becomes the publisher's ``dp_rank`` unless the config has one. ``topic``: the
+    engine (``tcp://*:5557`` is read as this host); ``dp_rank`` offsets both as the engine does
+    (:func:`engine_endpoint`) and becomes the publisher's ``dp_rank`` unless the config has one. A
+    tcp port 0 is refused: the engine's OS picked the port, pass that one. ``idle_probe_s``: how
+    long without frames after traffic before the replay endpoint is asked for a dropped tail (0:
+    never). ``topic``: the
     subscription prefix (vLLM's ``topic``; "" takes everything). ``await start()`` connects to
     NATS (failing fast like the publisher) and to the engine (ZMQ connects in the background),
     ``await close()`` forwards what has already arrived, sends it and disconnects; also an async
@@ -185,6 +200,7 @@ class Relay:
         replay_endpoint: str | None = None,
         topic: str = "",
         dp_rank: int | None = None,
+        idle_probe_s: float = 1.0,
         **options: Any,
     ) -> None:
         if config is None:
@@ -194,8 +210,13 @@ class Relay:
         if dp_rank is not None and config.dp_rank is None:
             config = config.replace(dp_rank=dp_rank)
         self.config = config
-        self.endpoint = engine_endpoint(endpoint, dp_rank)
-        self.replay_endpoint = engine_endpoint(replay_endpoint, dp_rank) if replay_endpoint else None
+        self.endpoint = _check_connectable(engine_endpoint(endpoint, dp_rank))
+        self.replay_endpoint = (
+            _check_connectable(engine_endpoint(replay_endpoint, dp_rank)) if replay_endpoint else None
+        )
+        self._idle_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else 0
+        self._probe_due = False  # a frame came since the last probe: probe after the next quiet spell
+        self._probed: dict[int, bytes] = {}  # what the last probe forwarded, until live frames pass it
         self.topic = topic
         self.metric_labels = {"model": config.model, "worker": config.worker_id}
         self.view = RelayView()
@@ -208,7 +229,7 @@ class Relay:
         self._expected: int | None = None  # the engine seq that should come next; None: any
         self._counts = dict.fromkeys(
             ("frames", "forwarded", "replayed", "malformed", "lost_batches", "replay_requests", "replay_failures",
-             "engine_restarts"),
+             "engine_restarts", "split_batches", "idle_probes", "duplicates"),
             0,
         )  # fmt: skip
         metrics.register("relay", self)
@@ -295,6 +316,11 @@ class Relay:
         try:
             while not self._stopping:
                 self._reading = True
+                # One timer at a time: each frame starts the quiet spell again.
+                if self._probe_due and not await sub.poll(self._idle_probe_ms, zmq.POLLIN):
+                    self._reading = False
+                    await self._probe()
+                    continue
                 frames = await sub.recv_multipart(copy=True)
                 self._reading = False
                 await self._on_frames(frames)
@@ -320,6 +346,7 @@ class Relay:
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         self._counts["frames"] += 1
+        self._probe_due = self._idle_probe_ms > 0
         try:
             if len(frames) != 3:
                 raise _Malformed(f"{len(frames)} frames, expected [topic, seq, payload]")
@@ -328,7 +355,11 @@ class Relay:
             self._malformed(exc)
             return
         if self._expected is not None and seq < self._expected:
+            if self._probed.get(seq) == frames[2]:
+                self._counts["duplicates"] += 1  # live twin of a batch an idle probe already forwarded
+                return
             await self._new_epoch(seq)
+        self._probed = {}
         start = self._expected or 0
         if seq > start:
             await self._recover(start, seq)
@@ -343,9 +374,11 @@ class Relay:
             self._lose(1, "undecodable")
             return False
         pub = self.publisher
+        if len(payload) > pub.max_payload:
+            self._counts["split_batches"] += 1  # the publisher splits it: more than the server takes at once
         with pub.lock:  # the view and the hand-off change together, as a snapshot sees them
             self.view.apply(batch.events)
-            pub.publish_batch(batch)
+            pub.publish_batch(batch, payload)
         self._counts["forwarded"] += 1
         return True
 
@@ -363,7 +396,29 @@ class Relay:
 
     async def _recover(self, start: int, stop: int) -> None:
         """Forward engine batches [start, stop) from the replay endpoint, in order; the rest is lost."""
-        got = await self._replay(start, stop)
+        if self.replay_endpoint is not None:
+            self._counts["replay_requests"] += 1
+        nxt = self._forward_replayed(start, await self._replay(start, stop))
+        if nxt < stop:
+            why = "no replay endpoint" if self.replay_endpoint is None else "replay incomplete"
+            self._lose(stop - nxt, f"seqs {nxt}..{stop - 1}: {why}")
+
+    async def _probe(self) -> None:
+        """After a quiet spell, ask the replay endpoint for whatever follows the last batch seen:
+        a tail the engine's PUB dropped would otherwise wait for the engine's next step (vLLM sends
+        nothing while idle). When nothing is missing the engine answers with its end marker alone.
+        What comes is forwarded; its live twins, if the SUB socket gets them too, are skipped."""
+        self._probe_due = False
+        self._counts["idle_probes"] += 1
+        start = self._expected or 0
+        got = await self._replay(start, None)
+        if got:
+            self._expected = self._forward_replayed(start, got)
+            self._probed = got
+
+    def _forward_replayed(self, start: int, got: dict[int, bytes]) -> int:
+        """Forward replayed batches in seq order from ``start``, counting a gap before one as
+        lost (no longer in the engine's buffer); returns the seq expected next."""
         nxt = start
         for seq in sorted(got):
             if seq > nxt:
@@ -371,14 +426,13 @@ class Relay:
             if self._forward(got[seq]):
                 self._counts["replayed"] += 1
             nxt = seq + 1
-        if nxt < stop:
-            why = "no replay endpoint" if self.replay_endpoint is None else "replay incomplete"
-            self._lose(stop - nxt, f"seqs {nxt}..{stop - 1}: {why}")
+        return nxt
 
-    async def _replay(self, start: int, stop: int) -> dict[int, bytes]:
+    async def _replay(self, start: int, stop: int | None) -> dict[int, bytes]:
+        """Engine batches with ``start <= seq < stop`` (``stop`` None: all the engine holds from
+        ``start``) from the replay endpoint, by seq; what does not come in time is missing."""
         if self.replay_endpoint is None:
             return {}
-        self._counts["replay_requests"] += 1
         timeout_ms = int(self.config.request_timeout_s * 1000)
         got: dict[int, bytes] = {}
         # A socket per request: a late answer to an abandoned request cannot be mistaken for this one.
@@ -394,9 +448,9 @@ class Relay:
                 seq = _seq(frames[-2])
                 if seq == _END_SEQ:
                     return got
-                if start <= seq < stop:
+                if seq >= start and (stop is None or seq < stop):
                     got[seq] = frames[-1]
-                if seq >= stop - 1:
+                if stop is not None and seq >= stop - 1:
                     return got  # the rest is live traffic the SUB socket holds
             log.warning("kvbridge relay: replay from %s timed out after %d batches", self.replay_endpoint, len(got))
         except (_Malformed, zmq.ZMQError, asyncio.TimeoutError) as exc:
@@ -413,6 +467,7 @@ class Relay:
         )  # fmt: skip
         self._counts["engine_restarts"] += 1
         self._expected = None
+        self._probed = {}
         old = self.publisher
         await old.close()  # the old epoch's tail goes out before the new epoch's first message
         await self._start_publisher()

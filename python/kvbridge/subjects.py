@@ -28,7 +28,9 @@ __all__ = [
     "REPLY_UNAVAILABLE",
     "WorkerSubjects",
     "events_pattern",
+    "load_subject",
     "parse_events_subject",
+    "parse_load_subject",
     "query_subject",
     "sanitize_token",
 ]
@@ -79,11 +81,11 @@ class WorkerSubjects(NamedTuple):
         return cls(f"{prefix}.events.{tail}", f"{prefix}.replay.{tail}", f"{prefix}.snapshot.{tail}")
 
 
-def events_pattern(prefix: str, model: str | None = None, worker: str | None = None) -> str:
-    """The subscription subject for events of one model/worker, or ``*`` for any."""
+def events_pattern(prefix: str, model: str | None = None, worker: str | None = None, kind: str = "events") -> str:
+    """The subscription subject for events (or ``kind``) of one model/worker, or ``*`` for any."""
     m = sanitize_token(model) if model else "*"
     w = sanitize_token(worker) if worker else "*"
-    return f"{prefix}.events.{m}.{w}"
+    return f"{prefix}.{kind}.{m}.{w}"
 
 
 def query_subject(prefix: str, model: str) -> str:
@@ -91,12 +93,25 @@ def query_subject(prefix: str, model: str) -> str:
     return f"{prefix}.query.{sanitize_token(model)}"
 
 
-def parse_events_subject(subject: str, prefix: str) -> tuple[str, str] | None:
-    """``(model, worker)`` of an events subject under ``prefix``, None if it is not one."""
-    head = prefix + ".events."
+def parse_events_subject(subject: str, prefix: str, kind: str = "events") -> tuple[str, str] | None:
+    """``(model, worker)`` of an events (or ``kind``) subject under ``prefix``, None if it is not one."""
+    head = f"{prefix}.{kind}."
     if not subject.startswith(head):
         return None
     parts = subject[len(head) :].split(".")
     if len(parts) != 2 or not all(parts):
         return None
     return parts[0], parts[1]
+
+
+# -- load reports (kvbridge.events.LoadReport): <prefix>.load.<model>.<worker> ---------------------
+
+
+def load_subject(prefix: str, model: str | None = None, worker: str | None = None) -> str:
+    """One worker's load subject; a model or worker left out is ``*`` (a subscription pattern)."""
+    return events_pattern(prefix, model, worker, "load")
+
+
+def parse_load_subject(subject: str, prefix: str) -> tuple[str, str] | None:
+    """``(model, worker)`` of a load subject under ``prefix``, None if it is not one."""
+    return parse_events_subject(subject, prefix, "load")

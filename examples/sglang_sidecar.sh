@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The sidecar route for SGLang: it publishes the same ZMQ KV events (no replay endpoint, so a
+# gap the relay cannot replay becomes a hole that consumers repair from the relay's snapshot).
+set -euo pipefail
+
+python -m sglang.launch_server --model-path Qwen/Qwen3-0.6B --port 30000 \
+  --kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}' &
+
+kvbridge relay --endpoint tcp://127.0.0.1:5557 --topic kv --model qwen3-0.6b --worker "$(hostname)-dp0" \
+  --servers nats://127.0.0.1:4222
+# Attention data parallelism: one relay per rank, --dp-rank R (ports + R, as SGLang binds them).
