@@ -181,3 +181,26 @@ def test_clear_errors():
     router = Router(Index(BS), workers=["a"], loads={"a": "busy"})
     with pytest.raises(TypeError, match="load of worker 'a' must be a finite number"):
         router.choose(PROMPT)
+
+
+def test_loads_from_the_workers_load_reports(index):
+    from kvbridge.events import LoadReport
+    from kvbridge.router import report_loads
+
+    class Reports:  # what KvEventSubscriber.loads holds: (model, worker) -> (latest report, age in s)
+        loads = {
+            ("m", "a"): (LoadReport(ts=0.0, running=3, waiting=4, kv_cache_usage=0.9), 0.5),
+            ("m", "b"): (LoadReport(ts=0.0, running=1, waiting=0), 0.2),
+            ("m", "c"): (LoadReport(ts=0.0, running=50, waiting=50), 60.0),  # stale: ignored
+            ("other", "a"): (LoadReport(ts=0.0, running=99), 0.1),
+        }
+
+    router = Router(index, loads=report_loads(Reports(), model="m", max_age_s=5.0))
+    # a: 1 + (3 + 4) = 8, b: 3 + 1 = 4, c: 4 + 0 in flight (its report is stale) -> b
+    assert router.costs(PROMPT) == {"a": 8.0, "b": 4.0, "c": 4.0}
+    # b's load is its report, whatever the router sent it since; c's is the router's in-flight count
+    assert router.choose(PROMPT, workers=["b"]) == ("b", 1)
+    assert router.choose(PROMPT, workers=["c"]) == ("c", 0)
+    assert router.costs(PROMPT) == {"a": 8.0, "b": 4.0, "c": 5.0}
+    with pytest.raises(ValueError, match="worker 'a' reports load for several models: pass model="):
+        Router(index, loads=report_loads(Reports())).choose(PROMPT)

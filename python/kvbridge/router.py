@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import random
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-__all__ = ["NoWorkersError", "Router", "softmax_probabilities"]
+__all__ = ["NoWorkersError", "Router", "report_loads", "softmax_probabilities"]
 
 Loads = Mapping[str, float] | Callable[[str], "float | None"]
 
@@ -217,6 +218,37 @@ class Router:
             yield worker, overlap
         finally:
             self.done(worker)
+
+
+def report_loads(
+    subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05
+) -> Callable[[str], float | None]:
+    """``loads=`` for a :class:`Router` from the workers' ``LoadReport`` s, as a
+    :class:`kvbridge.KvEventSubscriber` collects them (``subscriber.loads``): a worker's load is its
+    ``running + waiting`` requests, the same unit as the router's in-flight count. A worker without
+    a report younger than ``max_age_s`` gets None (the router counts its requests in flight).
+    ``model``: the model whose workers are routed (needed when the subscriber follows several).
+    The reports are read at most every ``refresh_s`` seconds, not once per worker per choice."""
+    _check_number("max_age_s", max_age_s, positive=True)
+    cache: dict[str, float] = {}
+    read_at = -math.inf
+
+    def load(worker: str) -> float | None:
+        nonlocal read_at
+        now = time.monotonic()
+        if now - read_at >= refresh_s:
+            fresh: dict[str, float] = {}
+            for (m, w), (report, age) in subscriber.loads.items():
+                if (model is None or m == model) and age <= max_age_s:
+                    if w in fresh and model is None:
+                        raise ValueError(f"worker {w!r} reports load for several models: pass model=")
+                    fresh[w] = float(report.running + report.waiting)
+            cache.clear()
+            cache.update(fresh)
+            read_at = now
+        return cache.get(worker)
+
+    return load
 
 
 def _check_worker(name: str, worker: Any) -> str:
