@@ -61,10 +61,10 @@ from __future__ import annotations
 import os
 import threading
 from itertools import repeat
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from kvbridge import _native
-from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
 from kvbridge.hashing import BlockHasher
 
 __all__ = ["Block", "BlockPool", "KVCacheManager", "NativeKVCacheManager", "PyKVCacheManager"]
@@ -396,23 +396,15 @@ class BlockPool:
         return self._snapshot_events(list(self._cached.items()))
 
     def _snapshot_events(self, items: list[tuple[int, tuple]]) -> list[BlockStored]:
-        # Consecutive entries from one run become one event again, as they were stored: a
-        # snapshot of a long chain is a few events, not one per block.
-        out: list[BlockStored] = []
-        run = None
-        first = end = 0
-        for h, (_, block_run) in items:
-            if block_run is run and end < len(run[1]) and run[1][end] == h:
-                end += 1
-                continue
-            if run is not None:
-                out.append(self._stored_slice(run, first, end))
-            run = block_run
-            first = run[1].index(h)
-            end = first + 1
-        if run is not None:
-            out.append(self._stored_slice(run, first, end))
-        return out
+        def indexed() -> Iterator[tuple[tuple, int]]:
+            run: Any = None
+            i = -1
+            for h, (_, r) in items:  # the next block of the same run, or look it up in its run
+                i = i + 1 if r is run and i + 1 < len(r[1]) and r[1][i + 1] == h else r[1].index(h)
+                run = r
+                yield r, i
+
+        return merge_runs(indexed(), self._stored_slice)
 
     def _stored_slice(self, run: tuple, first: int, end: int) -> BlockStored:
         parent, hashes, tokens, lora, _ = run
