@@ -34,7 +34,8 @@ import random
 import time
 from collections import deque
 
-from kvbridge.pool import NativeKVCacheManager, PyKVCacheManager
+from kvbridge._reference_pool import PyKVCacheManager
+from kvbridge.pool import NativeKVCacheManager
 from kvbridge.events import BlockRemoved, BlockStored
 
 

@@ -258,3 +258,12 @@ def test_reencoding_a_foreign_batch_gives_vllm_033_bytes():
         KVEventBatch(7.0, [BlockStored([H1], None, TOKENS, 4, None, None, None)], 1)
     )
     assert reencoded[11:14] == b"\xde\x00\x08"  # map16 event header, as vLLM 0.33 writes it
+
+
+def test_the_map_form_copy_of_block_stored_keeps_every_field():
+    # SGLang's map events decode through a copy with every field optional: a field added to
+    # BlockStored and forgotten there would be dropped from those events without a word.
+    from kvbridge.events import BlockRemoved, BlockStored, _MapBlockRemoved, _MapBlockStored
+
+    assert set(BlockStored.__struct_fields__) <= set(_MapBlockStored.__struct_fields__)
+    assert set(BlockRemoved.__struct_fields__) <= set(_MapBlockRemoved.__struct_fields__)

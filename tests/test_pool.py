@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvbridge
-from kvbridge import BlockPool, KVCacheManager
-from kvbridge.pool import NativeKVCacheManager, PyKVCacheManager
+from kvbridge import KVCacheManager
+from kvbridge._reference_pool import BlockPool, PyKVCacheManager
+from kvbridge.pool import NativeKVCacheManager
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 

@@ -18,10 +18,11 @@ async def main() -> None:
     p.add_argument("--worker", required=True)
     p.add_argument("--blocks", type=int, default=0)
     p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--jetstream", action="store_true")
     args = p.parse_args()
     manager = KVCacheManager(num_blocks=max(64, args.blocks * 2), block_size=4)
     async with KvEventPublisher(servers=args.servers, subject_prefix=args.prefix, model="m", worker_id=args.worker,
-                                heartbeat_s=args.heartbeat) as pub:  # fmt: skip
+                                heartbeat_s=args.heartbeat, jetstream=args.jetstream) as pub:  # fmt: skip
         pub.attach(manager)
         with pub.lock:
             if args.blocks:

@@ -14,7 +14,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
-from kvbridge.pool import BlockPool, KVCacheManager
+from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
 from kvbridge.router import Router
 from kvbridge.service import IndexClient, IndexService
@@ -25,7 +25,6 @@ __all__ = [
     "AuthenticationError",
     "BackgroundPublisher",
     "BlockHasher",
-    "BlockPool",
     "BlockRemoved",
     "BlockStored",
     "Config",

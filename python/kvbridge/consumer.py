@@ -219,25 +219,21 @@ class WorkerView:
     def apply(self, update: Update) -> None:
         if update.reset:
             self.blocks.clear()
+        self._apply_ops(update._body.ops)
+        self.epoch, self.seq = update.epoch, update.seq
+
+    def apply_events(self, events: list[Any]) -> None:
+        self._apply_ops(_ops_of(events)[0])
+
+    def _apply_ops(self, ops: list[tuple[int, list[Any]]]) -> None:
+        """The one place a set of block hashes follows stored / removed / cleared."""
         blocks = self.blocks
-        for kind, hashes in update._body.ops:
+        for kind, hashes in ops:
             if kind == _STORED:
                 blocks.update(hashes)
             elif kind == _REMOVED:
                 blocks.difference_update(hashes)
             else:
-                blocks.clear()
-        self.epoch, self.seq = update.epoch, update.seq
-
-    def apply_events(self, events: list[Any]) -> None:
-        blocks = self.blocks
-        for ev in events:
-            cls = ev.__class__
-            if cls is BlockStored:
-                blocks.update(ev.block_hashes)
-            elif cls is BlockRemoved:
-                blocks.difference_update(ev.block_hashes)
-            elif cls is AllBlocksCleared:
                 blocks.clear()
 
 

@@ -8,14 +8,14 @@ array-like (``[ts, [events...], data_parallel_rank]``), events are tagged maps (
 
 Decoding is more forgiving than encoding: it also accepts the older positional (array-encoded)
 events that vLLM < 0.10 and SGLang publish, SGLang's map events, map-encoded batches, int or
-bytes block hashes, and unknown extra fields (``kvbridge._compat``).
+bytes block hashes, and unknown extra fields (the "foreign shapes" section at the end).
 
 Encoding uses the native (Rust) encoder when it can, msgspec otherwise; the bytes are the same.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Callable, Iterable, Literal, TypeVar, Union
 
 import msgspec
 
@@ -35,6 +35,7 @@ __all__ = [
     "decode_load_report",
     "encode_batch",
     "encode_load_report",
+    "merge_runs",
     "slice_event",
 ]
 
@@ -42,6 +43,7 @@ __all__ = [
 ExternalBlockHash = Union[int, bytes]
 MEDIUM_GPU = "GPU"
 Format = Literal["msgpack", "json"]
+R = TypeVar("R")
 
 
 class DecodeError(ValueError):
@@ -174,11 +176,31 @@ def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockSt
     return msgspec.structs.replace(ev, **changes)
 
 
+def merge_runs(blocks: Iterable[tuple[R, int]], cut: Callable[[R, int, int], BlockStored]) -> list[BlockStored]:
+    """Blocks given as ``(run, index in run)`` in snapshot order, back into as few ``BlockStored``
+    as they were stored in: consecutive blocks of one run become one event, ``cut(run, first,
+    end)``. Pool and relay snapshots both end here, so a long chain is a few events, not one per
+    block."""
+    out: list[BlockStored] = []
+    run: Any = None
+    first = end = 0
+    for r, i in blocks:
+        if r is run and i == end:
+            end += 1
+            continue
+        if run is not None:
+            out.append(cut(run, first, end))
+        run, first, end = r, i, i + 1
+    if run is not None:
+        out.append(cut(run, first, end))
+    return out
+
+
 def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgpack") -> KVEventBatch:
     """Decode one batch. Anything that is not a batch raises :class:`DecodeError`, nothing else.
 
-    vLLM 0.33's shape decodes in one pass; older vLLM and SGLang shapes (see ``kvbridge._compat``)
-    take a second look only when that fails.
+    vLLM 0.33's shape decodes in one pass; older vLLM and SGLang shapes (the "foreign shapes"
+    section below) take a second look only when that fails.
     """
     _check_format(format)
     try:
@@ -187,9 +209,7 @@ def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgp
         raise DecodeError(f"not a KVEventBatch ({format}): nested too deeply") from None
     except (msgspec.DecodeError, TypeError) as exc:
         first_error = exc
-    from kvbridge._compat import decode_foreign  # imports this module: bind at first use
-
-    batch = decode_foreign(payload, format)
+    batch = _decode_foreign(payload, format)
     if batch is None:
         raise DecodeError(f"not a KVEventBatch ({format}): {first_error}") from None
     return batch
@@ -237,3 +257,167 @@ def decode_load_report(payload: bytes | bytearray | memoryview, format: Format =
         return _load_decoders[format].decode(payload)
     except (msgspec.DecodeError, TypeError, RecursionError) as exc:
         raise DecodeError(f"not a LoadReport ({format}): {exc}") from None
+
+
+# --- foreign shapes ----------------------------------------------------------------------------
+#
+# decode_batch() tries vLLM 0.33's exact shape first and comes here only when that fails, so none
+# of this costs anything on vLLM 0.33 traffic. Each shape below is what a real publisher's
+# msgspec Structs produce:
+#
+# - positional events (["BlockStored", hashes, parent, tokens, block_size, lora_id, medium,
+#   lora_name]): vLLM < 0.10, with fewer trailing fields the older it is; SGLang's array-like
+#   events, where an 8th element is BlockStoredWithMetadata's metadata map and the batch's third
+#   element is attn_dp_rank;
+# - tagged-map events that lack fields vLLM 0.33 always writes (medium, lora_name): SGLang's map
+#   events, whose cache_salt is carried into metadata;
+# - a map-encoded batch ({"ts": ..., "events": [...], "data_parallel_rank": ...}), as vLLM builds
+#   without array_like on EventBatch publish.
+#
+# msgspec cannot mix array-like and map-like structs in one union, hence one decoder per shape.
+
+
+# --- positional events ----------------------------------------------------------------------
+
+
+class _PosEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _PosBlockStored(_PosEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    # vLLM writes lora_name here; SGLang's BlockStoredWithMetadata writes a metadata map instead.
+    lora_name_or_metadata: Any = None
+
+
+class _PosBlockRemoved(_PosEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+
+
+class _PosAllBlocksCleared(_PosEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _PosBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_PosBlockStored, _PosBlockRemoved, _PosAllBlocksCleared]]
+    data_parallel_rank: int | None = None
+
+
+# --- map events with every field optional ---------------------------------------------------
+
+
+class _MapEvent(msgspec.Struct, gc=False, tag=True):
+    pass
+
+
+class _MapBlockStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+    metadata: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_MapEvents = list[Union[_MapBlockStored, _MapBlockRemoved, _MapAllBlocksCleared]]
+
+
+class _MapEventsBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: _MapEvents
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: _MapEvents
+    data_parallel_rank: int | None = None
+
+
+# --- conversion to the canonical structs ----------------------------------------------------
+
+
+def _stored_from_map(ev: _MapBlockStored) -> BlockStored:
+    fields = msgspec.structs.asdict(ev)
+    salt = fields.pop("cache_salt")
+    if salt is not None:
+        fields["metadata"] = {**(fields["metadata"] or {}), "cache_salt": salt}
+    return BlockStored(**fields)
+
+
+def _stored_from_positional(ev: _PosBlockStored) -> BlockStored:
+    extra = ev.lora_name_or_metadata
+    return BlockStored(
+        block_hashes=ev.block_hashes,
+        parent_block_hash=ev.parent_block_hash,
+        token_ids=ev.token_ids,
+        block_size=ev.block_size,
+        lora_id=ev.lora_id,
+        medium=ev.medium,
+        lora_name=extra if isinstance(extra, str) else None,
+        metadata=extra if isinstance(extra, dict) else None,
+    )
+
+
+def _canonical(ev: Any):
+    if isinstance(ev, _MapBlockStored):
+        return _stored_from_map(ev)
+    if isinstance(ev, _PosBlockStored):
+        return _stored_from_positional(ev)
+    if isinstance(ev, _MapBlockRemoved):
+        return BlockRemoved(**msgspec.structs.asdict(ev))
+    if isinstance(ev, _PosBlockRemoved):
+        return BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium)
+    return AllBlocksCleared()
+
+
+def _foreign_decoders(module: Any) -> list[Any]:
+    return [module.Decoder(shape) for shape in (_MapEventsBatch, _PosBatch, _MapBatch)]
+
+
+_FOREIGN_DECODERS = {"msgpack": _foreign_decoders(msgspec.msgpack), "json": _foreign_decoders(msgspec.json)}
+
+
+def _decode_foreign(payload: Any, format: str) -> KVEventBatch | None:
+    """The batch in any of the shapes above, or None when it is none of them."""
+    for decoder in _FOREIGN_DECODERS[format]:
+        try:
+            batch = decoder.decode(payload)
+        except (msgspec.DecodeError, TypeError, RecursionError):
+            continue
+        return KVEventBatch(
+            ts=batch.ts,
+            events=[_canonical(ev) for ev in batch.events],
+            data_parallel_rank=batch.data_parallel_rank,
+        )
+    return None

@@ -55,7 +55,15 @@ import zmq.asyncio
 
 from kvbridge import metrics
 from kvbridge.config import Config, ConfigError
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, decode_batch, slice_event
+from kvbridge.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    decode_batch,
+    merge_runs,
+    slice_event,
+)
 from kvbridge.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
@@ -148,20 +156,7 @@ class RelayView:
                     break
                 k = (k[0], parent)
             order.extend(reversed(chain))
-        out: list[BlockStored] = []
-        run: BlockStored | None = None
-        first = end = 0
-        for k in order:
-            ev, i = blocks[k]
-            if ev is run and i == end:
-                end += 1
-                continue
-            if run is not None:
-                out.append(slice_event(run, first, end))
-            run, first, end = ev, i, i + 1
-        if run is not None:
-            out.append(slice_event(run, first, end))
-        return out
+        return merge_runs((blocks[k] for k in order), slice_event)
 
     def __len__(self) -> int:
         return len(self.blocks)

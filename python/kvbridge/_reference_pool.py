@@ -1,0 +1,535 @@
+"""The executable spec of :mod:`kvbridge.pool`: a prefix-caching block pool in plain Python.
+
+``BlockPool`` is the block level (free queue in eviction order, ref counts, hash -> cached block
+map, eviction, reset) and ``PyKVCacheManager`` the request level over it. They follow the rules
+written in :mod:`kvbridge.pool`'s docstring, and the native ``KVCacheManager`` is checked against
+them step by step in tests/test_pool.py. Nothing here is on a hot path: it is the oracle, read it
+to learn what the native manager does. (The free queue is a linked list through the blocks, as
+in vLLM.) Not thread-safe below the manager, whose public methods share one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Iterator, Sequence
+
+from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
+from kvbridge.hashing import BlockHasher
+from kvbridge.pool import Block
+
+__all__ = ["BlockPool", "PyKVCacheManager"]
+
+# vLLM's own algorithms chain on full digests; their 64-bit event hash is the digest's tail.
+_VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
+
+
+class BlockPool:
+    """Blocks, their free queue in eviction order, and the hash -> cached block map.
+
+    ``algo``/``seed`` choose the chained hash (see ``kvbridge.hashing``); ``medium`` is put in
+    every event. Not thread-safe: callers serialise (``KVCacheManager`` does). Methods taking
+    blocks take each block at most once per call.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        algo: str = "xxh3",
+        seed: Any = None,
+        medium: str | None = MEDIUM_GPU,
+        enable_events: bool = True,
+    ) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if algo == "dynamo":
+            raise ValueError("algo 'dynamo' hashes blocks without their prefix; use 'dynamo_seq'")
+        # A bad algo or seed fails here; requests clone this root chain.
+        self._root = BlockHasher(block_size, algo=algo, seed=seed)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.algo = algo
+        self.seed = seed
+        self.medium = medium
+        self._as_bytes = algo in _VLLM_ALGOS
+        # vLLM salts a LoRA block's hash with extra keys (lora_name,), and so do we, except for
+        # Dynamo's hash, whose extra keys are multimodal hashes and which salts with the name.
+        self._lora_in_extra_keys = algo != "dynamo_seq"
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # The free queue: head.next is evicted first. Sentinels spare the loops None checks.
+        self._head, self._tail = Block(-1), Block(-1)
+        chain = [self._head, *self.blocks, self._tail]
+        for a, b in zip(chain, chain[1:]):
+            a.next, b.prev = b, a
+        self._num_free = num_blocks
+        # hash -> (block, run). A run is what one cache_full_blocks call stored, shared by its
+        # blocks: (parent hash, hashes, token ids, (lora_name, lora_id) | None, chain values).
+        # Per block that is one small tuple, not a copy of its tokens; and all of it is
+        # immutable, so a snapshot can copy the dict and read the entries unlocked. Insertion
+        # order is topological: a hash's parent is cached whenever it is, so it came first.
+        self._cached: dict[int, tuple[Block, tuple]] = {}
+        # Further blocks holding an already cached hash, oldest first. Rare.
+        self._copies: dict[int, list[Block]] = {}
+        self._events: list | None = [] if enable_events else None
+
+    # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self._num_free / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Distinct cached hashes."""
+        return len(self._cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in eviction order, first evicted first."""
+        out, b, tail = [], self._head.next, self._tail
+        while b is not tail:
+            out.append(b.block_id)
+            b = b.next
+        return out
+
+    def cached_block_hashes(self) -> list[int]:
+        """The cached hashes, parents before children."""
+        return list(self._cached)
+
+    def get_cached_block(self, block_hash: int) -> Block | None:
+        entry = self._cached.get(block_hash)
+        return None if entry is None else entry[0]
+
+    def find_cached_prefix(self, block_hashes: Iterable[int]) -> list[Block]:
+        """The blocks of the longest cached prefix of ``block_hashes``."""
+        get = self._cached.get
+        hit: list[Block] = []
+        for h in block_hashes:
+            entry = get(h)
+            if entry is None:
+                break
+            hit.append(entry[0])
+        return hit
+
+    # --- hashing ---------------------------------------------------------------------------
+
+    def new_hasher(self, lora_name: str | None = None, after: int | None = None) -> BlockHasher:
+        """A chain for one sequence with this pool's algorithm and seed, starting at the root or
+        continuing the cached block ``after`` (so a cached prefix need not be hashed again)."""
+        parent = None
+        if after is not None:
+            entry = self._cached.get(after)
+            if entry is None:
+                raise KeyError(f"block hash {after} is not cached")
+            _, hashes, _, _, chains = entry[1]
+            parent = chains[hashes.index(after)]
+        elif lora_name is None or self._lora_in_extra_keys:
+            return self._root.copy()
+        salt = {} if self._lora_in_extra_keys else {"lora_name": lora_name}
+        return BlockHasher(self.block_size, algo=self.algo, seed=self.seed, parent=parent, **salt)
+
+    def hash_tokens(
+        self, hasher: BlockHasher, token_ids: Sequence[int], lora_name: str | None = None
+    ) -> tuple[list[int], list[Any]]:
+        """Feed a sequence's next tokens to its chain in one native call (which validates every
+        token and changes nothing if one is bad). Returns the 64-bit event hashes of the blocks
+        they complete and the chain values (full digests for vLLM's algorithms) to continue."""
+        extra = None
+        if lora_name is not None and self._lora_in_extra_keys:
+            extra = [(lora_name,)] * ((hasher.num_pending + len(token_ids)) // self.block_size)
+        if self._as_bytes:
+            digests = hasher.update(token_ids, extra, as_bytes=True)
+            return [int.from_bytes(d[-8:], "big") for d in digests], digests
+        hashes = hasher.update(token_ids, extra)
+        return hashes, hashes
+
+    # --- block lifecycle ---------------------------------------------------------------------
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on prefix-hit blocks; free ones leave the free queue."""
+        taken = 0
+        for b in blocks:
+            if b.ref_cnt == 0:
+                prev, nxt = b.prev, b.next
+                prev.next, nxt.prev = nxt, prev
+                taken += 1
+            b.ref_cnt += 1
+        self._num_free -= taken
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Take ``num_blocks`` from the head of the free queue, evicting any cached ones (one
+        ``BlockRemoved`` per call for the hashes that left the cache)."""
+        if not 0 <= num_blocks <= self._num_free:
+            raise ValueError(f"cannot get {num_blocks} free blocks, {self._num_free} are free")
+        return self._new_blocks(num_blocks)
+
+    def _new_blocks(self, num_blocks: int) -> list[Block]:
+        out: list[Block] = []
+        if not num_blocks:
+            return out
+        removed: list[int] = []
+        cached, copies = self._cached, self._copies
+        b = self._head.next
+        for _ in range(num_blocks):
+            out.append(b)
+            b.ref_cnt = 1
+            h = b.block_hash
+            if h is not None:
+                b.block_hash = None
+                if not copies:  # no hash has a second holder: this block was its only one
+                    del cached[h]
+                    removed.append(h)
+                elif self._drop_cached(b, h):
+                    removed.append(h)
+            b = b.next
+        self._head.next, b.prev = b, self._head  # unlink the taken prefix at once
+        self._num_free -= num_blocks
+        if removed and self._events is not None:
+            self._events.append(BlockRemoved(removed, self.medium))
+        return out
+
+    def _drop_cached(self, block: Block, h: int) -> bool:
+        """Forget that ``block`` holds ``h``; True when that was the hash's last copy."""
+        entry = self._cached[h]
+        copies = self._copies.get(h)
+        if entry[0] is block:
+            if not copies:
+                del self._cached[h]
+                return True
+            # The oldest other copy takes over (vLLM hits the first inserted block);
+            # re-assigning keeps the hash's place in the order.
+            self._cached[h] = (copies.pop(0), entry[1])
+        else:
+            copies.remove(block)
+        if not copies:
+            del self._copies[h]
+        return False
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[Block],
+        block_hashes: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        parent_block_hash: int | None = None,
+        chain_values: Sequence[Any] | None = None,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        """Mark newly filled blocks as cached, as one chain continuing ``parent_block_hash``.
+
+        The blocks must be in use and not hold a hash yet; ``token_ids`` are exactly their
+        tokens; ``chain_values`` (default: the hashes) is what a later hash continues from.
+        Records one ``BlockStored`` for the hashes not already cached by other blocks.
+        """
+        n = len(blocks)
+        if len(block_hashes) != n or len(token_ids) != n * self.block_size:
+            raise ValueError(
+                f"{n} blocks need {n} hashes and {n * self.block_size} token ids, "
+                f"got {len(block_hashes)} and {len(token_ids)}"
+            )
+        lora = None if lora_name is None and lora_id is None else (lora_name, lora_id)
+        if n:
+            self._cache(
+                blocks, list(block_hashes), list(token_ids), parent_block_hash,
+                list(chain_values or block_hashes), lora,
+            )
+
+    def _cache(self, blocks, hashes: list, tokens: list, parent, chains: list, lora) -> None:
+        # The lists become the run record: the caller hands them over and keeps no reference.
+        cached = self._cached
+        run = (parent, hashes, tokens, lora, chains)
+        for b, h in zip(blocks, hashes):
+            b.block_hash = h
+        # Some hashes may already be held by other blocks (identical decodes). As a cached
+        # hash's parent is cached they form a prefix of this call, but report any runs in between.
+        runs, start = [], 0
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
+            if h in cached:
+                self._copies.setdefault(h, []).append(b)
+                if i > start:
+                    runs.append((start, i))
+                start = i + 1
+            else:
+                cached[h] = (b, run)
+        if start < len(hashes):
+            runs.append((start, len(hashes)))
+        if self._events is not None:
+            self._events.extend(self._stored_slice(run, s, e) for s, e in runs)
+
+    def free_blocks(self, ordered_blocks: Iterable[Block]) -> None:
+        """Drop one reference per block; the order is eviction order, first evicted first.
+        Blocks reaching zero go to the tail if cached, to the head if not."""
+        blocks = list(ordered_blocks)
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise ValueError(f"{b!r} is already free")
+        self._free_blocks(blocks)
+
+    def _free_blocks(self, blocks: Iterable[Block]) -> None:
+        tail = self._tail
+        last = tail.prev
+        fresh: list[Block] = []
+        released = 0
+        for b in blocks:
+            ref_cnt = b.ref_cnt - 1
+            b.ref_cnt = ref_cnt
+            if ref_cnt:
+                continue
+            released += 1
+            if b.block_hash is None:
+                fresh.append(b)
+            else:
+                last.next, b.prev = b, last
+                last = b
+        last.next, tail.prev = tail, last
+        if fresh:
+            first = self._head.next
+            for b in reversed(fresh):
+                b.next, first.prev = first, b
+                first = b
+            self._head.next, first.prev = first, self._head
+        self._num_free += released
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self._num_free != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self._cached = {}
+        self._copies = {}
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    # --- events --------------------------------------------------------------------------------
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, in order."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every cached hash as ``BlockStored`` events, parents before children; replaying them
+        into an empty view reproduces the cached set."""
+        return self._snapshot_events(list(self._cached.items()))
+
+    def _snapshot_events(self, items: list[tuple[int, tuple]]) -> list[BlockStored]:
+        def indexed() -> Iterator[tuple[tuple, int]]:
+            run: Any = None
+            i = -1
+            for h, (_, r) in items:  # the next block of the same run, or look it up in its run
+                i = i + 1 if r is run and i + 1 < len(r[1]) and r[1][i + 1] == h else r[1].index(h)
+                run = r
+                yield r, i
+
+        return merge_runs(indexed(), self._stored_slice)
+
+    def _stored_slice(self, run: tuple, first: int, end: int) -> BlockStored:
+        parent, hashes, tokens, lora, _ = run
+        bs = self.block_size
+        return self._stored(
+            hashes[first:end], hashes[first - 1] if first else parent,
+            tokens[first * bs : end * bs], lora,
+        )
+
+    def _stored(self, hashes: list, parent, tokens: list, lora) -> BlockStored:
+        # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
+        if lora is None:
+            return BlockStored(hashes, parent, tokens, self.block_size, None, self.medium, None)
+        lora_name, lora_id = lora
+        # vLLM 0.33 publishes, per block, what was mixed into its hash.
+        extra = [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
+        return BlockStored(
+            hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra
+        )
+
+
+def _as_token_list(token_ids: Any) -> list[int]:
+    # numpy/array inputs become plain ints (events carry lists); a list is only read, and
+    # what is kept of it is sliced off.
+    if type(token_ids) is list:
+        return token_ids
+    tolist = getattr(token_ids, "tolist", None)
+    if tolist is not None:
+        return tolist()
+    try:
+        return list(token_ids)
+    except TypeError:
+        raise TypeError(_NOT_TOKENS.format(type(token_ids).__name__)) from None
+
+
+# The native manager raises the same message (rust/pool.rs).
+_NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of int, not {}"
+
+
+class _Request:
+    __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id")
+
+    def __init__(self, blocks, num_tokens, tail, hasher, last_hash, lora_name, lora_id):
+        self.blocks: list[Block] = blocks
+        self.num_tokens: int = num_tokens
+        self.tail: list[int] = tail  # tokens of the partial last block
+        self.hasher: BlockHasher = hasher  # the chain so far (it keeps the tail too)
+        self.last_hash: int | None = last_hash  # the last full block's: the next event's parent
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+
+
+class PyKVCacheManager:
+    """Requests on top of a :class:`BlockPool`: what engines and simulators call.
+
+    Every full block is cached as soon as it fills; hashing is incremental (a request's tokens
+    reach the native hash once, one call per ``allocate``/``append``). Public methods are
+    serialised by one lock (see the module docstring).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, **pool_options: Any) -> None:
+        self.pool = BlockPool(num_blocks, block_size, **pool_options)
+        self.block_size = block_size
+        self._requests: dict[Any, _Request] = {}
+        self._lora_ids: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _request(self, request_id: Any) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return req
+
+    def allocate(
+        self,
+        request_id: Any,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> int | None:
+        """Admit a request with its prompt. Returns how many prompt tokens were found cached
+        (a multiple of the block size), or None -- with nothing changed -- when there are not
+        enough free blocks. ``lora_id`` defaults to a per-manager id for ``lora_name``."""
+        tokens = _as_token_list(token_ids)
+        if not tokens:
+            raise ValueError("token_ids is empty: a request needs at least one token")
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise TypeError(f"lora_name must be a str or None, got {type(lora_name).__name__}")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already allocated")
+            pool = self.pool
+            bs = self.block_size
+            num_full = len(tokens) // bs
+            hasher = pool.new_hasher(lora_name)
+            hashes, chains = pool.hash_tokens(hasher, tokens, lora_name)
+            hit = pool.find_cached_prefix(hashes)
+            num_hit = len(hit)
+            num_new = -(-len(tokens) // bs) - num_hit
+            # Free hits leave the free queue too.
+            if num_new + sum(b.ref_cnt == 0 for b in hit) > pool.num_free_blocks:
+                return None
+            if lora_name is not None and lora_id is None:
+                lora_id = self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
+            pool.touch(hit)
+            new = pool.get_new_blocks(num_new)
+            req = _Request(hit, len(tokens), tokens[num_full * bs :], hasher, hashes[-1] if num_full else None, lora_name, lora_id)
+            if num_full > num_hit:
+                pool.cache_full_blocks(
+                    new[: num_full - num_hit],
+                    hashes[num_hit:],
+                    tokens[num_hit * bs : num_full * bs],
+                    parent_block_hash=hashes[num_hit - 1] if num_hit else None,
+                    chain_values=chains[num_hit:],
+                    lora_name=lora_name,
+                    lora_id=lora_id,
+                )
+            hit += new
+            self._requests[request_id] = req
+            return num_hit * bs
+
+    def append(self, request_id: Any, new_token_ids: Sequence[int]) -> bool:
+        """Decode growth: add tokens to a running request, caching blocks as they fill.
+        Returns False -- with nothing changed -- when there are not enough free blocks."""
+        new = _as_token_list(new_token_ids)
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                raise KeyError(f"unknown request id {request_id!r}")
+            pool = self.pool
+            bs = self.block_size
+            num_tokens = req.num_tokens + len(new)
+            num_new = -(-num_tokens // bs) - len(req.blocks)
+            if num_new > pool.num_free_blocks:
+                # Still hash (a copy of the chain): a bad token raises rather than hide as "full".
+                pool.hash_tokens(req.hasher.copy(), new, req.lora_name)
+                return False
+            hashes, chains = pool.hash_tokens(req.hasher, new, req.lora_name)
+            full0 = req.num_tokens // bs
+            req.num_tokens = num_tokens
+            if num_new > 0:
+                req.blocks += pool.get_new_blocks(num_new)
+            if not hashes:
+                req.tail += new
+                return True
+            tokens = req.tail + new
+            cut = len(hashes) * bs
+            req.tail = tokens[cut:]
+            pool.cache_full_blocks(
+                req.blocks[full0 : full0 + len(hashes)],
+                hashes,
+                tokens[:cut],
+                parent_block_hash=req.last_hash,
+                chain_values=chains,
+                lora_name=req.lora_name,
+                lora_id=req.lora_id,
+            )
+            req.last_hash = hashes[-1]
+            return True
+
+    def free(self, request_id: Any) -> None:
+        """Release a request's blocks; its cached blocks stay hittable until evicted."""
+        with self._lock:
+            req = self._request(request_id)
+            del self._requests[request_id]
+            # Tail first, so a chain's last blocks are evicted before its first ones.
+            self.pool.free_blocks(reversed(req.blocks))
+
+    def reset(self) -> bool:
+        """Clear the prefix cache (``AllBlocksCleared``); False while any request holds blocks."""
+        with self._lock:
+            return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        """Drain the recorded events, in order."""
+        with self._lock:
+            return self.pool.take_events()
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every cached block as ``BlockStored`` events, parents before children."""
+        with self._lock:
+            return self.pool.snapshot()
+
+    def get_block_ids(self, request_id: Any) -> list[int]:
+        """The request's block table."""
+        with self._lock:
+            return [b.block_id for b in self._request(request_id).blocks]
+
+    def num_tokens(self, request_id: Any) -> int:
+        with self._lock:
+            return self._request(request_id).num_tokens
+
+    def __contains__(self, request_id: Any) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+
