@@ -242,7 +242,7 @@ async def test_replay_and_snapshot_protocol(nats_server):
     await asyncio.sleep(0.2)
     nc = await nats.connect(nats_server.url)
     last = pub.stats["last_seq"]
-    oldest = pub._ring.first
+    oldest = pub.stats["oldest_seq"]
     assert 0 < oldest < last
 
     ok = await _collect(nc, pub.subjects.replay, json.dumps({"from": last - 2}).encode(), ("end", "gone"))

@@ -48,6 +48,7 @@ from nats.errors import NoRespondersError
 from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import Permissions, connect
+from kvbridge.sequencer import Sequencer, Verdict
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
 from kvbridge.events import LoadReport, decode_load_report
 from kvbridge.subjects import (
@@ -75,12 +76,8 @@ __all__ = ["KvEventSubscriber", "Update", "WorkerView"]
 
 log = logging.getLogger("kvbridge.consumer")
 
-# Parked out-of-order messages per worker; beyond this the oldest are let go (replay fetches them).
-_MAX_PARKED = 65536
 # JetStream mode: how long a hole may wait for the stream to fill it before the worker is asked.
 _STREAM_HOLE_GRACE_S = 0.5
-# Epochs proven stale per worker (old incarnations, forged headers); bounded, oldest forgotten.
-_MAX_RETIRED = 64
 # A worker is never expired sooner than this many of its own heartbeat intervals.
 _HEARTBEATS_BEFORE_EXPIRY = 3
 # Resync back-off: first pause, and the longest; nobody serving the subject starts it higher.
@@ -242,21 +239,18 @@ class _Malformed(Exception):
 
 
 class _Worker:
+    """A worker as the subscriber knows it: its sequencer (the (epoch, seq) rules), its view,
+    its resync task and when it was last heard from."""
+
     __slots__ = (
-        "model", "worker", "subjects", "epoch", "next_seq", "parked", "parked_epoch", "retired",
-        "need_snapshot", "syncing", "view", "last_heard", "heartbeat_raw", "heartbeat_s", "conflict_warned",
+        "model", "worker", "subjects", "seq", "syncing", "view", "last_heard", "heartbeat_raw", "heartbeat_s",
+        "conflict_warned",
     )  # fmt: skip
 
     def __init__(self, prefix: str, model: str, worker: str, track_view: bool) -> None:
         self.model, self.worker = model, worker
         self.subjects = WorkerSubjects.build(prefix, model, worker)
-        self.epoch: str | None = None
-        self.next_seq = 0
-        self.parked: dict[int, _Body] = {}
-        self.parked_epoch: str | None = None
-        #: Retired epoch -> the highest seq seen from it: a dead incarnation sends nothing newer.
-        self.retired: dict[str, int] = {}
-        self.need_snapshot = True
+        self.seq = Sequencer()
         self.syncing: asyncio.Task | None = None
         self.view = WorkerView() if track_view else None
         self.last_heard = time.monotonic()
@@ -264,11 +258,9 @@ class _Worker:
         self.heartbeat_s: float | None = None  # None: not advertised
         self.conflict_warned = False
 
-    def retire(self, epoch: str | None, last_seq: int) -> None:
-        if epoch is not None:
-            self.retired[epoch] = max(last_seq, self.retired.get(epoch, -1))
-            while len(self.retired) > _MAX_RETIRED:
-                del self.retired[next(iter(self.retired))]
+    @property
+    def epoch(self) -> str | None:
+        return self.seq.epoch
 
     def heard(self, heartbeat_raw: str | None) -> None:
         self.last_heard = time.monotonic()
@@ -452,11 +444,11 @@ class KvEventSubscriber:
                 self._iter_known.discard(key)
                 out.append(Update(key[0], key[1], "", -1, KVEventBatch(now, []), True, "expired"))
         for key, w in self._workers.items():
-            if w.epoch is None or w.need_snapshot:
+            if w.epoch is None or w.seq.need_snapshot:
                 continue  # not in sync yet: its snapshot is still to come, and will be queued
             if w.view is None:
                 # No view to carry over: the worker's own snapshot will be the reset.
-                w.need_snapshot = True
+                w.seq.need_snapshot = True
                 self._ensure_sync(w)
                 continue
             blocks = list(w.view.blocks)
@@ -478,7 +470,7 @@ class KvEventSubscriber:
 
     def in_sync(self) -> bool:
         """True when no worker is resyncing (handy for tests and tools)."""
-        return all(w.syncing is None and not w.need_snapshot for w in self._workers.values())
+        return all(w.syncing is None and not w.seq.need_snapshot for w in self._workers.values())
 
     # -- load reports (kvbridge.vllm's stat logger) --------------------------------------------------
 
@@ -534,44 +526,27 @@ class KvEventSubscriber:
         if w is None:
             w = self._workers[key] = _Worker(self.prefix, key[0], key[1], self.track_views)
         w.heard(msg.headers.get(HDR_HEARTBEAT))
-        if epoch != w.epoch:
-            last = w.retired.get(epoch)
-            if last is not None:
-                if seq > last:  # a retired incarnation that is still publishing: a second live publisher
-                    w.retired[epoch] = seq
-                    self._epoch_conflict(w, epoch)
-                counts["duplicates"] += 1
-                return
-            if seq == 0 and self.config.jetstream and w.syncing is None:
-                await self._begin_epoch_from_stream(w, epoch, batch)
-                return
-            # First contact or a restart (new epoch): park, and resync from a snapshot.
-            if w.parked_epoch != epoch:
-                w.parked.clear()
-                w.parked_epoch = epoch
-            self._park(w, seq, batch)
-            if w.epoch is not None and not w.need_snapshot:
-                counts["epoch_changes"] += 1
-            w.need_snapshot = True
-            self._ensure_sync(w)
-            return
-        if seq < w.next_seq:
-            counts["duplicates"] += 1
-            return
-        if w.syncing is not None:
-            w.parked_epoch = epoch
-            self._park(w, seq, batch)
-            return
-        if seq == w.next_seq:
-            w.next_seq = seq + 1
+        verdict = w.seq.offer(epoch, seq, batch, syncing=w.syncing is not None, jetstream=self.config.jetstream)
+        if verdict is Verdict.DELIVER:
             await self._deliver(w, seq, batch, "live")
-            if w.parked:
+            if w.seq.parked:
                 await self._drain_parked(w)
-            return
-        counts["gaps"] += 1
-        w.parked_epoch = epoch
-        self._park(w, seq, batch)
-        self._ensure_sync(w)
+        elif verdict is Verdict.DUPLICATE:
+            counts["duplicates"] += 1
+        elif verdict is Verdict.GAP:
+            counts["gaps"] += 1
+            self._ensure_sync(w)
+        elif verdict is Verdict.FIRST_CONTACT or verdict is Verdict.EPOCH_CHANGE:
+            # First contact or a restart (new epoch): parked, and resynced from a snapshot.
+            if verdict is Verdict.EPOCH_CHANGE:
+                counts["epoch_changes"] += 1
+            self._ensure_sync(w)
+        elif verdict is Verdict.STREAM_START:
+            await self._begin_epoch_from_stream(w, epoch, batch)
+        elif verdict is Verdict.CONFLICT:
+            counts["duplicates"] += 1
+            self._epoch_conflict(w, epoch)
+        # Verdict.PARKED: a resync is under way and will take it from there.
 
     def _epoch_conflict(self, w: _Worker, other: str) -> None:
         self._counts["epoch_conflicts"] += 1
@@ -586,33 +561,17 @@ class KvEventSubscriber:
     async def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> None:
         """JetStream hook: the stream holds this incarnation from its first message, and a new
         incarnation starts with an empty cache, so it is rebuilt from the stream: no snapshot."""
-        if w.epoch is not None and not w.need_snapshot:
+        if w.epoch is not None and not w.seq.need_snapshot:
             self._counts["epoch_changes"] += 1
-        self._adopt_epoch(w, epoch)
-        w.need_snapshot = False
-        w.next_seq = 0
+        w.seq.begin_stream(epoch)
         await self._deliver(w, -1, KVEventBatch(batch.ts, [], batch.rank), "stream", reset=True)
-        w.next_seq = 1
         await self._deliver(w, 0, batch, "live")
         await self._drain_parked(w)
 
-    def _park(self, w: _Worker, seq: int, batch: _Body) -> None:
-        parked = w.parked
-        parked[seq] = batch
-        if len(parked) > _MAX_PARKED:
-            del parked[min(parked)]
-
     async def _drain_parked(self, w: _Worker) -> None:
-        parked = w.parked
-        for stale in [s for s in parked if s < w.next_seq]:
-            del parked[stale]
-            self._counts["duplicates"] += 1
-        while parked:
-            batch = parked.pop(w.next_seq, None)
-            if batch is None:
-                break
-            seq = w.next_seq
-            w.next_seq = seq + 1
+        ready, stale = w.seq.ready()
+        self._counts["duplicates"] += stale
+        for seq, batch in ready:
             await self._deliver(w, seq, batch, "live")
 
     async def _deliver(
@@ -674,14 +633,15 @@ class KvEventSubscriber:
         try:
             if self.config.jetstream:
                 await asyncio.sleep(_STREAM_HOLE_GRACE_S)
+            seq = w.seq
             while not self._closed:
-                if not w.need_snapshot and w.next_seq in w.parked:
+                if seq.hole_filled:
                     # The hole filled itself (JetStream: re-sends after a broker crash land in the
                     # stream behind later messages), possibly while the worker did not answer.
                     await self._drain_parked(w)
-                    if not w.parked:
+                    if not seq.parked:
                         return
-                ok = await (self._snapshot(w) if w.need_snapshot else self._replay(w))
+                ok = await (self._snapshot(w) if seq.need_snapshot else self._replay(w))
                 if ok is not True:
                     if ok is _NO_RESPONDERS:  # nobody serves this subject (yet): no hurry
                         backoff = max(backoff, _BACKOFF_NO_RESPONDERS_S)
@@ -690,7 +650,7 @@ class KvEventSubscriber:
                     continue
                 backoff = _BACKOFF_S
                 await self._drain_parked(w)
-                if not w.need_snapshot and not w.parked:
+                if not seq.need_snapshot and not seq.parked:
                     return
         finally:
             w.syncing = None
@@ -737,17 +697,18 @@ class KvEventSubscriber:
 
     async def _replay(self, w: _Worker) -> bool:
         self._counts["replays"] += 1
-        parked_before = set(w.parked)
+        sq = w.seq
+        parked_before = set(sq.parked)
         replies = await self._request(
-            w.subjects.replay, json.dumps({"from": w.next_seq, "epoch": w.epoch}).encode(), (REPLY_END, REPLY_GONE)
+            w.subjects.replay, json.dumps({"from": sq.next_seq, "epoch": sq.epoch}).encode(), (REPLY_END, REPLY_GONE)
         )
         if not isinstance(replies, list):
             return replies or False
         end = replies[-1].headers
-        if end.get(HDR_EPOCH) != w.epoch or end[HDR_REPLY] == REPLY_GONE:
+        if end.get(HDR_EPOCH) != sq.epoch or end[HDR_REPLY] == REPLY_GONE:
             if end[HDR_REPLY] == REPLY_GONE:
                 self._counts["replays_gone"] += 1
-            w.need_snapshot = True
+            sq.need_snapshot = True
             return True
         for m in replies[:-1]:
             try:
@@ -756,23 +717,19 @@ class KvEventSubscriber:
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
                 self._counts["malformed"] += 1
-                w.need_snapshot = True
+                sq.need_snapshot = True
                 return True
-            if epoch != w.epoch or seq < w.next_seq:
-                continue
-            if seq > w.next_seq:
+            take = sq.replayed(epoch, seq)
+            if take is None:
                 return False  # the publisher skipped: ask again (it will say "gone")
-            w.next_seq = seq + 1
-            await self._deliver(w, seq, batch, "replay")
+            if take:
+                await self._deliver(w, seq, batch, "replay")
         # A parked message beyond what the worker had published when it answered was not sent by it.
         try:
             last = int(end.get(HDR_SEQ, "-1"))
         except ValueError:
             return False
-        bogus = [s for s in parked_before if s > last and s in w.parked]
-        for s in bogus:
-            del w.parked[s]
-        self._counts["malformed"] += len(bogus)
+        self._counts["malformed"] += sq.drop_bogus(parked_before, last)
         return True
 
     async def _snapshot(self, w: _Worker) -> bool:
@@ -785,11 +742,9 @@ class KvEventSubscriber:
             return False
         if end[HDR_REPLY] == REPLY_UNAVAILABLE:
             # No pool behind this publisher: nothing to rebuild from. Join the live stream where it is.
-            self._adopt_epoch(w, epoch)
-            w.next_seq = min(w.parked) if w.parked else w.next_seq
-            w.need_snapshot = False
+            at = w.seq.join_live(epoch)
             self._counts["snapshots"] += 1
-            await self._deliver(w, w.next_seq - 1, KVEventBatch(time.time(), []), "snapshot", reset=True)
+            await self._deliver(w, at, KVEventBatch(time.time(), []), "snapshot", reset=True)
             return True
         try:
             seq = int(end[HDR_SEQ])
@@ -806,20 +761,10 @@ class KvEventSubscriber:
         except (KeyError, ValueError):
             self._counts["malformed"] += 1
             return False
-        self._adopt_epoch(w, epoch)
-        w.next_seq = seq + 1
-        w.need_snapshot = False
+        w.seq.snapshot_taken(epoch, seq)
         self._counts["snapshots"] += 1
         await self._deliver(w, seq, KVEventBatch(ts, events, rank), "snapshot", reset=True)
         return True
-
-    def _adopt_epoch(self, w: _Worker, epoch: str) -> None:
-        if w.epoch != epoch:
-            w.retire(w.epoch, w.next_seq - 1)
-        if w.parked_epoch != epoch:
-            w.retire(w.parked_epoch, max(w.parked, default=-1))
-            w.parked.clear()
-        w.epoch = w.parked_epoch = epoch
 
 
 def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:

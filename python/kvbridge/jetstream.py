@@ -73,6 +73,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from kvbridge.config import Config, ConfigError
+from kvbridge.outbox import Outbox
 
 __all__ = ["JetStreamAcks", "JetStreamError", "ensure_stream", "stream_subjects", "subscribe_stream"]
 
@@ -162,13 +163,26 @@ def _same(seconds: float | None, want: float) -> bool:
 
 class JetStreamAcks:
     """The JetStream half of a :class:`kvbridge.KvEventPublisher`: stream set-up, the ack window,
-    re-sends. The publisher calls ``send_pending`` instead of its core send loop, and tells us
-    about reconnects; the ring, seqs and headers stay the publisher's."""
+    re-sends. It drives the publisher's :class:`kvbridge.outbox.Outbox` through its public
+    methods only: ``send(seq, reply)`` sends a held message and moves the cursor (the
+    publisher's, which also owns headers and counters), ``wake()`` wakes the publisher's send
+    loop, ``settle()`` numbers queued hand-offs and says whether any are left."""
 
-    def __init__(self, publisher: Any, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self.pub = publisher
+    def __init__(
+        self,
+        nc: Any,
+        config: Config,
+        outbox: Outbox,
+        *,
+        send: Callable[[int, str], Awaitable[Any]],
+        wake: Callable[[], None],
+        settle: Callable[[], bool],
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
+        self.nc, self.config, self.outbox = nc, config, outbox
+        self._send, self._wake, self._settle = send, wake, settle
         self.max_in_flight = max_in_flight
-        self.ack_timeout = publisher.config.request_timeout_s
+        self.ack_timeout = config.request_timeout_s
         #: Every seq below this is acked (or released without an ack, see js_unacked_evicted).
         self.acked_below = 0
         self._acked_ahead: set[int] = set()  # acks that arrived before an older one's
@@ -183,13 +197,11 @@ class JetStreamAcks:
                                      "js_unacked_evicted"), 0)  # fmt: skip
 
     async def start(self) -> None:
-        pub = self.pub
-        nc = pub._nc
-        await ensure_stream(nc, pub.config)
-        inbox = nc.new_inbox()
+        await ensure_stream(self.nc, self.config)
+        inbox = self.nc.new_inbox()
         self._reply_prefix = inbox + "."
-        self._ack_sub = await nc.subscribe(inbox + ".*", cb=self._on_ack)
-        self._watchdog = asyncio.create_task(self._watch(), name=f"kvbridge-js-acks-{pub.config.worker_id}")
+        self._ack_sub = await self.nc.subscribe(inbox + ".*", cb=self._on_ack)
+        self._watchdog = asyncio.create_task(self._watch(), name=f"kvbridge-js-acks-{self.config.worker_id}")
 
     async def stop(self) -> None:
         if self._watchdog is not None:
@@ -199,43 +211,37 @@ class JetStreamAcks:
     @property
     def stats(self) -> dict[str, int]:
         s = dict(self.counts)
-        s["js_in_flight"] = max(0, self.pub._send_seq - self.acked_below)
-        s["js_unacked"] = max(0, self.pub._ring.end - self.acked_below)
+        s["js_in_flight"] = max(0, self.outbox.cursor - self.acked_below)
+        s["js_unacked"] = max(0, self.outbox.end - self.acked_below)
         return s
 
     # -- sending ----------------------------------------------------------------------------------
 
     async def send_pending(self) -> int:
-        pub = self.pub
-        nc, ring, counts = pub._nc, pub._ring, pub._counts
+        outbox = self.outbox
         self._release_evicted()
         sent = 0
-        while nc.is_connected:
-            seq = pub._send_seq
-            if seq >= ring.end or seq - self.acked_below >= self.max_in_flight:
+        while self.nc.is_connected:
+            seq = outbox.cursor
+            if seq >= outbox.end or seq - self.acked_below >= self.max_in_flight:
                 break
             if seq in self._acked_ahead:
-                pub._send_seq = seq + 1
+                outbox.sent(seq)
                 continue
             if self.acked_below == seq:  # the ack clock starts when the oldest is (re)sent
                 self._progress_t = time.monotonic()
-            sent_msg = await pub._send_seq_msg(seq, reply=self._reply_prefix + str(seq))
-            if sent_msg is None:  # stays unacked: the watchdog sends it again
-                break
-            payload, n_events = sent_msg
+            if await self._send(seq, self._reply_prefix + str(seq)) is None:
+                break  # stays unacked: the watchdog sends it again
             if seq < self._high:
                 self.counts["js_resent"] += 1
             else:
                 self._high = seq + 1
-                counts["messages"] += 1
-                counts["events"] += n_events
-                counts["bytes"] += len(payload)
             sent += 1
         return sent
 
     def _release_evicted(self) -> None:
         """Unacked messages the ring evicted (or skipped past) can never be re-sent: let them go."""
-        first = self.pub._ring.first
+        first = self.outbox.first
         if self.acked_below < first:
             self.counts["js_unacked_evicted"] += sum(
                 1 for s in range(self.acked_below, min(first, self._high)) if s not in self._acked_ahead
@@ -243,18 +249,15 @@ class JetStreamAcks:
             self._acked_ahead = {s for s in self._acked_ahead if s >= first}
             self.acked_below = first
             self._progress_t = time.monotonic()
-        if self.pub._send_seq < first:
-            self.pub._send_seq = first
 
     def rewind(self) -> None:
         """Send everything unacked again, oldest first (the stream drops what it already has)."""
-        pub = self.pub
         self._release_evicted()
-        if pub._send_seq > self.acked_below:
+        if self.outbox.cursor > self.acked_below:
             self.counts["js_rewinds"] += 1
-            pub._send_seq = self.acked_below
+            self.outbox.rewind(self.acked_below)
         self._progress_t = time.monotonic()
-        pub._wake.set()
+        self._wake()
 
     def on_reconnected(self) -> None:
         self.rewind()
@@ -262,18 +265,17 @@ class JetStreamAcks:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.ack_timeout / 4)
-            pub = self.pub
-            if not pub._nc.is_connected:
+            if not self.nc.is_connected:
                 continue
             if self._stream_lost:
                 # Someone deleted the stream, or the broker came back without its store.
                 try:
-                    await ensure_stream(pub._nc, pub.config)
+                    await ensure_stream(self.nc, self.config)
                     self._stream_lost = False
                 except (JetStreamError, ConfigError) as exc:
                     log.warning("kvbridge: %s", exc)
                     continue
-            if pub._send_seq > self.acked_below and time.monotonic() - self._progress_t > self.ack_timeout:
+            if self.outbox.cursor > self.acked_below and time.monotonic() - self._progress_t > self.ack_timeout:
                 self.rewind()
 
     # -- acks -------------------------------------------------------------------------------------
@@ -309,26 +311,25 @@ class JetStreamAcks:
             below += 1
         self.acked_below = below
         self._progress_t = time.monotonic()
-        pub = self.pub
-        if pub._send_seq < pub._ring.end:
-            pub._wake.set()  # the window has room again
-        if below >= pub._ring.end:
+        outbox = self.outbox
+        if outbox.cursor < outbox.end:
+            self._wake()  # the window has room again
+        if below >= outbox.end:
             self._all_acked.set()
 
     async def wait_acked(self, timeout: float) -> bool:
         """Until every message handed over so far is acked; False if ``timeout`` came first."""
-        pub = self.pub
         deadline = time.monotonic() + timeout
         while True:
-            pub._drain()
+            settled = self._settle()
             self._release_evicted()
-            if self.acked_below >= pub._ring.end and not pub._queue:
+            if settled and self.acked_below >= self.outbox.end:
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             self._all_acked.clear()
-            pub._wake.set()
+            self._wake()
             try:
                 await asyncio.wait_for(self._all_acked.wait(), min(left, 0.05))
             except asyncio.TimeoutError:

@@ -47,6 +47,7 @@ from nats.errors import NoRespondersError
 from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
+from kvbridge.outbox import Outbox
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -151,42 +152,6 @@ class _Waker:
             os.close(self.tick_fd)
 
 
-class _Ring:
-    """Encoded messages by seq, contiguous from ``first``; the oldest go first to stay in bounds."""
-
-    __slots__ = ("max_bytes", "entries", "first", "bytes")
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.entries: deque[tuple[bytes, int]] = deque()  # (payload, events)
-        self.first = 0
-        self.bytes = 0
-
-    @property
-    def end(self) -> int:
-        return self.first + len(self.entries)
-
-    def append(self, payload: bytes, n_events: int) -> int:
-        """Add the message with seq ``end``; returns how many of the oldest were evicted."""
-        self.entries.append((payload, n_events))
-        self.bytes += len(payload)
-        evicted = 0
-        while self.bytes > self.max_bytes and len(self.entries) > 1:
-            old, _ = self.entries.popleft()
-            self.bytes -= len(old)
-            self.first += 1
-            evicted += 1
-        return evicted
-
-    def get(self, seq: int) -> tuple[bytes, int]:
-        return self.entries[seq - self.first]
-
-    def restart_at(self, seq: int) -> None:
-        self.entries.clear()
-        self.bytes = 0
-        self.first = seq
-
-
 class KvEventPublisher:
     """Publishes one worker's KV events to ``<prefix>.events.<model>.<worker>``.
 
@@ -227,10 +192,9 @@ class KvEventPublisher:
         self._sender: asyncio.Task | None = None
         self._js: Any = None  # kvbridge.jetstream.JetStreamAcks in JetStream mode
         self._closing = False
-        self._next_seq = 0
         self._dropped_seen = 0
-        self._ring = _Ring(config.ring_buffer_bytes)
-        self._send_seq = 0
+        self._outbox = Outbox(config.ring_buffer_bytes)
+        self._sent_high = 0  # every seq below it went out at least once (JetStream re-sends some)
         self._last_emit = 0.0
         self._max_events = config.max_batch_events
         self._max_bytes = config.max_batch_bytes
@@ -244,7 +208,7 @@ class KvEventPublisher:
         self._idle_ticks = 0
         self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
         self._counts = dict.fromkeys(
-            ("messages", "events", "bytes", "evicted_unsent", "publish_errors", "reconnects", "replays",
+            ("messages", "events", "bytes", "publish_errors", "reconnects", "replays",
              "replays_gone", "snapshots", "snapshot_errors", "heartbeats", "invalid_events", "split_events",
              "split_batches", "oversize_dropped"),
             0,
@@ -368,7 +332,9 @@ class KvEventPublisher:
             if self.config.jetstream:
                 from kvbridge.jetstream import JetStreamAcks
 
-                self._js = JetStreamAcks(self)
+                self._js = JetStreamAcks(
+                    self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle
+                )
                 await self._js.start()
             publish_probe: tuple[str, ...] = ()
             if self.config.heartbeat_s > 0:
@@ -460,10 +426,12 @@ class KvEventPublisher:
             dropped_batches=self._dropped_batches,
             dropped_events=self._dropped_events,
             queue_depth=len(self._queue),
-            ring_bytes=self._ring.bytes,
-            ring_messages=len(self._ring.entries),
-            unsent=max(0, self._ring.end - self._send_seq),
-            last_seq=self._next_seq - 1,
+            ring_bytes=self._outbox.bytes,
+            ring_messages=len(self._outbox),
+            unsent=self._outbox.unsent,
+            evicted_unsent=self._outbox.evicted_unsent,
+            oldest_seq=self._outbox.first,
+            last_seq=self._outbox.last_seq,
             refused=self._permissions.refused_publish(self.subjects.events),
             permission_errors=self._permissions.count,
         )
@@ -503,7 +471,7 @@ class KvEventPublisher:
                     self._emit(ts, pending)
                     pending = []
                 if item is _CUT:
-                    at_cut = self._next_seq - 1
+                    at_cut = self._outbox.last_seq
                 elif item is _HOLE:
                     self._skip_seq()
                 else:
@@ -520,7 +488,7 @@ class KvEventPublisher:
         if self._dropped_batches != self._dropped_seen:
             self._dropped_seen = self._dropped_batches
             self._skip_seq()
-        return self._next_seq - 1 if at_cut is None else at_cut
+        return self._outbox.last_seq if at_cut is None else at_cut
 
     def _encode(self, ts: float, events: list[Any], rank: int | None = None) -> list[tuple[bytes, int]]:
         """``(payload, events in it)`` within the event and byte limits, in order; ``rank`` None
@@ -602,11 +570,7 @@ class KvEventPublisher:
                       len(payload), self._max_payload)  # fmt: skip
             self._skip_seq()
             return
-        self._next_seq += 1
-        evicted = self._ring.append(payload, n_events)
-        if evicted and self._send_seq < self._ring.first:
-            self._counts["evicted_unsent"] += self._ring.first - self._send_seq
-            self._send_seq = self._ring.first
+        self._outbox.append(payload, n_events)
 
     def _invalid(self, n: int, why: str) -> None:
         total = self._counts["invalid_events"] = self._counts["invalid_events"] + n
@@ -615,12 +579,8 @@ class KvEventPublisher:
                         self.config.worker_id, n, total, why)  # fmt: skip
 
     def _skip_seq(self) -> None:
-        """Leave a hole in the seq. Nothing before it can be replayed usefully (a consumer behind it
-        must snapshot anyway), so the ring restarts after it."""
-        self._counts["evicted_unsent"] += max(0, self._ring.end - self._send_seq)
-        self._next_seq += 1
-        self._ring.restart_at(self._next_seq)
-        self._send_seq = self._next_seq
+        """Leave a hole in the seq (see kvbridge.outbox: the ring restarts after it)."""
+        self._outbox.skip()
 
     def _headers(self, seq: int) -> dict[str, str]:
         s = str(seq)
@@ -739,37 +699,40 @@ class KvEventPublisher:
     async def _send_pending(self) -> int:
         if self._js is not None:
             return await self._js.send_pending()
-        nc = self._nc
-        ring = self._ring
+        nc, outbox = self._nc, self._outbox
         sent = 0
-        counts = self._counts
-        while self._send_seq < ring.end and nc.is_connected:
-            sent_msg = await self._send_seq_msg(self._send_seq)
-            if sent_msg is None:
+        while outbox.cursor < outbox.end and nc.is_connected:
+            if await self._send(outbox.cursor) is None:
                 break
-            payload, n_events = sent_msg
-            counts["messages"] += 1
-            counts["events"] += n_events
-            counts["bytes"] += len(payload)
             sent += 1
         return sent
 
-    async def _send_seq_msg(self, seq: int, reply: str = "") -> tuple[bytes, int] | None:
-        """Send ring message ``seq`` and move the send cursor past it; None if NATS refused it.
+    async def _send(self, seq: int, reply: str = "") -> tuple[bytes, int] | None:
+        """Send held message ``seq`` and move the send cursor past it; None if NATS refused it.
 
-        Core and JetStream sending share this; they differ only in what they count and when
-        they stop."""
-        payload, n_events = self._ring.get(seq)
+        Core and JetStream sending share this (JetStream adds a reply subject for the ack and
+        may send a seq again); a seq counts as published the first time it goes out."""
+        payload, n_events = self._outbox.get(seq)
         try:
             await self._nc.publish(self.subjects.events, payload, reply=reply, headers=self._headers(seq))
         except NatsError:
-            # Broker gone or nats-py's buffer full: the message stays in the ring and goes out
-            # after the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
+            # Broker gone or nats-py's buffer full: the message stays held and goes out after
+            # the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
             self._counts["publish_errors"] += 1
             return None
-        if self._send_seq == seq:  # the ring may have restarted while we awaited
-            self._send_seq = seq + 1
+        self._outbox.sent(seq)
+        if seq >= self._sent_high:
+            self._sent_high = seq + 1
+            counts = self._counts
+            counts["messages"] += 1
+            counts["events"] += n_events
+            counts["bytes"] += len(payload)
         return payload, n_events
+
+    def _settle(self) -> bool:
+        """Number what has been handed over; True when no hand-off is left queued."""
+        self._drain()
+        return not self._queue
 
     async def _on_reconnected(self) -> None:
         self._counts["reconnects"] += 1
@@ -798,8 +761,8 @@ class KvEventPublisher:
             return
         self._drain()
         self._wake.set()  # type: ignore[union-attr]
-        last = self._next_seq - 1
-        ring = self._ring
+        outbox = self._outbox
+        last = outbox.last_seq
         try:
             req = json.loads(msg.data or b"{}")
             start = int(req.get("from", 0))
@@ -808,15 +771,14 @@ class KvEventPublisher:
             await self._reply_error(msg.reply, f"bad replay request: {exc}")
             return
         self._counts["replays"] += 1
-        if start < ring.first and start <= end:
+        if start < outbox.first and start <= end:
             self._counts["replays_gone"] += 1
-            body = json.dumps({"error": "gone", "from": start, "oldest": ring.first, "last": last}).encode()
+            body = json.dumps({"error": "gone", "from": start, "oldest": outbox.first, "last": last}).encode()
             await self._reply(
-                msg.reply, body, {HDR_REPLY: REPLY_GONE, HDR_EPOCH: self.epoch, HDR_OLDEST: str(ring.first), HDR_SEQ: str(last)}
+                msg.reply, body, {HDR_REPLY: REPLY_GONE, HDR_EPOCH: self.epoch, HDR_OLDEST: str(outbox.first), HDR_SEQ: str(last)}
             )
             return
-        # Copy the references first: the ring can move while we await the sends.
-        batch = [(seq, ring.get(seq)[0]) for seq in range(max(start, ring.first), end + 1)]
+        batch = outbox.held(start, end)  # copied out: the ring can move while we await the sends
         for seq, payload in batch:
             if not await self._reply(msg.reply, payload, self._headers(seq)):
                 return

@@ -1,0 +1,121 @@
+"""The publisher's numbered send log: seqs, the replay ring, holes, and the send cursor.
+
+One owner for the rules every sender follows (the core sender in :mod:`kvbridge.publisher` and
+the JetStream one in :mod:`kvbridge.jetstream` drive it through these methods, and neither
+touches its state):
+
+* every message gets the next seq when it is numbered, and is kept, encoded, in a ring bounded
+  in bytes, contiguous from ``first``: replay serves from it, senders send from it;
+* the ring evicts its oldest messages to stay in bounds; a message evicted before it was sent is
+  counted (``evicted_unsent``) and the cursor moves past it -- consumers see the hole and resync;
+* a hole (``skip``) takes a seq that no message carries. Nothing before it can be replayed
+  usefully (a consumer behind a hole needs a snapshot anyway), so the ring restarts after it and
+  unsent messages before it are let go, counted;
+* the send cursor is the first seq not yet sent. ``sent(seq)`` moves it past a message that went
+  out; ``rewind(seq)`` moves it back for a re-send (JetStream: whatever the stream has not
+  acknowledged), never before ``first``.
+
+No I/O, no clock, no asyncio: the rules are tested without a broker (tests/test_outbox.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+__all__ = ["Outbox"]
+
+
+class Outbox:
+    __slots__ = ("max_bytes", "_entries", "_first", "_bytes", "_cursor", "evicted_unsent")
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: deque[tuple[bytes, int]] = deque()  # (payload, events in it)
+        self._first = 0
+        self._bytes = 0
+        self._cursor = 0
+        #: Messages let go before they were ever sent (evicted, or behind a hole).
+        self.evicted_unsent = 0
+
+    # -- numbering ------------------------------------------------------------------------------
+
+    def append(self, payload: bytes, n_events: int) -> int:
+        """Number ``payload`` with the next seq and keep it; returns that seq."""
+        seq = self.end
+        self._entries.append((payload, n_events))
+        self._bytes += len(payload)
+        while self._bytes > self.max_bytes and len(self._entries) > 1:
+            old, _ = self._entries.popleft()
+            self._bytes -= len(old)
+            self._first += 1
+        if self._cursor < self._first:
+            self.evicted_unsent += self._first - self._cursor
+            self._cursor = self._first
+        return seq
+
+    def skip(self) -> int:
+        """Leave a hole: a seq no message carries. Returns it."""
+        hole = self.end
+        self.evicted_unsent += self.end - self._cursor
+        self._entries.clear()
+        self._bytes = 0
+        self._first = self._cursor = hole + 1
+        return hole
+
+    # -- reading --------------------------------------------------------------------------------
+
+    @property
+    def first(self) -> int:
+        """The oldest seq still held (== ``end`` when the ring is empty)."""
+        return self._first
+
+    @property
+    def end(self) -> int:
+        """The seq the next message will get."""
+        return self._first + len(self._entries)
+
+    @property
+    def last_seq(self) -> int:
+        """The newest seq given (to a message or a hole); -1 before any."""
+        return self.end - 1
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, seq: int) -> tuple[bytes, int]:
+        """``(payload, n_events)`` of a held message; IndexError for one not held."""
+        if not self._first <= seq < self.end:
+            raise IndexError(f"seq {seq} is not held (held: {self._first}..{self.end - 1})")
+        return self._entries[seq - self._first]
+
+    def held(self, start: int, stop: int) -> list[tuple[int, bytes]]:
+        """``(seq, payload)`` for the held seqs in ``[start, stop]``, copied out: the ring may move
+        while a caller sends them."""
+        lo, hi = max(start, self._first), min(stop, self.end - 1)
+        return [(seq, self._entries[seq - self._first][0]) for seq in range(lo, hi + 1)]
+
+    # -- the send cursor -----------------------------------------------------------------------
+
+    @property
+    def cursor(self) -> int:
+        """The first seq not yet sent."""
+        return self._cursor
+
+    @property
+    def unsent(self) -> int:
+        return self.end - self._cursor
+
+    def sent(self, seq: int) -> None:
+        """``seq`` went out: the cursor moves past it (unless the ring moved meanwhile)."""
+        if self._cursor == seq:
+            self._cursor = seq + 1
+
+    def rewind(self, seq: int) -> None:
+        """Send again from ``seq`` (or the oldest held, if ``seq`` is gone)."""
+        self._cursor = min(self._cursor, max(seq, self._first))
