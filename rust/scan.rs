@@ -22,7 +22,7 @@ const REMOVED: u8 = 1;
 const CLEARED: u8 = 2;
 
 #[derive(Clone, Copy)]
-enum Hash {
+pub(crate) enum Hash {
     U(u64),
     I(i64),
     B(usize, usize),
@@ -66,22 +66,22 @@ const REMOVED_FIELDS: &[(&[u8], Ty, bool)] = &[
     (b"ownership", Ty::OptStr, false),
 ];
 
-struct Reader<'a> {
-    b: &'a [u8],
-    p: usize,
+pub(crate) struct Reader<'a> {
+    pub(crate) b: &'a [u8],
+    pub(crate) p: usize,
 }
 
 /// `None` everywhere below means "not the fast shape": the caller falls back to a full decode.
 impl<'a> Reader<'a> {
     #[inline]
-    fn byte(&mut self) -> Option<u8> {
+    pub(crate) fn byte(&mut self) -> Option<u8> {
         let v = *self.b.get(self.p)?;
         self.p += 1;
         Some(v)
     }
 
     #[inline]
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let end = self.p.checked_add(n)?;
         let s = self.b.get(self.p..end)?;
         self.p = end;
@@ -89,7 +89,7 @@ impl<'a> Reader<'a> {
     }
 
     #[inline]
-    fn be(&mut self, n: usize) -> Option<u64> {
+    pub(crate) fn be(&mut self, n: usize) -> Option<u64> {
         Some(
             self.take(n)?
                 .iter()
@@ -98,11 +98,11 @@ impl<'a> Reader<'a> {
     }
 
     #[inline]
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.b.get(self.p).copied()
     }
 
-    fn nil(&mut self) -> bool {
+    pub(crate) fn nil(&mut self) -> bool {
         if self.peek() == Some(0xc0) {
             self.p += 1;
             true
@@ -111,7 +111,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn array_len(&mut self) -> Option<usize> {
+    pub(crate) fn array_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x90..=0x9f => Some((m & 0x0f) as usize),
             0xdc => Some(self.be(2)? as usize),
@@ -120,7 +120,7 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn map_len(&mut self) -> Option<usize> {
+    pub(crate) fn map_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x80..=0x8f => Some((m & 0x0f) as usize),
             0xde => Some(self.be(2)? as usize),
@@ -130,7 +130,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A str, UTF-8 checked (msgspec rejects invalid UTF-8).
-    fn str(&mut self) -> Option<&'a [u8]> {
+    pub(crate) fn str(&mut self) -> Option<&'a [u8]> {
         let s = self.raw_str()?;
         if !s.is_ascii() {
             std::str::from_utf8(s).ok()?;
@@ -140,7 +140,7 @@ impl<'a> Reader<'a> {
 
     /// A str's bytes, unchecked: for keys, which must equal a known ASCII name anyway.
     #[inline]
-    fn raw_str(&mut self) -> Option<&'a [u8]> {
+    pub(crate) fn raw_str(&mut self) -> Option<&'a [u8]> {
         let n = match self.byte()? {
             m @ 0xa0..=0xbf => (m & 0x1f) as usize,
             0xd9 => self.be(1)? as usize,
@@ -151,7 +151,7 @@ impl<'a> Reader<'a> {
         self.take(n)
     }
 
-    fn int(&mut self) -> Option<Hash> {
+    pub(crate) fn int(&mut self) -> Option<Hash> {
         Some(match self.byte()? {
             m @ 0x00..=0x7f => Hash::U(m as u64),
             m @ 0xe0..=0xff => Hash::I(m as i8 as i64),
@@ -168,7 +168,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `int | bytes` (ExternalBlockHash).
-    fn hash(&mut self) -> Option<Hash> {
+    pub(crate) fn hash(&mut self) -> Option<Hash> {
         let n = match self.peek()? {
             0xc4 => {
                 self.p += 1;
@@ -190,7 +190,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Any msgpack value msgspec decodes into a plain Python object without question.
-    fn any(&mut self, depth: u32) -> Option<()> {
+    pub(crate) fn any(&mut self, depth: u32) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -223,7 +223,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A map with str keys (hashable for certain, so msgspec builds a dict from it).
-    fn str_map(&mut self, depth: u32) -> Option<()> {
+    pub(crate) fn str_map(&mut self, depth: u32) -> Option<()> {
         for _ in 0..self.map_len()? {
             self.str()?;
             self.any(depth + 1)?;
