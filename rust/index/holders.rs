@@ -42,80 +42,154 @@ pub struct Holders {
     b: u32,
 }
 
-/// Per medium present, a bitset over worker ids (trailing zero words trimmed).
+/// A bitset over worker ids; the first 64 workers live inline (most deployments have fewer),
+/// so a query reads one cache line per popular block.
+#[derive(Default, Clone)]
+struct Bitset {
+    w0: u64,
+    /// Words 1.., trailing zero words trimmed.
+    rest: Vec<u64>,
+}
+
+impl Bitset {
+    fn get(&self, w: u32) -> bool {
+        let word = match w / 64 {
+            0 => self.w0,
+            k => self.rest.get(k as usize - 1).copied().unwrap_or(0),
+        };
+        word & (1 << (w % 64)) != 0
+    }
+
+    fn set(&mut self, w: u32) {
+        match w as usize / 64 {
+            0 => self.w0 |= 1 << (w % 64),
+            k => {
+                if self.rest.len() < k {
+                    self.rest.resize(k, 0);
+                }
+                self.rest[k - 1] |= 1 << (w % 64);
+            }
+        }
+    }
+
+    /// Whether `w` was set (and is now not).
+    fn unset(&mut self, w: u32) -> bool {
+        if !self.get(w) {
+            return false;
+        }
+        match w as usize / 64 {
+            0 => self.w0 &= !(1 << (w % 64)),
+            k => {
+                self.rest[k - 1] &= !(1 << (w % 64));
+                while self.rest.last() == Some(&0) {
+                    self.rest.pop();
+                }
+            }
+        }
+        true
+    }
+
+    fn is_empty(&self) -> bool {
+        self.w0 == 0 && self.rest.is_empty()
+    }
+
+    #[inline]
+    fn or_into(&self, out: &mut [u64]) {
+        out[0] |= self.w0;
+        for (o, w) in out[1..].iter_mut().zip(&self.rest) {
+            *o |= w;
+        }
+    }
+
+    fn workers(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::once(self.w0)
+            .chain(self.rest.iter().copied())
+            .enumerate()
+            .flat_map(|(k, word)| Bits(word).map(move |b| (k * 64 + b) as u32))
+    }
+
+    fn heap_bytes(&self) -> usize {
+        if self.rest.capacity() == 0 {
+            0
+        } else {
+            // 16 bytes of allocator bookkeeping per allocation, an estimate for glibc's malloc.
+            self.rest.capacity() * 8 + 16
+        }
+    }
+}
+
+/// Per medium present, the workers holding the block in it: the first medium inline.
 #[derive(Default)]
 pub struct Many {
     count: u32,
-    media: Vec<(u8, Vec<u64>)>,
+    m0: u8,
+    b0: Bitset,
+    others: Vec<(u8, Bitset)>,
 }
 
 impl Many {
+    fn media(&self) -> impl Iterator<Item = (u8, &Bitset)> {
+        std::iter::once((self.m0, &self.b0)).chain(self.others.iter().map(|(m, b)| (*m, b)))
+    }
+
+    fn bitset_mut(&mut self, m: u8) -> Option<&mut Bitset> {
+        if self.m0 == m {
+            return Some(&mut self.b0);
+        }
+        self.others.iter_mut().find(|x| x.0 == m).map(|x| &mut x.1)
+    }
+
     fn contains(&self, e: Entry) -> bool {
-        let (w, m) = (worker_of(e) as usize, medium_of(e));
-        self.media
-            .iter()
-            .find(|x| x.0 == m)
-            .and_then(|x| x.1.get(w / 64))
-            .is_some_and(|word| word & (1 << (w % 64)) != 0)
+        let m = medium_of(e);
+        self.media().any(|(x, b)| x == m && b.get(worker_of(e)))
     }
 
     fn insert(&mut self, e: Entry) {
         let (w, m) = (worker_of(e), medium_of(e));
-        let i = match self.media.iter().position(|x| x.0 == m) {
-            Some(i) => i,
-            None => {
-                self.media.push((m, Vec::new()));
-                self.media.len() - 1
-            }
-        };
-        let words = &mut self.media[i].1;
-        let k = w as usize / 64;
-        if words.len() <= k {
-            words.resize(k + 1, 0);
+        if self.count == 0 {
+            self.m0 = m;
         }
-        set_bit(words, w);
+        match self.bitset_mut(m) {
+            Some(b) => b.set(w),
+            None => {
+                let mut b = Bitset::default();
+                b.set(w);
+                self.others.push((m, b));
+            }
+        }
         self.count += 1;
     }
 
     /// Whether `e` was held (and is now not).
     fn remove(&mut self, e: Entry) -> bool {
-        let (w, m) = (worker_of(e) as usize, medium_of(e));
-        let Some(i) = self.media.iter().position(|x| x.0 == m) else {
+        let (w, m) = (worker_of(e), medium_of(e));
+        if !self.bitset_mut(m).is_some_and(|b| b.unset(w)) {
             return false;
-        };
-        let words = &mut self.media[i].1;
-        let bit = 1u64 << (w % 64);
-        match words.get_mut(w / 64) {
-            Some(word) if *word & bit != 0 => *word &= !bit,
-            _ => return false,
-        }
-        while words.last() == Some(&0) {
-            words.pop();
-        }
-        if words.is_empty() {
-            self.media.swap_remove(i);
         }
         self.count -= 1;
+        if self.b0.is_empty() {
+            if let Some((m0, b0)) = self.others.pop() {
+                self.m0 = m0;
+                self.b0 = b0;
+            }
+        } else {
+            self.others.retain(|x| !x.1.is_empty());
+        }
         true
     }
 
     fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
-        self.media.iter().flat_map(|(m, words)| {
-            words.iter().enumerate().flat_map(move |(k, &word)| {
-                Bits(word).map(move |b| entry((k * 64 + b) as u32, *m))
-            })
-        })
+        self.media()
+            .flat_map(|(m, b)| b.workers().map(move |w| entry(w, m)))
     }
 
     fn heap_bytes(&self) -> usize {
-        // 16 bytes of allocator bookkeeping per allocation, an estimate for glibc's malloc.
-        let outer = self.media.capacity() * std::mem::size_of::<(u8, Vec<u64>)>() + 16;
-        outer
-            + self
-                .media
-                .iter()
-                .map(|(_, w)| w.capacity() * 8 + 16)
-                .sum::<usize>()
+        let others = if self.others.capacity() == 0 {
+            0
+        } else {
+            self.others.capacity() * std::mem::size_of::<(u8, Bitset)>() + 16
+        };
+        others + self.media().map(|(_, b)| b.heap_bytes()).sum::<usize>()
     }
 }
 
@@ -274,10 +348,7 @@ impl Holders {
 
     pub fn held_by_worker(&self, slab: &Slab, w: u32) -> bool {
         if self.a == MANY {
-            slab.many[self.b as usize]
-                .media
-                .iter()
-                .any(|(_, words)| words.get(w as usize / 64).is_some_and(|x| x & (1 << (w % 64)) != 0))
+            slab.many[self.b as usize].media().any(|(_, b)| b.get(w))
         } else {
             worker_of(self.a) == w || (self.b != NONE && worker_of(self.b) == w)
         }
@@ -288,11 +359,9 @@ impl Holders {
     #[inline]
     pub fn workers_into(&self, slab: &Slab, medium: Option<u8>, out: &mut [u64]) {
         if self.a == MANY {
-            for (m, words) in &slab.many[self.b as usize].media {
-                if medium.is_none_or(|x| x == *m) {
-                    for (o, w) in out.iter_mut().zip(words) {
-                        *o |= w;
-                    }
+            for (m, b) in slab.many[self.b as usize].media() {
+                if medium.is_none_or(|x| x == m) {
+                    b.or_into(out);
                 }
             }
         } else {
