@@ -88,6 +88,7 @@ stats!(
     malformed_payloads,
     unknown_removes,
     bad_extra_keys,
+    bad_token_ids,
     too_many_media,
     too_many_workers,
 );
@@ -373,7 +374,15 @@ impl Core {
                 return;
             }
         }
-        if s.extra_keys.as_ref().is_some_and(|e| e.len() != n) {
+        if s.bad_tokens {
+            self.stats.bad_token_ids += 1;
+            if self.mode == Mode::Tokens {
+                return;
+            }
+        }
+        if self.mode == Mode::Tokens
+            && (s.bad_extra_keys || s.extra_keys.as_ref().is_some_and(|e| e.len() != n))
+        {
             self.stats.bad_extra_keys += 1;
             return;
         }

@@ -27,6 +27,10 @@ pub struct Stored<'a> {
     pub medium: Option<&'a str>,
     pub lora_name: Option<&'a str>,
     pub extra_keys: Option<Vec<Option<Value>>>,
+    /// A token id outside 0..2**32-1: the blocks cannot be hashed.
+    pub bad_tokens: bool,
+    /// An extra key of a type no engine writes (float, map): the blocks cannot be keyed.
+    pub bad_extra_keys: bool,
 }
 
 pub enum Event<'a> {
@@ -84,6 +88,10 @@ struct Parser<'a> {
     /// Transcoded JSON: strings in hash positions are base64 bytes.
     json: bool,
     out: Batch<'a>,
+    /// Set by the current event's token ids / extra keys when they hold what the index cannot
+    /// use, though the payload is a valid batch.
+    bad_tokens: bool,
+    bad_extra_keys: bool,
 }
 
 #[derive(Default)]
@@ -104,6 +112,8 @@ impl<'a> Parser<'a> {
             r: Reader { b, p: 0 },
             json,
             out: Batch::default(),
+            bad_tokens: false,
+            bad_extra_keys: false,
         }
     }
 
@@ -156,10 +166,16 @@ impl<'a> Parser<'a> {
         let n = self.r.array_len()?;
         self.out.events.reserve(n);
         for _ in 0..n {
-            let ev = match self.r.peek()? {
+            self.bad_tokens = false;
+            self.bad_extra_keys = false;
+            let mut ev = match self.r.peek()? {
                 0x90..=0x9f | 0xdc | 0xdd => self.positional()?,
                 _ => self.tagged()?,
             };
+            if let Event::Stored(s) = &mut ev {
+                s.bad_tokens = self.bad_tokens;
+                s.bad_extra_keys = self.bad_extra_keys;
+            }
             self.out.events.push(ev);
         }
         Some(())
@@ -211,7 +227,8 @@ impl<'a> Parser<'a> {
 
     fn int(&mut self) -> Option<i64> {
         match self.r.int()? {
-            Hash::U(v) => i64::try_from(v).ok(),
+            // Only ever compared with the index's block size: a huge one is just a mismatch.
+            Hash::U(v) => Some(i64::try_from(v).unwrap_or(i64::MAX)),
             Hash::I(v) => Some(v),
             Hash::B(..) => None,
         }
@@ -263,20 +280,21 @@ impl<'a> Parser<'a> {
         self.out.tokens.reserve(n);
         for _ in 0..n {
             let t = match self.r.byte()? {
-                t @ 0x00..=0x7f => t as u32,
-                0xcc => self.r.be(1)? as u32,
-                0xcd => self.r.be(2)? as u32,
-                0xce => self.r.be(4)? as u32,
-                0xcf => u32::try_from(self.r.be(8)?).ok()?,
-                // Signed markers holding a non-negative value (msgspec never writes these, other
-                // encoders may).
-                0xd0 => u32::try_from(self.r.be(1)? as u8 as i8).ok()?,
-                0xd1 => u32::try_from(self.r.be(2)? as u16 as i16).ok()?,
-                0xd2 => u32::try_from(self.r.be(4)? as u32 as i32).ok()?,
-                0xd3 => u32::try_from(self.r.be(8)? as i64).ok()?,
+                t @ 0x00..=0x7f => Some(t as u32),
+                0xcc => Some(self.r.be(1)? as u32),
+                0xcd => Some(self.r.be(2)? as u32),
+                0xce => Some(self.r.be(4)? as u32),
+                0xcf => u32::try_from(self.r.be(8)?).ok(),
+                0xe0..=0xff => None,
+                // Signed markers may hold non-negative values (msgspec never writes these).
+                0xd0 => u32::try_from(self.r.be(1)? as u8 as i8).ok(),
+                0xd1 => u32::try_from(self.r.be(2)? as u16 as i16).ok(),
+                0xd2 => u32::try_from(self.r.be(4)? as u32 as i32).ok(),
+                0xd3 => u32::try_from(self.r.be(8)? as i64).ok(),
                 _ => return None,
             };
-            self.out.tokens.push(t);
+            self.bad_tokens |= t.is_none();
+            self.out.tokens.push(t.unwrap_or(0));
         }
         Some(start..self.out.tokens.len())
     }
@@ -297,8 +315,10 @@ impl<'a> Parser<'a> {
         Some(Some(out))
     }
 
-    /// An extra-key value in its canonical form (see `keys`): nil, bool, int, str, bytes and
-    /// arrays of these. Floats, maps and ext types are not extra keys any engine writes.
+    /// An extra-key value in its canonical form: nil, bool, int, str, bytes and arrays of
+    /// these (the form Python query arguments take too, see rust/index.rs `key_value`). Floats
+    /// and maps are skipped and flag the event: no engine writes them, and they have no
+    /// canonical form here.
     fn value(&mut self, depth: u32) -> Option<Value> {
         if depth > MAX_DEPTH {
             return None;
@@ -335,7 +355,11 @@ impl<'a> Parser<'a> {
                 }
                 Value::Tuple(items, 0)
             }
-            _ => return None,
+            _ => {
+                self.r.any(depth)?;
+                self.bad_extra_keys = true;
+                Value::None
+            }
         })
     }
 }
@@ -351,6 +375,8 @@ impl<'a> Fields<'a> {
                 medium: self.medium,
                 lora_name: self.lora_name,
                 extra_keys: self.extra_keys,
+                bad_tokens: false,
+                bad_extra_keys: false,
             }),
             b"BlockRemoved" => Event::Removed {
                 hashes: self.hashes?,
