@@ -73,8 +73,12 @@ class _Body:
 
     __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
 
-    def __init__(self, payload: bytes, fmt: str) -> None:
+    def __init__(self, payload: bytes, fmt: str, raw: bool = False) -> None:
         self.payload, self.fmt = payload, fmt
+        if raw:
+            # An Index reads the bytes itself: nothing is scanned or decoded unless asked for.
+            self._batch = None
+            return
         scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
         if scanned is None:
             self._set_batch(_decode(payload, fmt))
@@ -98,9 +102,17 @@ class _Body:
     def batch(self) -> KVEventBatch:
         batch = self._batch
         if batch is None:
-            # The scan vouched for these bytes, so this decode cannot fail.
+            # The scan vouched for these bytes, so this decode cannot fail (a raw body's can:
+            # DecodeError).
             batch = self._batch = _decode(self.payload, self.fmt)  # type: ignore[arg-type]
         return batch
+
+    def __getattr__(self, name: str) -> Any:
+        # Only a raw body's unset slots get here: decode on first use.
+        if name in ("ts", "rank", "n_events", "n_blocks", "ops"):
+            self._set_batch(self.batch)
+            return object.__getattribute__(self, name)
+        raise AttributeError(name)
 
 
 def _ops_of(events: list[Any]) -> tuple[list[tuple[int, list[Any]]], int]:
@@ -245,6 +257,14 @@ class KvEventSubscriber:
     Deliveries go to ``on_update(update)`` (sync or async) if given, and to ``async for update in
     subscriber`` once iteration has begun. ``views`` holds a :class:`WorkerView` per
     ``(model, worker)`` unless ``track_views=False``.
+
+    ``index``: a :class:`kvbridge.Index` to keep up to date. Each delivered update's payload bytes
+    go straight to ``index.apply(worker, payload)`` (a snapshot, already decoded, as its batch);
+    a reset (snapshot, restart) first does ``index.remove_worker(worker)``. The index is keyed by
+    the subject's worker token alone, so subscribe to one model per Index. With an index,
+    ``track_views`` defaults to False and messages are neither scanned nor decoded in Python; a
+    payload the index cannot read is counted in ``index.stats["malformed_payloads"]`` (its seq
+    still counts as delivered), and ``update.batch`` / ``n_events`` decode on first access.
     """
 
     def __init__(
@@ -255,9 +275,10 @@ class KvEventSubscriber:
         worker: str | None = None,
         subject: str | None = None,
         on_update: Callable[[Update], Awaitable[None] | None] | None = None,
-        track_views: bool = True,
+        track_views: bool | None = None,
         queue_size: int = 1024,
         stream_start: int | datetime.datetime | None = None,
+        index: Any = None,
         **options: Any,
     ) -> None:
         if config is None:
@@ -268,7 +289,10 @@ class KvEventSubscriber:
         self.prefix = config.subject_prefix
         self.subject = subject or events_pattern(self.prefix, model, worker)
         self.on_update = on_update
-        self.track_views = track_views
+        self.index = index
+        self.track_views = index is None if track_views is None else track_views
+        # Scanning builds Python hash lists for views; an index reads the bytes itself.
+        self._raw_bodies = index is not None and not self.track_views
         self.metric_labels = {"subject": self.subject}
         self._queue_size = queue_size
         #: JetStream mode (``config.jetstream``): where in the stream to begin; see kvbridge.jetstream.
@@ -364,7 +388,7 @@ class KvEventSubscriber:
             key = parse_events_subject(msg.subject, self.prefix)
             if key is None:
                 raise _Malformed("not an events subject")
-            epoch, seq, batch = _parse_event_msg(msg)
+            epoch, seq, batch = _parse_event_msg(msg, self._raw_bodies)
         except (_Malformed, DecodeError):
             counts["malformed"] += 1
             return
@@ -414,7 +438,11 @@ class KvEventSubscriber:
         self._adopt_epoch(w, epoch)
         w.need_snapshot = False
         w.next_seq = 0
-        await self._deliver(w, -1, KVEventBatch(batch.ts, [], batch.rank), "stream", reset=True)
+        try:
+            ts, rank = batch.ts, batch.rank
+        except DecodeError:  # a raw body (index mode) the index will count as malformed
+            ts, rank = time.time(), None
+        await self._deliver(w, -1, KVEventBatch(ts, [], rank), "stream", reset=True)
         w.next_seq = 1
         await self._deliver(w, 0, batch, "live")
         await self._drain_parked(w)
@@ -442,9 +470,10 @@ class KvEventSubscriber:
         self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False
     ) -> None:
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
+        n_events = update.n_events if self.index is None else self._index_apply(w, update)
         if w.view is not None:
             w.view.apply(update)
-        self._counts["events"] += update.n_events
+        self._counts["events"] += n_events
         if self.on_update is not None:
             try:
                 result = self.on_update(update)
@@ -455,6 +484,22 @@ class KvEventSubscriber:
                 log.exception("kvbridge on_update callback failed")
         if self._queue is not None:
             await self._queue.put(update)
+
+    # -- index feed ---------------------------------------------------------------------------------
+
+    def _index_apply(self, w: _Worker, update: Update) -> int:
+        """Feeds one update to the index; returns its number of events (0 if unreadable)."""
+        body = update._body
+        if update.reset:
+            self._index_forget(w)
+        if body.payload is not None:
+            return self.index.apply(w.worker, body.payload, body.fmt)
+        return self.index.apply(w.worker, body.batch)
+
+    def _index_forget(self, w: _Worker) -> None:
+        """Drops everything the index holds for ``w`` (a reset, or a worker gone)."""
+        if self.index is not None:
+            self.index.remove_worker(w.worker)
 
     # -- resync -------------------------------------------------------------------------------------
 
@@ -530,7 +575,7 @@ class KvEventSubscriber:
             return True
         for m in replies[:-1]:
             try:
-                epoch, seq, batch = _parse_event_msg(m)
+                epoch, seq, batch = _parse_event_msg(m, self._raw_bodies)
             except (_Malformed, DecodeError):
                 self._counts["malformed"] += 1
                 return False
@@ -597,7 +642,7 @@ class KvEventSubscriber:
         w.epoch = w.parked_epoch = epoch
 
 
-def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
+def _parse_event_msg(msg: Any, raw: bool = False) -> tuple[str, int, _Body]:
     headers = msg.headers
     if not headers:
         raise _Malformed("no headers")
@@ -615,7 +660,7 @@ def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
         raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, _Body(msg.data, fmt)
+    return epoch, seq, _Body(msg.data, fmt, raw)
 
 
 _scan = _native.scan_batch_msgpack
