@@ -37,7 +37,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 type NameCache = (Arc<str>, Py<PyString>);
 
 /// A global KV-cache index: per worker and medium, which blocks it holds; per query, how many
-/// leading blocks of a prompt each worker holds. See kvbridge's README ("Index") for the rules.
+/// leading blocks of a prompt each worker holds. `Index(block_size=16, key="tokens")`; see
+/// kvbridge's README ("Index") and the type stub for the rules.
 #[pyclass(module = "kvbridge._native", frozen)]
 pub struct Index {
     core: RwLock<Core>,
@@ -260,7 +261,8 @@ impl Index {
 
     /// Counters: payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
     /// block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
-    /// bad_extra_keys, too_many_media, too_many_workers; and the gauges blocks, workers.
+    /// bad_extra_keys, bad_token_ids, too_many_media, too_many_workers; and the gauges blocks,
+    /// workers.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (pairs, blocks, workers) = self.read(py, false, |core| {

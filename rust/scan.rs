@@ -90,11 +90,12 @@ impl<'a> Reader<'a> {
 
     #[inline]
     pub(crate) fn be(&mut self, n: usize) -> Option<u64> {
-        Some(
-            self.take(n)?
-                .iter()
-                .fold(0u64, |acc, &x| (acc << 8) | x as u64),
-        )
+        let s = self.take(n)?;
+        Some(match n {
+            8 => u64::from_be_bytes(s.try_into().unwrap()),
+            4 => u32::from_be_bytes(s.try_into().unwrap()) as u64,
+            _ => s.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64),
+        })
     }
 
     #[inline]
@@ -111,6 +112,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     pub(crate) fn array_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x90..=0x9f => Some((m & 0x0f) as usize),
@@ -120,6 +122,7 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     pub(crate) fn map_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x80..=0x8f => Some((m & 0x0f) as usize),
@@ -130,6 +133,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A str, UTF-8 checked (msgspec rejects invalid UTF-8).
+    #[inline]
     pub(crate) fn str(&mut self) -> Option<&'a [u8]> {
         let s = self.raw_str()?;
         if !s.is_ascii() {
@@ -151,6 +155,7 @@ impl<'a> Reader<'a> {
         self.take(n)
     }
 
+    #[inline]
     pub(crate) fn int(&mut self) -> Option<Hash> {
         Some(match self.byte()? {
             m @ 0x00..=0x7f => Hash::U(m as u64),
@@ -168,6 +173,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `int | bytes` (ExternalBlockHash).
+    #[inline]
     pub(crate) fn hash(&mut self) -> Option<Hash> {
         let n = match self.peek()? {
             0xc4 => {

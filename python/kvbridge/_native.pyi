@@ -240,6 +240,7 @@ class Index:
     def stats(self) -> dict[str, int]:
         """payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
         block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
-        bad_extra_keys, too_many_media, too_many_workers (counters); blocks, workers (now)."""
+        bad_extra_keys, bad_token_ids, too_many_media, too_many_workers (counters since
+        creation, kept by clear()); blocks, workers (now)."""
     def __len__(self) -> int:
         """Distinct blocks held by any worker."""

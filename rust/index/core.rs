@@ -719,20 +719,3 @@ mod tests {
         assert!(out.is_empty());
     }
 }
-#[cfg(test)]
-mod timing {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn time_chain() {
-        let toks: Vec<u32> = (0..2048u32).map(|x| x.wrapping_mul(2654435761) % 50000).collect();
-        let mut d = Vec::with_capacity(128);
-        let t = std::time::Instant::now();
-        for _ in 0..10000 {
-            d.clear();
-            let mut chain = Chain::new(Algo::Xxh3, 16, 0, None, None, None);
-            chain.run(&toks, None, 0, &mut d);
-        }
-        eprintln!("chain 128 blocks: {:?}", t.elapsed() / 10000);
-    }
-}

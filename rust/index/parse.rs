@@ -184,8 +184,9 @@ impl<'a> Parser<'a> {
     fn tagged(&mut self) -> Option<Event<'a>> {
         let mut f = Fields::default();
         for _ in 0..self.r.map_len()? {
-            match self.r.str()? {
-                b"type" => f.kind = Some(self.r.str()?),
+            // Keys only need to equal known ASCII names; unknown ones are skipped with their value.
+            match self.r.raw_str()? {
+                b"type" => f.kind = Some(self.r.raw_str()?),
                 b"block_hashes" => f.hashes = Some(self.hashes()?),
                 b"parent_block_hash" => f.parent = self.opt_hash()?,
                 b"token_ids" => f.tokens = Some(self.tokens()?),
@@ -277,25 +278,47 @@ impl<'a> Parser<'a> {
         if n > self.r.b.len() - self.r.p {
             return None;
         }
-        self.out.tokens.reserve(n);
-        for _ in 0..n {
-            let t = match self.r.byte()? {
-                t @ 0x00..=0x7f => Some(t as u32),
-                0xcc => Some(self.r.be(1)? as u32),
-                0xcd => Some(self.r.be(2)? as u32),
-                0xce => Some(self.r.be(4)? as u32),
-                0xcf => u32::try_from(self.r.be(8)?).ok(),
-                0xe0..=0xff => None,
-                // Signed markers may hold non-negative values (msgspec never writes these).
-                0xd0 => u32::try_from(self.r.be(1)? as u8 as i8).ok(),
-                0xd1 => u32::try_from(self.r.be(2)? as u16 as i16).ok(),
-                0xd2 => u32::try_from(self.r.be(4)? as u32 as i32).ok(),
-                0xd3 => u32::try_from(self.r.be(8)? as i64).ok(),
-                _ => return None,
+        // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
+        // uint32 for a vocabulary past 65536), so they are decoded without a branch on the
+        // width: one 8-byte big-endian load, then shift and mask by the marker byte.
+        let b = self.r.b;
+        let mut p = self.r.p;
+        let tokens = &mut self.out.tokens;
+        tokens.resize(start + n, 0);
+        let mut bad = false;
+        for slot in &mut tokens[start..] {
+            let t = match b.get(p..p + 8) {
+                Some(word) => {
+                    let word = u64::from_be_bytes(word.try_into().unwrap());
+                    let m = (word >> 56) as u32;
+                    // The next token's position is on the critical path: its width is computed,
+                    // not looked up (fixint 1, uint8/16/32 = 0xcc..0xce: 1 + 1, 2, 4).
+                    if m < 0x80 {
+                        p += 1;
+                        Some(m)
+                    } else if (0xcc..=0xce).contains(&m) {
+                        let bytes = 1u32 << (m - 0xcc);
+                        p += 1 + bytes as usize;
+                        Some(((word >> (56 - 8 * bytes)) & TOKEN_MASK[m as usize]) as u32)
+                    } else {
+                        self.r.p = p;
+                        let t = other_token(&mut self.r)?;
+                        p = self.r.p;
+                        t
+                    }
+                }
+                None => {
+                    self.r.p = p;
+                    let t = other_token(&mut self.r)?;
+                    p = self.r.p;
+                    t
+                }
             };
-            self.bad_tokens |= t.is_none();
-            self.out.tokens.push(t.unwrap_or(0));
+            bad |= t.is_none();
+            *slot = t.unwrap_or(0);
         }
+        self.r.p = p;
+        self.bad_tokens |= bad;
         Some(start..self.out.tokens.len())
     }
 
@@ -386,6 +409,34 @@ impl<'a> Fields<'a> {
             _ => return None,
         })
     }
+}
+
+/// The value mask of a token id by its marker: uint8/16/32 at 0xcc..0xce.
+const TOKEN_MASK: [u64; 256] = {
+    let mut t = [0u64; 256];
+    t[0xcc] = 0xff;
+    t[0xcd] = 0xffff;
+    t[0xce] = 0xffff_ffff;
+    t
+};
+
+/// A token id at the payload's very end, or in a width msgspec does not write for one (or out
+/// of range: `Some(None)`).
+fn other_token(r: &mut Reader) -> Option<Option<u32>> {
+    Some(match r.byte()? {
+        t @ 0x00..=0x7f => Some(t as u32),
+        0xcc => Some(r.be(1)? as u32),
+        0xcd => Some(r.be(2)? as u32),
+        0xce => Some(r.be(4)? as u32),
+        0xcf => u32::try_from(r.be(8)?).ok(),
+        0xe0..=0xff => None,
+        // Signed markers may hold non-negative values (msgspec never writes these).
+        0xd0 => u32::try_from(r.be(1)? as u8 as i8).ok(),
+        0xd1 => u32::try_from(r.be(2)? as u16 as i16).ok(),
+        0xd2 => u32::try_from(r.be(4)? as u32 as i32).ok(),
+        0xd3 => u32::try_from(r.be(8)? as i64).ok(),
+        _ => return None,
+    })
 }
 
 fn base64_reduced(s: &[u8]) -> Option<u64> {
