@@ -127,13 +127,14 @@ impl Index {
         let long = bytes.len() >= DETACH_MIN_BYTES;
         Ok(self.write(py, long, |core| {
             let mut scratch = Vec::new();
-            match parse(bytes, format, &mut scratch) {
+            let n = match parse(bytes, format, &mut scratch) {
                 Some(batch) => core.apply(worker, batch),
                 None => {
                     core.malformed();
                     0
                 }
-            }
+            };
+            n
         }))
     }
 

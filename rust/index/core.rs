@@ -249,7 +249,7 @@ impl Core {
     // --- changing ----------------------------------------------------------------------------
 
     /// Applies a payload's events for `worker`; returns how many events it had.
-    pub fn apply(&mut self, worker: &str, batch: Batch) -> usize {
+    pub fn apply(&mut self, worker: &str, mut batch: Batch) -> usize {
         self.stats.payloads += 1;
         let Some(w) = self.worker_id(worker) else {
             self.stats.too_many_workers += 1;
@@ -257,8 +257,12 @@ impl Core {
         };
         let n = batch.events.len();
         self.stats.events += n as u64;
+        let events = std::mem::take(&mut batch.events);
         let (hashes, tokens) = (&batch.hashes, &batch.tokens);
-        for ev in batch.events {
+        if self.mode == Mode::Tokens {
+            self.touch(w, &events, hashes);
+        }
+        for ev in events {
             match ev {
                 Event::Stored(s) => self.stored(w, s, hashes, tokens),
                 Event::Removed { hashes: r, medium } => self.removed(w, &hashes[r], medium),
@@ -269,6 +273,33 @@ impl Core {
             }
         }
         n
+    }
+
+    /// Reads, without changing anything, the table entries a payload's events will change:
+    /// independent lookups whose cache misses the CPU overlaps, where the updates that follow
+    /// (each waiting on the last) would take them one at a time.
+    fn touch(&self, w: u32, events: &[Event], hashes: &[u64]) {
+        let Some(worker) = self.workers[w as usize].as_ref() else {
+            return;
+        };
+        for ev in events {
+            let (range, medium) = match ev {
+                Event::Stored(s) => (&s.hashes, s.medium),
+                Event::Removed { hashes, medium } => (hashes, *medium),
+                Event::Cleared => continue,
+            };
+            let Some(m) = self.find_medium(medium) else {
+                continue;
+            };
+            let Some(slot) = worker.slots.iter().find(|s| s.medium == m) else {
+                continue;
+            };
+            for e in &hashes[range.clone()] {
+                if let Some(k) = slot.engine.get(e) {
+                    std::hint::black_box(self.blocks.get(k));
+                }
+            }
+        }
     }
 
     pub fn malformed(&mut self) {
@@ -433,6 +464,9 @@ impl Core {
                 let mut digests = std::mem::take(&mut self.digests);
                 digests.clear();
                 chain.run(tokens, extras.as_deref(), 0, &mut digests);
+                for d in &digests {
+                    std::hint::black_box(self.blocks.get(&d.event_hash()));
+                }
                 let si = self.slot_index(w, m);
                 let e = entry(w, m);
                 let Core {
@@ -568,16 +602,14 @@ fn strip_lora(keys: Vec<Option<Value>>, lora_name: Option<&str>) -> Vec<Option<V
 
 /// Removes holder `e` from block `k`, dropping the block when it was the last; whether it held.
 fn remove_entry(blocks: &mut Map<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
-    let Some(h) = blocks.get_mut(&k) else {
+    let hashbrown::hash_map::Entry::Occupied(mut o) = blocks.entry(k) else {
         return false;
     };
-    match h.remove(slab, e) {
+    match o.get_mut().remove(slab, e) {
         Removed::NotHeld => false,
         Removed::Kept => true,
         Removed::Empty => {
-            if let Some(h) = blocks.remove(&k) {
-                h.release(slab);
-            }
+            o.remove().release(slab);
             true
         }
     }
@@ -619,7 +651,7 @@ fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry
 
 /// Tokens mode: one engine hash of `slot` standing for `k` is gone.
 fn drop_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    if let Some(d) = slot.dups.get_mut(&k) {
+    if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
         *d -= 1;
         if *d == 0 {
             slot.dups.remove(&k);

@@ -10,6 +10,7 @@
 //! A payload either parses whole or not at all (`None`): the index applies none of a payload it
 //! cannot read.
 
+use std::cell::Cell;
 use std::ops::Range;
 
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -42,12 +43,43 @@ pub enum Event<'a> {
     Cleared,
 }
 
-/// A payload's events; their hashes and token ids live in two flat vectors.
+/// A payload's events; their hashes and token ids live in two flat vectors, which go back to
+/// a per-thread spare when the batch is dropped (a payload's worth of malloc and free saved).
 #[derive(Default)]
 pub struct Batch<'a> {
     pub events: Vec<Event<'a>>,
     pub hashes: Vec<u64>,
     pub tokens: Vec<u32>,
+}
+
+thread_local! {
+    static SPARE: Cell<(Vec<u64>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// Larger vectors are freed, so one huge payload does not pin its memory.
+const KEEP_MAX_ITEMS: usize = 1 << 18;
+
+impl Batch<'_> {
+    fn recycled() -> Self {
+        let (hashes, tokens) = SPARE.try_with(Cell::take).unwrap_or_default();
+        Batch {
+            events: Vec::new(),
+            hashes,
+            tokens,
+        }
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        let (mut h, mut t) = (std::mem::take(&mut self.hashes), std::mem::take(&mut self.tokens));
+        if h.capacity() <= KEEP_MAX_ITEMS && t.capacity() <= KEEP_MAX_ITEMS {
+            h.clear();
+            t.clear();
+            // The thread may be exiting, in which case there is nothing to return to.
+            let _ = SPARE.try_with(|c| c.set((h, t)));
+        }
+    }
 }
 
 /// A 64-bit block hash: ints as two's complement, bytes reduced as vLLM reduces a digest to
@@ -111,7 +143,7 @@ impl<'a> Parser<'a> {
         Parser {
             r: Reader { b, p: 0 },
             json,
-            out: Batch::default(),
+            out: Batch::recycled(),
             bad_tokens: false,
             bad_extra_keys: false,
         }
@@ -185,16 +217,16 @@ impl<'a> Parser<'a> {
         let mut f = Fields::default();
         for _ in 0..self.r.map_len()? {
             // Keys only need to equal known ASCII names; unknown ones are skipped with their value.
-            match self.r.raw_str()? {
-                b"type" => f.kind = Some(self.r.raw_str()?),
-                b"block_hashes" => f.hashes = Some(self.hashes()?),
-                b"parent_block_hash" => f.parent = self.opt_hash()?,
-                b"token_ids" => f.tokens = Some(self.tokens()?),
-                b"block_size" => f.block_size = Some(self.int()?),
-                b"medium" => f.medium = self.opt_str()?,
-                b"lora_name" => f.lora_name = self.opt_str()?,
-                b"extra_keys" => f.extra_keys = self.extra_keys()?,
-                _ => self.r.any(1)?,
+            match field(self.r.raw_str()?) {
+                Field::Type => f.kind = Some(self.r.raw_str()?),
+                Field::BlockHashes => f.hashes = Some(self.hashes()?),
+                Field::Parent => f.parent = self.opt_hash()?,
+                Field::TokenIds => f.tokens = Some(self.tokens()?),
+                Field::BlockSize => f.block_size = Some(self.int()?),
+                Field::Medium => f.medium = self.opt_str()?,
+                Field::LoraName => f.lora_name = self.opt_str()?,
+                Field::ExtraKeys => f.extra_keys = self.extra_keys()?,
+                Field::Other => self.r.any(1)?,
             }
         }
         f.into_event()
@@ -384,6 +416,40 @@ impl<'a> Parser<'a> {
                 Value::None
             }
         })
+    }
+}
+
+enum Field {
+    Type,
+    BlockHashes,
+    Parent,
+    TokenIds,
+    BlockSize,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    Other,
+}
+
+/// An event field by name: one comparison per key (the key's length and first byte pick the
+/// candidate), not one per known name.
+#[inline]
+fn field(key: &[u8]) -> Field {
+    let (want, f): (&[u8], Field) = match (key.len(), key.first()) {
+        (4, _) => (b"type", Field::Type),
+        (12, _) => (b"block_hashes", Field::BlockHashes),
+        (17, _) => (b"parent_block_hash", Field::Parent),
+        (9, Some(b't')) => (b"token_ids", Field::TokenIds),
+        (9, _) => (b"lora_name", Field::LoraName),
+        (10, Some(b'b')) => (b"block_size", Field::BlockSize),
+        (10, _) => (b"extra_keys", Field::ExtraKeys),
+        (6, _) => (b"medium", Field::Medium),
+        _ => return Field::Other,
+    };
+    if key == want {
+        f
+    } else {
+        Field::Other
     }
 }
 
