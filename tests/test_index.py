@@ -567,21 +567,25 @@ def test_inputs_and_properties():
 
 
 def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
-    """One worker's chain grows one payload at a time (some large enough to be applied without
-    the GIL): a concurrent reader must only ever see a prefix length some payload ended at."""
+    """One worker's chain grows one payload at a time (some over 64 KiB, which apply with the GIL
+    released): a concurrent reader must only ever see a prefix length some payload ended at."""
     idx = Index(4)
     rng = random.Random(3)
-    tokens = [rng.randrange(1000) for _ in range(4 * 6000)]
-    hashes = list(range(1, 6001))
+    total = 9000
+    tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]  # 5 msgpack bytes each
+    hashes = list(range(1, total + 1))
     payloads, ends = [], {0}
     start = 0
-    while start < 6000:
-        n = rng.choice([1, 5, 1500])
-        n = min(n, 6000 - start)
-        ev = BlockStored(hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4, None, "GPU", None)
+    while start < total:
+        n = min(rng.choice([1, 5, 3000]), total - start)
+        ev = BlockStored(
+            hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4,
+            None, "GPU", None,
+        )  # fmt: skip
         payloads.append(encode_batch(KVEventBatch(0.0, [ev])))
         start += n
         ends.add(start)
+    assert max(map(len, payloads)) >= 64 * 1024
     seen: list[int] = []
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -604,4 +608,4 @@ def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
     assert not errors
     assert seen and all(s in ends for s in seen)
     assert seen == sorted(seen)
-    assert idx.find_matches(tokens) == {"w": 6000}
+    assert idx.find_matches(tokens) == {"w": total}

@@ -11,6 +11,10 @@
 //!
 //! Removing a block removes that block only: a hole in a chain keeps its children, and a
 //! query's prefix simply stops at the hole.
+//!
+//! Engine mode keeps no per-worker list of blocks (the blocks' holder sets are the only record,
+//! which keeps an entry to the map's bytes): clearing or removing a worker there is one pass
+//! over all blocks. Both are rare (a cache reset, a restart, an expired worker).
 
 use std::collections::HashMap as StdMap;
 use std::hash::{BuildHasher, Hasher};
