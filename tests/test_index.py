@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bridge_support import prefix_scores
 from event_strategies import batches
 from kvbridge import (
     AllBlocksCleared,
@@ -388,15 +389,7 @@ def test_tokens_and_engine_keys_agree_on_vllm_hashes():
 
 
 def brute_force(pools: dict[str, KVCacheManager], hashes: list[int]) -> dict[str, int]:
-    out = {}
-    for w, pool in pools.items():
-        cached = set(pool.cached_block_hashes())
-        n = 0
-        while n < len(hashes) and hashes[n] in cached:
-            n += 1
-        if n:
-            out[w] = n
-    return out
+    return prefix_scores({w: set(pool.cached_block_hashes()) for w, pool in pools.items()}, hashes)
 
 
 # --- payloads the schema accepts, and garbage ---------------------------------------------------

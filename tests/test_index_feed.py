@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bridge_support import Engine, wait_until
+from bridge_support import Engine, prefix_scores, wait_until
 from kvbridge import Config, Index, KvEventPublisher, KvEventSubscriber, hash_blocks
 
 MODEL = "index-model"
@@ -21,17 +21,11 @@ def cfg(server, prefix: str, worker: str = "w0") -> Config:
 
 
 def brute_force(engines: dict[str, Engine], tokens: list[int]) -> dict[str, int]:
-    hashes = hash_blocks(tokens, BS)
-    out = {}
+    cached = {}
     for worker, e in engines.items():
         with e.publisher.lock:
-            cached = set(e.manager.cached_block_hashes())
-        n = 0
-        while n < len(hashes) and hashes[n] in cached:
-            n += 1
-        if n:
-            out[worker] = n
-    return out
+            cached[worker] = set(e.manager.cached_block_hashes())
+    return prefix_scores(cached, hash_blocks(tokens, BS))
 
 
 def queries(engines: dict[str, Engine]) -> list[list[int]]:
@@ -57,14 +51,19 @@ def index_matches(tokens_idx: Index, engine_idx: Index, subs, engines: dict[str,
     return True
 
 
+async def start_indexes(server, prefix: str):
+    """Two subscribers, each feeding an index: key="tokens" and key="engine"."""
+    tokens_idx, engine_idx = Index(BS), Index(BS, key="engine")
+    subs = [
+        await KvEventSubscriber(cfg(server, prefix), model=MODEL, index=idx).start() for idx in (tokens_idx, engine_idx)
+    ]
+    return tokens_idx, engine_idx, subs
+
+
 @pytest.mark.timeout(180)
 async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
     prefix = "idxfeed"
-    tokens_idx, engine_idx = Index(BS), Index(BS, key="engine")
-    subs = [
-        await KvEventSubscriber(cfg(nats_server, prefix), model=MODEL, index=idx).start()
-        for idx in (tokens_idx, engine_idx)
-    ]
+    tokens_idx, engine_idx, subs = await start_indexes(nats_server, prefix)
     pubs = [await KvEventPublisher(cfg(nats_server, prefix, f"w{i}")).start() for i in range(3)]
     engines = {p.config.worker_id: Engine(p, 20_000, seed=60 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
     for e in engines.values():
@@ -89,11 +88,7 @@ async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
 @pytest.mark.timeout(120)
 async def test_a_restarted_worker_is_replaced_in_the_index(nats_server):
     prefix = "idxrestart"
-    tokens_idx, engine_idx = Index(BS), Index(BS, key="engine")
-    subs = [
-        await KvEventSubscriber(cfg(nats_server, prefix), model=MODEL, index=idx).start()
-        for idx in (tokens_idx, engine_idx)
-    ]
+    tokens_idx, engine_idx, subs = await start_indexes(nats_server, prefix)
     old = await KvEventPublisher(cfg(nats_server, prefix)).start()
     e1 = Engine(old, 5_000, seed=70)
     e1.start()

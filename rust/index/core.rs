@@ -439,13 +439,7 @@ impl Core {
                 }
                 let si = self.slot_index(w, m);
                 let e = entry(w, m);
-                let Core {
-                    blocks,
-                    slab,
-                    workers,
-                    ..
-                } = self;
-                let slot = &mut workers[w as usize].as_mut().unwrap().slots[si];
+                let (blocks, slab, slot) = self.parts(w, si);
                 for &k in keys {
                     add_holder(blocks, slab, slot, e, k);
                 }
@@ -473,13 +467,7 @@ impl Core {
                 }
                 let si = self.slot_index(w, m);
                 let e = entry(w, m);
-                let Core {
-                    blocks,
-                    slab,
-                    workers,
-                    ..
-                } = self;
-                let slot = &mut workers[w as usize].as_mut().unwrap().slots[si];
+                let (blocks, slab, slot) = self.parts(w, si);
                 for (&engine, d) in keys.iter().zip(&digests) {
                     let k = d.event_hash();
                     match slot.engine.insert(engine, k) {
@@ -516,32 +504,29 @@ impl Core {
             return;
         };
         let mode = self.mode;
-        let Core {
-            blocks,
-            slab,
-            workers,
-            stats,
-            ..
-        } = self;
-        let slot = &mut workers[w as usize].as_mut().unwrap().slots[si];
+        let (blocks, slab, slot) = self.parts(w, si);
         let e = entry(w, slot.medium);
+        let mut found = 0;
         for &engine in keys {
-            let found = match mode {
+            found += match mode {
                 Mode::Tokens => match slot.engine.remove(&engine) {
                     Some(k) => {
                         drop_ref(blocks, slab, slot, e, k);
-                        true
+                        1
                     }
-                    None => false,
+                    None => 0,
                 },
-                Mode::Engine => drop_holder(blocks, slab, slot, e, engine),
+                Mode::Engine => drop_holder(blocks, slab, slot, e, engine) as u64,
             };
-            if found {
-                stats.blocks_removed += 1;
-            } else {
-                stats.unknown_removes += 1;
-            }
         }
+        self.stats.blocks_removed += found;
+        self.stats.unknown_removes += keys.len() as u64 - found;
+    }
+
+    /// The block map, the holder slab and worker `w`'s slot `si`, borrowed together.
+    fn parts(&mut self, w: u32, si: usize) -> (&mut Map<Holders>, &mut Slab, &mut Slot) {
+        let worker = self.workers[w as usize].as_mut().expect("live worker");
+        (&mut self.blocks, &mut self.slab, &mut worker.slots[si])
     }
 
     /// Drops everything worker `w` holds, in every medium.
