@@ -241,10 +241,8 @@ def stored_events(draw, worker: int):
 
 @st.composite
 def removed_events(draw, worker: int):
-    hashes = [
-        engine_hash(worker, draw(st.integers(0, 2)), draw(st.integers(0, 4)), draw(st.integers(0, 1)), draw(st.integers(0, 3)))
-        for _ in range(draw(st.integers(0, 4)))
-    ]
+    ints = lambda hi: draw(st.integers(0, hi))  # noqa: E731
+    hashes = [engine_hash(worker, ints(2), ints(4), ints(1), ints(3)) for _ in range(ints(4))]
     return BlockRemoved(block_hashes=hashes, medium=draw(st.sampled_from(["GPU", "CPU", None])))
 
 
@@ -259,12 +257,10 @@ def operations(draw):
         elif kind == 1:
             ops.append(("clear", worker, None, None))
         else:
-            evs = draw(
-                st.lists(
-                    st.one_of(stored_events(worker), stored_events(worker), removed_events(worker), st.just(AllBlocksCleared())),
-                    max_size=4,
-                )
+            one = st.one_of(
+                stored_events(worker), stored_events(worker), removed_events(worker), st.just(AllBlocksCleared())
             )
+            evs = draw(st.lists(one, max_size=4))
             how = draw(st.sampled_from(["msgpack", "json", "batch", "detect", "malformed"]))
             ops.append(("apply", worker, KVEventBatch(ts=1.0, events=evs, data_parallel_rank=0), how))
     return ops
@@ -337,7 +333,8 @@ def test_the_same_stream_from_bytes_json_and_batches_gives_the_same_state():
         pool = pools[w]
         rid = f"r{step}"
         lora = rng.choice([None, "ad"])
-        if pool.allocate(rid, rng.choice(prefixes)[: rng.randrange(4, 25)] + [rng.randrange(100)] * rng.randrange(9), lora_name=lora) is not None:
+        prompt = rng.choice(prefixes)[: rng.randrange(4, 25)] + [rng.randrange(100)] * rng.randrange(9)
+        if pool.allocate(rid, prompt, lora_name=lora) is not None:
             pool.free(rid)
         batch = KVEventBatch(ts=float(step), events=pool.take_events())
         assert idxs[0].apply(w, encode_batch(batch)) == len(batch.events)
@@ -489,7 +486,8 @@ def test_many_workers_beyond_one_word_of_bits():
     tokens = list(range(40))
     for w in range(150):
         n = 1 + w % 20
-        idx.apply(f"w{w:03}", encode_batch(KVEventBatch(0.0, [BlockStored(list(range(n)), None, tokens[: n * BS], BS, None, "GPU", None)])))
+        ev = BlockStored(list(range(n)), None, tokens[: n * BS], BS, None, "GPU", None)
+        idx.apply(f"w{w:03}", encode_batch(KVEventBatch(0.0, [ev])))
     want = {f"w{w:03}": 1 + w % 20 for w in range(150)}
     assert idx.find_matches(tokens) == want
     for w in range(0, 150, 3):
@@ -546,7 +544,8 @@ def test_inputs_and_properties():
     idx = Index(4, key="tokens")
     assert (idx.block_size, idx.key, len(idx), idx.workers) == (4, "tokens", 0, [])
     assert idx.apply("idle", b"[0.5, []]") == 0  # a heartbeat: the worker is known
-    assert idx.apply("m", memoryview(encode_batch(KVEventBatch(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)])))) == 1
+    ev = BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)
+    assert idx.apply("m", memoryview(encode_batch(KVEventBatch(0.0, [ev])))) == 1
     assert idx.workers == ["idle", "m"]
     for tokens in ([1, 2, 3, 4, 5], array.array("I", [1, 2, 3, 4]), array.array("q", [1, 2, 3, 4, 9]), (1, 2, 3, 4)):
         assert idx.find_matches(tokens) == {"m": 1}
