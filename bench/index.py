@@ -12,7 +12,7 @@ prefixes, so 128-block queries match deeply) with unique tails and some decode, 
 requests; the pools evict leaves first, where Dynamo's subtree removal agrees with kvbridge's
 single-block removal. Each worker step's events are one vLLM-step payload.
 
-Measured, each best of ``--runs``:
+Measured, each best of ``--runs`` (the paths taking turns within each run):
 
 * apply rate, in block events/s (block hashes stored + removed): kvbridge from msgpack payload
   bytes, one payload per engine step (several events) and one payload per event; Dynamo one
@@ -127,13 +127,16 @@ def dynamo_event(ev, event_id: int) -> bytes:
 # -- measurements ------------------------------------------------------------------------------------
 
 
-def best_of(runs: int, fn):
-    times = []
+def best_of_interleaved(runs: int, *fns) -> list[tuple[float, list[float]]]:
+    """(best, all) seconds per function; the functions take turns within each run, so a load
+    swing on the shared machine falls on all of them rather than on one."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), times
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [(min(t), t) for t in times]
 
 
 def percentiles(samples_ns: list[int]) -> tuple[float, float]:
@@ -370,9 +373,9 @@ def main() -> None:
             apply(w, e)
         return tree
 
-    kv_steps_t, kv_steps_all = best_of(args.runs, lambda: kv_apply(step_payloads_named))
-    kv_events_t, kv_events_all = best_of(args.runs, lambda: kv_apply(event_payloads))
-    dyn_t, dyn_all = best_of(args.runs, dyn_apply)
+    (kv_steps_t, kv_steps_all), (kv_events_t, kv_events_all), (dyn_t, dyn_all) = best_of_interleaved(
+        args.runs, lambda: kv_apply(step_payloads_named), lambda: kv_apply(event_payloads), dyn_apply
+    )
     rate = lambda t: n_blocks / t  # noqa: E731
 
     # -- correctness at four points of the stream and at the end
