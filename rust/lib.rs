@@ -2,6 +2,7 @@ use pyo3::prelude::*;
 
 mod encode;
 mod hash;
+mod index;
 mod pool;
 mod scan;
 mod wake;
@@ -14,5 +15,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scan::register(m)?;
     wake::register(m)?;
     pool::register(m)?;
+    index::register(m)?;
     Ok(())
 }

@@ -22,7 +22,7 @@ const REMOVED: u8 = 1;
 const CLEARED: u8 = 2;
 
 #[derive(Clone, Copy)]
-enum Hash {
+pub(crate) enum Hash {
     U(u64),
     I(i64),
     B(usize, usize),
@@ -68,22 +68,22 @@ const REMOVED_FIELDS: &[(&[u8], Ty, bool)] = &[
     (b"ownership", Ty::OptStr, false),
 ];
 
-struct Reader<'a> {
-    b: &'a [u8],
-    p: usize,
+pub(crate) struct Reader<'a> {
+    pub(crate) b: &'a [u8],
+    pub(crate) p: usize,
 }
 
 /// `None` everywhere below means "not the fast shape": the caller falls back to a full decode.
 impl<'a> Reader<'a> {
     #[inline]
-    fn byte(&mut self) -> Option<u8> {
+    pub(crate) fn byte(&mut self) -> Option<u8> {
         let v = *self.b.get(self.p)?;
         self.p += 1;
         Some(v)
     }
 
     #[inline]
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let end = self.p.checked_add(n)?;
         let s = self.b.get(self.p..end)?;
         self.p = end;
@@ -91,20 +91,21 @@ impl<'a> Reader<'a> {
     }
 
     #[inline]
-    fn be(&mut self, n: usize) -> Option<u64> {
-        Some(
-            self.take(n)?
-                .iter()
-                .fold(0u64, |acc, &x| (acc << 8) | x as u64),
-        )
+    pub(crate) fn be(&mut self, n: usize) -> Option<u64> {
+        let s = self.take(n)?;
+        Some(match n {
+            8 => u64::from_be_bytes(s.try_into().unwrap()),
+            4 => u32::from_be_bytes(s.try_into().unwrap()) as u64,
+            _ => s.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64),
+        })
     }
 
     #[inline]
-    fn peek(&self) -> Option<u8> {
+    pub(crate) fn peek(&self) -> Option<u8> {
         self.b.get(self.p).copied()
     }
 
-    fn nil(&mut self) -> bool {
+    pub(crate) fn nil(&mut self) -> bool {
         if self.peek() == Some(0xc0) {
             self.p += 1;
             true
@@ -113,7 +114,8 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn array_len(&mut self) -> Option<usize> {
+    #[inline]
+    pub(crate) fn array_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x90..=0x9f => Some((m & 0x0f) as usize),
             0xdc => Some(self.be(2)? as usize),
@@ -122,7 +124,8 @@ impl<'a> Reader<'a> {
         }
     }
 
-    fn map_len(&mut self) -> Option<usize> {
+    #[inline]
+    pub(crate) fn map_len(&mut self) -> Option<usize> {
         match self.byte()? {
             m @ 0x80..=0x8f => Some((m & 0x0f) as usize),
             0xde => Some(self.be(2)? as usize),
@@ -132,7 +135,8 @@ impl<'a> Reader<'a> {
     }
 
     /// A str, UTF-8 checked (msgspec rejects invalid UTF-8).
-    fn str(&mut self) -> Option<&'a [u8]> {
+    #[inline]
+    pub(crate) fn str(&mut self) -> Option<&'a [u8]> {
         let s = self.raw_str()?;
         if !s.is_ascii() {
             std::str::from_utf8(s).ok()?;
@@ -142,7 +146,7 @@ impl<'a> Reader<'a> {
 
     /// A str's bytes, unchecked: for keys, which must equal a known ASCII name anyway.
     #[inline]
-    fn raw_str(&mut self) -> Option<&'a [u8]> {
+    pub(crate) fn raw_str(&mut self) -> Option<&'a [u8]> {
         let n = match self.byte()? {
             m @ 0xa0..=0xbf => (m & 0x1f) as usize,
             0xd9 => self.be(1)? as usize,
@@ -153,7 +157,8 @@ impl<'a> Reader<'a> {
         self.take(n)
     }
 
-    fn int(&mut self) -> Option<Hash> {
+    #[inline]
+    pub(crate) fn int(&mut self) -> Option<Hash> {
         Some(match self.byte()? {
             m @ 0x00..=0x7f => Hash::U(m as u64),
             m @ 0xe0..=0xff => Hash::I(m as i8 as i64),
@@ -170,7 +175,8 @@ impl<'a> Reader<'a> {
     }
 
     /// `int | bytes` (ExternalBlockHash).
-    fn hash(&mut self) -> Option<Hash> {
+    #[inline]
+    pub(crate) fn hash(&mut self) -> Option<Hash> {
         let n = match self.peek()? {
             0xc4 => {
                 self.p += 1;
@@ -192,7 +198,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Any msgpack value msgspec decodes into a plain Python object without question.
-    fn any(&mut self, depth: u32) -> Option<()> {
+    pub(crate) fn any(&mut self, depth: u32) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -225,7 +231,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A map with str keys (hashable for certain, so msgspec builds a dict from it).
-    fn str_map(&mut self, depth: u32) -> Option<()> {
+    pub(crate) fn str_map(&mut self, depth: u32) -> Option<()> {
         for _ in 0..self.map_len()? {
             self.str()?;
             self.any(depth + 1)?;

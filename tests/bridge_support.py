@@ -118,6 +118,19 @@ async def wait_until(cond: Callable[[], bool], timeout: float, what: str, interv
     return time.monotonic() - start
 
 
+def prefix_scores(cached: dict[str, set], hashes: list) -> dict[str, int]:
+    """Brute force find_matches: per worker, how many leading ``hashes`` its cached set holds
+    (workers holding none left out)."""
+    out = {}
+    for worker, held in cached.items():
+        n = 0
+        while n < len(hashes) and hashes[n] in held:
+            n += 1
+        if n:
+            out[worker] = n
+    return out
+
+
 def views_match(subscriber: Any, engines: dict) -> bool:
     """engines: {(model, worker): Engine}. True when every view equals its pool and nothing resyncs."""
     if not subscriber.in_sync():

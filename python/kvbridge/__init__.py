@@ -1,6 +1,6 @@
 """kvbridge: an LLM engine's KV-cache block events, loss-free on NATS."""
 
-from kvbridge._native import __version__
+from kvbridge._native import Index, __version__
 from kvbridge.config import Config, ConfigError
 from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
 from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "DecodeError",
+    "Index",
     "IndexClient",
     "IndexService",
     "KVCacheManager",

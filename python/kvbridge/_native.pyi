@@ -190,3 +190,57 @@ class KVCacheManager:
     def free_block_ids(self) -> list[int]: ...
     def block_states(self) -> list[tuple[int, int | None]]:
         """(ref_cnt, block_hash or None) per block id."""
+
+# --- the global KV index (rust/index.rs; exported as kvbridge.Index) ------------------------------
+
+class Index:
+    """Per worker and medium, which KV blocks it holds; per query, how many leading blocks of a
+    prompt each worker holds. Thread-safe: queries run while other threads apply events.
+
+    key="tokens" (default): blocks are keyed by the index's own chain, the xxh3 hash of
+    ``hash_blocks(tokens, block_size, algo="xxh3", lora_name=..., extra_keys=...)``, computed from
+    each BlockStored's token ids (so it does not matter which hash the engine used); the LoRA
+    name vLLM repeats as the first extra key of each block is left out (``lora_name`` salts
+    instead), and an empty extra-key entry counts as None. key="engine": keyed by the engines'
+    block hashes (bytes hashes reduced as vLLM does: the last 8 bytes, big-endian); queries then
+    pass ``block_hashes``. Removing a block removes that block only.
+    """
+
+    def __new__(cls, block_size: int = 16, key: Literal["tokens", "engine"] = "tokens") -> Index: ...
+    def apply(
+        self,
+        worker: str,
+        data: bytes | bytearray | memoryview | KVEventBatch,
+        format: Literal["msgpack", "json"] | None = None,
+    ) -> int:
+        """Applies one payload (msgpack or JSON; None = JSON if it starts with '[' or '{') or a
+        decoded batch; returns its number of events, 0 if it is not a batch (counted)."""
+    def find_matches(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        block_hashes: Iterable[int | bytes] | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
+        medium: str | None = None,
+    ) -> dict[str, int]:
+        """{worker: leading blocks held} for each worker holding at least the first block."""
+    def remove_worker(self, worker: str) -> None: ...
+    def clear(self) -> None: ...
+    @property
+    def workers(self) -> list[str]:
+        """Workers heard from (a well-formed payload, even an empty one), sorted."""
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def key(self) -> Literal["tokens", "engine"]: ...
+    @property
+    def stats(self) -> dict[str, int]:
+        """payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
+        block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
+        bad_extra_keys, bad_token_ids, too_many_media, too_many_workers (counters since
+        creation, kept by clear()); blocks, workers (now)."""
+    def __len__(self) -> int:
+        """Distinct blocks held by any worker."""

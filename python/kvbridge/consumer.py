@@ -101,8 +101,12 @@ class _Body:
 
     __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
 
-    def __init__(self, payload: bytes, fmt: str) -> None:
+    def __init__(self, payload: bytes, fmt: str, raw: bool = False) -> None:
         self.payload, self.fmt = payload, fmt
+        if raw:
+            # An Index reads the bytes itself: nothing is scanned or decoded unless asked for.
+            self._batch = None
+            return
         scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
         if scanned is None:
             self._set_batch(_decode(payload, fmt))
@@ -126,9 +130,17 @@ class _Body:
     def batch(self) -> KVEventBatch:
         batch = self._batch
         if batch is None:
-            # The scan vouched for these bytes, so this decode cannot fail.
+            # The scan vouched for these bytes, so this decode cannot fail (a raw body's can:
+            # DecodeError).
             batch = self._batch = _decode(self.payload, self.fmt)  # type: ignore[arg-type]
         return batch
+
+    def __getattr__(self, name: str) -> Any:
+        # Only a raw body's unset slots get here: decode on first use.
+        if name in ("ts", "rank", "n_events", "n_blocks", "ops"):
+            self._set_batch(self.batch)
+            return object.__getattribute__(self, name)
+        raise AttributeError(name)
 
 
 def _ops_of(events: list[Any]) -> tuple[list[tuple[int, list[Any]]], int]:
@@ -288,6 +300,14 @@ class KvEventSubscriber:
     Deliveries go to ``on_update(update)`` (sync or async) if given, and to ``async for update in
     subscriber`` once iteration has begun. ``views`` holds a :class:`WorkerView` per
     ``(model, worker)`` unless ``track_views=False``.
+
+    ``index``: a :class:`kvbridge.Index` to keep up to date. Each delivered update's payload bytes
+    go straight to ``index.apply(worker, payload)`` (a snapshot, already decoded, as its batch);
+    a reset (snapshot, restart) first does ``index.remove_worker(worker)``. The index is keyed by
+    the subject's worker token alone, so subscribe to one model per Index. With an index,
+    ``track_views`` defaults to False and messages are neither scanned nor decoded in Python; a
+    payload the index cannot read is counted in ``index.stats["malformed_payloads"]`` (its seq
+    still counts as delivered), and ``update.batch`` / ``n_events`` decode on first access.
     """
 
     def __init__(
@@ -298,9 +318,10 @@ class KvEventSubscriber:
         worker: str | None = None,
         subject: str | None = None,
         on_update: Callable[[Update], Awaitable[None] | None] | None = None,
-        track_views: bool = True,
+        track_views: bool | None = None,
         queue_size: int = 1024,
         stream_start: int | datetime.datetime | None = None,
+        index: Any = None,
         **options: Any,
     ) -> None:
         if config is None:
@@ -311,7 +332,10 @@ class KvEventSubscriber:
         self.prefix = config.subject_prefix
         self.subject = subject or events_pattern(self.prefix, model, worker)
         self.on_update = on_update
-        self.track_views = track_views
+        self.index = index
+        self.track_views = index is None if track_views is None else track_views
+        # Scanning builds Python hash lists for views; an index reads the bytes itself.
+        self._raw_bodies = index is not None and not self.track_views
         self.metric_labels = {"subject": self.subject}
         if not isinstance(queue_size, int) or isinstance(queue_size, bool) or queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
@@ -518,7 +542,7 @@ class KvEventSubscriber:
             key = parse_events_subject(msg.subject, self.prefix)
             if key is None:
                 raise _Malformed("not an events subject")
-            epoch, seq, batch = _parse_event_msg(msg)
+            epoch, seq, batch = _parse_event_msg(msg, self._raw_bodies)
         except (_Malformed, DecodeError):
             counts["malformed"] += 1
             return
@@ -564,7 +588,11 @@ class KvEventSubscriber:
         if w.epoch is not None and not w.seq.need_snapshot:
             self._counts["epoch_changes"] += 1
         w.seq.begin_stream(epoch)
-        await self._deliver(w, -1, KVEventBatch(batch.ts, [], batch.rank), "stream", reset=True)
+        try:
+            ts, rank = batch.ts, batch.rank
+        except DecodeError:  # a raw body (index mode) the index will count as malformed
+            ts, rank = time.time(), None
+        await self._deliver(w, -1, KVEventBatch(ts, [], rank), "stream", reset=True)
         await self._deliver(w, 0, batch, "live")
         await self._drain_parked(w)
 
@@ -578,9 +606,10 @@ class KvEventSubscriber:
         self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False
     ) -> None:
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
+        n_events = update.n_events if self.index is None else self._index_apply(w, update)
         if w.view is not None:
             w.view.apply(update)
-        self._counts["events"] += update.n_events
+        self._counts["events"] += n_events
         await self._notify(update)
 
     async def _notify(self, update: Update) -> None:
@@ -614,6 +643,7 @@ class KvEventSubscriber:
         """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""
         del self._workers[key]
         self._loads.pop(key, None)
+        self._index_forget(w)
         if w.syncing is not None:
             w.syncing.cancel()
         self._counts["expired"] += 1
@@ -621,6 +651,22 @@ class KvEventSubscriber:
                  time.monotonic() - w.last_heard)  # fmt: skip
         if w.epoch is not None:
             await self._notify(Update(w.model, w.worker, w.epoch, -1, KVEventBatch(time.time(), []), True, "expired"))
+
+    # -- index feed ---------------------------------------------------------------------------------
+
+    def _index_apply(self, w: _Worker, update: Update) -> int:
+        """Feeds one update to the index; returns its number of events (0 if unreadable)."""
+        body = update._body
+        if update.reset:
+            self._index_forget(w)
+        if body.payload is not None:
+            return self.index.apply(w.worker, body.payload, body.fmt)
+        return self.index.apply(w.worker, body.batch)
+
+    def _index_forget(self, w: _Worker) -> None:
+        """Drops everything the index holds for ``w`` (a reset, or a worker gone)."""
+        if self.index is not None:
+            self.index.remove_worker(w.worker)
 
     # -- resync -------------------------------------------------------------------------------------
 
@@ -712,7 +758,7 @@ class KvEventSubscriber:
             return True
         for m in replies[:-1]:
             try:
-                epoch, seq, batch = _parse_event_msg(m)
+                epoch, seq, batch = _parse_event_msg(m, self._raw_bodies)
             except (_Malformed, DecodeError):
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
@@ -767,7 +813,7 @@ class KvEventSubscriber:
         return True
 
 
-def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
+def _parse_event_msg(msg: Any, raw: bool = False) -> tuple[str, int, _Body]:
     headers = msg.headers
     if not headers:
         raise _Malformed("no headers")
@@ -785,7 +831,7 @@ def _parse_event_msg(msg: Any) -> tuple[str, int, _Body]:
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
         raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, _Body(msg.data, fmt)
+    return epoch, seq, _Body(msg.data, fmt, raw)
 
 
 _scan = _native.scan_batch_msgpack

@@ -1,0 +1,482 @@
+//! `kvbridge.Index`: which leading blocks of a prompt each worker holds, from KV event payloads.
+//!
+//! The rules live in `core` (pyo3-free), payload decoding in `parse`, holder sets in `holders`;
+//! this file is the Python face: argument checks, the lock, the GIL.
+//!
+//! Locking: one `RwLock` around the state. Queries take it shared, `apply` exclusive. Nothing
+//! touches Python while holding it, and a call that would wait for it (or is long) waits with
+//! the GIL released, so a query thread and an applying thread never block each other on the
+//! GIL and the lock at once.
+
+mod core;
+mod holders;
+mod parse;
+
+use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
+
+use self::core::{Core, Mode};
+use self::parse::{detect, parse, reduce_bytes, Format};
+use crate::hash::algo::{Algo, Chain, Digest};
+use crate::hash::tokens;
+use crate::hash::value::Value;
+
+/// Payloads and queries at least this long are handled with the GIL released.
+const DETACH_MIN_BYTES: usize = 64 << 10;
+const DETACH_MIN_TOKENS: usize = 1 << 16;
+const KEY_NESTING_LIMIT: usize = 64;
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Index>()
+}
+
+type NameCache = (Arc<str>, Py<PyString>);
+
+/// A global KV-cache index: per worker and medium, which blocks it holds; per query, how many
+/// leading blocks of a prompt each worker holds. `Index(block_size=16, key="tokens")`; see
+/// kvbridge's README ("Index") and the type stub for the rules.
+#[pyclass(module = "kvbridge._native", frozen)]
+pub struct Index {
+    core: RwLock<Core>,
+    block_size: usize,
+    mode: Mode,
+    /// Python str objects for worker names, by worker id, reused across queries (the Arc
+    /// tells whether the id still names the same worker).
+    names: Mutex<Vec<Option<NameCache>>>,
+}
+
+#[pymethods]
+impl Index {
+    #[new]
+    #[pyo3(signature = (block_size = 16, key = "tokens"))]
+    fn new(block_size: i64, key: &str) -> PyResult<Self> {
+        if !(1..=1 << 32).contains(&block_size) {
+            return Err(PyValueError::new_err(format!(
+                "block_size must be between 1 and 2**32, got {block_size}"
+            )));
+        }
+        let bs = block_size;
+        let mode = match key {
+            "tokens" => Mode::Tokens,
+            "engine" => Mode::Engine,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "key must be 'tokens' or 'engine', got '{other}'"
+                )))
+            }
+        };
+        Ok(Index {
+            core: RwLock::new(Core::new(bs as usize, mode)),
+            block_size: bs as usize,
+            mode,
+            names: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Applies one message payload (msgpack or JSON bytes, as on the wire) or a decoded
+    /// KVEventBatch from `worker`. Returns the number of events in it; 0 for a payload that is
+    /// not a batch (counted as malformed_payloads, nothing applied). Never raises for what the
+    /// payload says, only for arguments of the wrong type.
+    #[pyo3(signature = (worker, data, format = None))]
+    fn apply(
+        &self,
+        py: Python<'_>,
+        worker: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        format: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let worker = worker
+            .cast::<PyString>()
+            .map_err(|_| type_error("worker", "str", worker))?
+            .to_str()?;
+        let format = match format.filter(|f| !f.is_none()) {
+            None => None,
+            Some(f) => match f.cast::<PyString>().map_err(|_| type_error("format", "str", f))?.to_str()? {
+                "msgpack" => Some(Format::Msgpack),
+                "json" => Some(Format::Json),
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "format must be 'msgpack', 'json' or None, got '{other}'"
+                    )))
+                }
+            },
+        };
+        let owned;
+        let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
+            b.as_bytes()
+        } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
+            // Copied: another thread may change a mutable buffer while the GIL is released.
+            owned = data.py().get_type::<PyBytes>().call1((data,))?.cast_into::<PyBytes>()?;
+            owned.as_bytes()
+        } else if data.is_instance(kv_event_batch(py)?)? {
+            // Already decoded: its exact msgpack bytes take the same path as a payload.
+            owned = encode_batch(py)?.call1((data,))?.cast_into::<PyBytes>()?;
+            owned.as_bytes()
+        } else {
+            return Err(type_error(
+                "data",
+                "bytes, bytearray, memoryview or a KVEventBatch",
+                data,
+            ));
+        };
+        let format = format.unwrap_or_else(|| detect(bytes));
+        let long = bytes.len() >= DETACH_MIN_BYTES;
+        Ok(self.write(py, long, |core| {
+            let mut scratch = Vec::new();
+            let n = match parse(bytes, format, &mut scratch) {
+                Some(batch) => core.apply(worker, batch),
+                None => {
+                    core.malformed();
+                    0
+                }
+            };
+            n
+        }))
+    }
+
+    /// `{worker: leading blocks held}` for every worker holding at least the first block of
+    /// `tokens` (hashed here, in full blocks) or of `block_hashes` (the index's own keys:
+    /// `hash_blocks(tokens, block_size, algo="xxh3", lora_name=..., extra_keys=...)` for
+    /// key="tokens", the engines' hashes for key="engine"). `extra_keys`: one entry per full
+    /// block (None or a tuple of the block's multimodal / cache-salt keys, without the LoRA
+    /// name). `medium`: count only blocks held in that medium.
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None))]
+    fn find_matches<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: Option<&Bound<'py, PyAny>>,
+        block_hashes: Option<&Bound<'py, PyAny>>,
+        lora_name: Option<&Bound<'py, PyAny>>,
+        extra_keys: Option<&Bound<'py, PyAny>>,
+        medium: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = tokens.filter(|t| !t.is_none());
+        let block_hashes = block_hashes.filter(|t| !t.is_none());
+        let lora_name = opt_str("lora_name", lora_name)?;
+        let medium = opt_str("medium", medium)?;
+        let extra_keys = extra_keys.filter(|k| !k.is_none());
+        let keys: Vec<u64> = match (tokens, block_hashes) {
+            (Some(_), Some(_)) => {
+                return Err(PyTypeError::new_err(
+                    "pass tokens or block_hashes, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(PyTypeError::new_err(
+                    "find_matches() needs tokens or block_hashes",
+                ))
+            }
+            (None, Some(h)) => {
+                if lora_name.is_some() || extra_keys.is_some() {
+                    return Err(PyValueError::new_err(
+                        "lora_name and extra_keys go with tokens; block hashes already include them",
+                    ));
+                }
+                read_block_hashes(h)?
+            }
+            (Some(t), None) => {
+                if self.mode == Mode::Engine {
+                    return Err(PyValueError::new_err(
+                        "an Index(key='engine') is keyed by the engines' block hashes: pass \
+                         block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
+                    ));
+                }
+                self.hash_tokens(py, t, lora_name, extra_keys)?
+            }
+        };
+        let mut found = Vec::new();
+        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, keys.len() >= DETACH_MIN_TOKENS / 16, |core| {
+            core.find_matches(&keys, medium, &mut found);
+            found
+                .iter()
+                .map(|&(w, n)| (w, core.name(w).clone(), n))
+                .collect()
+        });
+        let out = PyDict::new(py);
+        let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        for (w, name, n) in names {
+            let w = w as usize;
+            if cache.len() <= w {
+                cache.resize_with(w + 1, || None);
+            }
+            let key = match &cache[w] {
+                Some((known, s)) if Arc::ptr_eq(known, &name) => s.bind(py).clone(),
+                _ => {
+                    let s = PyString::new(py, &name);
+                    cache[w] = Some((name, s.clone().unbind()));
+                    s
+                }
+            };
+            out.set_item(key, n)?;
+        }
+        Ok(out)
+    }
+
+    /// Forgets `worker` and every block it holds (a no-op for an unknown worker).
+    fn remove_worker(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<()> {
+        let worker = worker
+            .cast::<PyString>()
+            .map_err(|_| type_error("worker", "str", worker))?
+            .to_str()?;
+        self.write(py, true, |core| core.remove_worker(worker));
+        Ok(())
+    }
+
+    /// Forgets every block and worker; the stats keep counting.
+    fn clear(&self, py: Python<'_>) {
+        self.write(py, true, |core| core.clear());
+    }
+
+    /// The workers heard from (any well-formed payload, even an empty one), sorted.
+    #[getter]
+    fn workers(&self, py: Python<'_>) -> Vec<String> {
+        let mut names: Vec<String> = self.read(py, false, |core| {
+            core.worker_names().iter().map(|n| n.to_string()).collect()
+        });
+        names.sort();
+        names
+    }
+
+    /// Bytes held by the index's tables (an estimate including allocator bookkeeping).
+    #[getter]
+    fn memory_bytes(&self, py: Python<'_>) -> usize {
+        self.read(py, false, |core| core.memory_bytes())
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    #[getter]
+    fn key(&self) -> &'static str {
+        match self.mode {
+            Mode::Tokens => "tokens",
+            Mode::Engine => "engine",
+        }
+    }
+
+    /// Counters: payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
+    /// block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
+    /// bad_extra_keys, bad_token_ids, too_many_media, too_many_workers; and the gauges blocks,
+    /// workers.
+    #[getter]
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (pairs, blocks, workers) = self.read(py, false, |core| {
+            (core.stats.pairs(), core.len(), core.worker_names().len())
+        });
+        let out = PyDict::new(py);
+        for (k, v) in pairs {
+            out.set_item(k, v)?;
+        }
+        out.set_item("blocks", blocks)?;
+        out.set_item("workers", workers)?;
+        Ok(out)
+    }
+
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.read(py, false, |core| core.len())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (blocks, workers) = self.read(py, false, |core| (core.len(), core.worker_names().len()));
+        format!(
+            "Index(block_size={}, key='{}', blocks={blocks}, workers={workers})",
+            self.block_size,
+            self.key()
+        )
+    }
+}
+
+impl Index {
+    /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
+    /// otherwise with the GIL released (waiting for the lock included).
+    fn write<R: Send>(&self, py: Python<'_>, long: bool, f: impl FnOnce(&mut Core) -> R + Send) -> R {
+        if !long {
+            match self.core.try_write() {
+                Ok(mut g) => return f(&mut g),
+                Err(TryLockError::Poisoned(p)) => return f(&mut p.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        py.detach(|| f(&mut self.lock_write()))
+    }
+
+    fn lock_write(&self) -> RwLockWriteGuard<'_, Core> {
+        self.core.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read<R: Send>(&self, py: Python<'_>, long: bool, f: impl FnOnce(&Core) -> R + Send) -> R {
+        if !long {
+            match self.core.try_read() {
+                Ok(g) => return f(&g),
+                Err(TryLockError::Poisoned(p)) => return f(&p.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        py.detach(|| f(&self.core.read().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    /// The index keys of a prompt's full blocks: the chained xxh3 hash, salted by the LoRA name
+    /// and each block's extra keys in their canonical form.
+    fn hash_tokens(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lora_name: Option<&str>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u64>> {
+        let toks = tokens::read(tokens)?;
+        let bs = self.block_size;
+        let n_blocks = toks.as_slice().len() / bs;
+        let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
+        let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora_name, None);
+        let mut digests: Vec<Digest> = Vec::with_capacity(n_blocks);
+        let full = &toks.as_slice()[..n_blocks * bs];
+        if full.len() >= DETACH_MIN_TOKENS {
+            let copy = full.to_vec();
+            py.detach(|| chain.run(&copy, extras.as_deref(), 0, &mut digests));
+        } else {
+            chain.run(full, extras.as_deref(), 0, &mut digests);
+        }
+        Ok(digests.iter().map(Digest::event_hash).collect())
+    }
+}
+
+fn type_error(arg: &str, want: &str, got: &Bound<'_, PyAny>) -> PyErr {
+    let kind = got
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_string(), |n| n.to_string());
+    PyTypeError::new_err(format!("{arg} must be {want}, not {kind}"))
+}
+
+fn opt_str<'a>(arg: &str, v: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a str>> {
+    match v.filter(|v| !v.is_none()) {
+        None => Ok(None),
+        Some(v) => Ok(Some(
+            v.cast::<PyString>()
+                .map_err(|_| type_error(arg, "str or None", v))?
+                .to_str()?,
+        )),
+    }
+}
+
+fn kv_event_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static CLS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    CLS.import(py, "kvbridge.events", "KVEventBatch")
+}
+
+fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static F: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    F.import(py, "kvbridge.events", "encode_batch")
+}
+
+/// Block hashes as a router passes them: ints (-2**63..2**64-1, negatives as two's complement,
+/// as a signed 64-bit engine writes them) or bytes (reduced like vLLM: the last 8 bytes).
+fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error("block_hashes", "a list of int or bytes", obj));
+    }
+    let iter = obj
+        .try_iter()
+        .map_err(|_| type_error("block_hashes", "a list of int or bytes", obj))?;
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        let item = item?;
+        if let Ok(b) = item.cast::<PyBytes>() {
+            out.push(reduce_bytes(b.as_bytes()));
+        } else if item.is_instance_of::<PyInt>() && !item.is_instance_of::<pyo3::types::PyBool>() {
+            let v = match item.extract::<u64>() {
+                Ok(v) => v,
+                Err(_) => item.extract::<i64>().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "block_hashes[{i}] is {item}, outside -2**63..2**64-1"
+                    ))
+                })? as u64,
+            };
+            out.push(v);
+        } else {
+            return Err(type_error(&format!("block_hashes[{i}]"), "int or bytes", &item));
+        }
+    }
+    Ok(out)
+}
+
+/// Query extra keys, one entry per full block, in the canonical form payloads decode to:
+/// None, bool, int, str, bytes, and tuples or lists (both arrays) of these.
+fn keys_from_py(obj: &Bound<'_, PyAny>, n_blocks: usize) -> PyResult<Vec<Option<Value>>> {
+    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
+        return Err(type_error("extra_keys", "a list with one entry per full block", obj));
+    }
+    let len = obj.len()?;
+    if len != n_blocks {
+        return Err(PyValueError::new_err(format!(
+            "extra_keys has {len} entries but the tokens make {n_blocks} full blocks"
+        )));
+    }
+    let mut out = Vec::with_capacity(len);
+    for (i, entry) in obj.try_iter()?.enumerate() {
+        let entry = entry?;
+        let path = format!("extra_keys[{i}]");
+        if entry.is_none() {
+            out.push(None);
+            continue;
+        }
+        if !(entry.is_instance_of::<PyList>() || entry.is_instance_of::<PyTuple>()) {
+            return Err(type_error(&path, "None or a tuple", &entry));
+        }
+        match key_value(&entry, &path, 0)? {
+            // An empty tuple salts nothing, like None (and like a LoRA-only entry once the
+            // LoRA name is left out).
+            Value::Tuple(items, _) if items.is_empty() => out.push(None),
+            v => out.push(Some(v)),
+        }
+    }
+    Ok(out)
+}
+
+fn key_value(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Value> {
+    if depth > KEY_NESTING_LIMIT {
+        return Err(PyValueError::new_err(format!("{path}: nested too deeply")));
+    }
+    if obj.is_none() {
+        Ok(Value::None)
+    } else if let Ok(b) = obj.cast::<pyo3::types::PyBool>() {
+        Ok(Value::Bool(b.is_true()))
+    } else if obj.is_instance_of::<PyInt>() {
+        match obj.extract::<i64>() {
+            Ok(v) => Ok(Value::Int(v)),
+            Err(_) => match obj.extract::<u64>() {
+                Ok(v) => {
+                    let mut le = v.to_le_bytes().to_vec();
+                    le.push(0);
+                    Ok(Value::BigInt(le))
+                }
+                Err(_) => Err(PyValueError::new_err(format!(
+                    "{path} is {obj}, outside -2**63..2**64-1"
+                ))),
+            },
+        }
+    } else if let Ok(s) = obj.cast::<PyString>() {
+        let s = s
+            .to_str()
+            .map_err(|_| PyValueError::new_err(format!("{path}: a str with lone surrogates")))?;
+        Ok(Value::Str(s.as_bytes().to_vec(), 0))
+    } else if let Ok(b) = obj.cast::<PyBytes>() {
+        Ok(Value::Bytes(b.as_bytes().to_vec(), 0))
+    } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        let items = obj
+            .try_iter()?
+            .enumerate()
+            .map(|(i, item)| key_value(&item?, &format!("{path}[{i}]"), depth + 1))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Value::Tuple(items, 0))
+    } else {
+        Err(type_error(path, "None, bool, int, str, bytes or a tuple of these", obj))
+    }
+}

@@ -1,0 +1,426 @@
+//! Which (worker, medium) pairs hold one block.
+//!
+//! Most blocks are held by one or two workers: those fit in the map's 8-byte value. A block held
+//! by more moves to a slab entry with one worker bitset per medium, so a popular prefix costs a
+//! bit per worker and a query ANDs whole words of workers at a time.
+
+/// A holder: worker id in the high 24 bits, medium id in the low 8.
+pub type Entry = u32;
+
+/// Worker ids stay below this, so no entry collides with the two sentinels below.
+pub const MAX_WORKERS: u32 = (1 << 24) - 1;
+/// Medium ids are a byte.
+pub const MAX_MEDIA: usize = 256;
+
+const NONE: u32 = u32::MAX;
+const MANY: u32 = u32::MAX - 1;
+
+#[inline]
+pub fn entry(worker: u32, medium: u8) -> Entry {
+    (worker << 8) | medium as u32
+}
+
+#[inline]
+pub fn worker_of(e: Entry) -> u32 {
+    e >> 8
+}
+
+#[inline]
+pub fn medium_of(e: Entry) -> u8 {
+    e as u8
+}
+
+#[inline]
+fn set_bit(words: &mut [u64], w: u32) {
+    words[w as usize / 64] |= 1 << (w % 64);
+}
+
+/// `[a, NONE]`: one holder; `[a, b]`: two; `[MANY, i]`: the set is `Slab::many[i]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Holders {
+    a: u32,
+    b: u32,
+}
+
+/// A bitset over worker ids; the first 64 workers live inline (most deployments have fewer),
+/// so a query reads one cache line per popular block.
+#[derive(Default, Clone)]
+struct Bitset {
+    w0: u64,
+    /// Words 1.., trailing zero words trimmed.
+    rest: Vec<u64>,
+}
+
+impl Bitset {
+    fn get(&self, w: u32) -> bool {
+        let word = match w / 64 {
+            0 => self.w0,
+            k => self.rest.get(k as usize - 1).copied().unwrap_or(0),
+        };
+        word & (1 << (w % 64)) != 0
+    }
+
+    fn set(&mut self, w: u32) {
+        match w as usize / 64 {
+            0 => self.w0 |= 1 << (w % 64),
+            k => {
+                if self.rest.len() < k {
+                    self.rest.resize(k, 0);
+                }
+                self.rest[k - 1] |= 1 << (w % 64);
+            }
+        }
+    }
+
+    /// Whether `w` was set (and is now not).
+    fn unset(&mut self, w: u32) -> bool {
+        if !self.get(w) {
+            return false;
+        }
+        match w as usize / 64 {
+            0 => self.w0 &= !(1 << (w % 64)),
+            k => {
+                self.rest[k - 1] &= !(1 << (w % 64));
+                while self.rest.last() == Some(&0) {
+                    self.rest.pop();
+                }
+            }
+        }
+        true
+    }
+
+    fn is_empty(&self) -> bool {
+        self.w0 == 0 && self.rest.is_empty()
+    }
+
+    #[inline]
+    fn or_into(&self, out: &mut [u64]) {
+        out[0] |= self.w0;
+        for (o, w) in out[1..].iter_mut().zip(&self.rest) {
+            *o |= w;
+        }
+    }
+
+    fn workers(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::once(self.w0)
+            .chain(self.rest.iter().copied())
+            .enumerate()
+            .flat_map(|(k, word)| Bits(word).map(move |b| (k * 64 + b) as u32))
+    }
+
+    fn heap_bytes(&self) -> usize {
+        if self.rest.capacity() == 0 {
+            0
+        } else {
+            // 16 bytes of allocator bookkeeping per allocation, an estimate for glibc's malloc.
+            self.rest.capacity() * 8 + 16
+        }
+    }
+}
+
+/// Per medium present, the workers holding the block in it: the first medium inline.
+#[derive(Default)]
+pub struct Many {
+    count: u32,
+    m0: u8,
+    b0: Bitset,
+    others: Vec<(u8, Bitset)>,
+}
+
+impl Many {
+    fn media(&self) -> impl Iterator<Item = (u8, &Bitset)> {
+        std::iter::once((self.m0, &self.b0)).chain(self.others.iter().map(|(m, b)| (*m, b)))
+    }
+
+    fn bitset_mut(&mut self, m: u8) -> Option<&mut Bitset> {
+        if self.m0 == m {
+            return Some(&mut self.b0);
+        }
+        self.others.iter_mut().find(|x| x.0 == m).map(|x| &mut x.1)
+    }
+
+    fn contains(&self, e: Entry) -> bool {
+        let m = medium_of(e);
+        self.media().any(|(x, b)| x == m && b.get(worker_of(e)))
+    }
+
+    fn insert(&mut self, e: Entry) {
+        let (w, m) = (worker_of(e), medium_of(e));
+        if self.count == 0 {
+            self.m0 = m;
+        }
+        match self.bitset_mut(m) {
+            Some(b) => b.set(w),
+            None => {
+                let mut b = Bitset::default();
+                b.set(w);
+                self.others.push((m, b));
+            }
+        }
+        self.count += 1;
+    }
+
+    /// Whether `e` was held (and is now not).
+    fn remove(&mut self, e: Entry) -> bool {
+        let (w, m) = (worker_of(e), medium_of(e));
+        if !self.bitset_mut(m).is_some_and(|b| b.unset(w)) {
+            return false;
+        }
+        self.count -= 1;
+        if self.b0.is_empty() {
+            if let Some((m0, b0)) = self.others.pop() {
+                self.m0 = m0;
+                self.b0 = b0;
+            }
+        } else {
+            self.others.retain(|x| !x.1.is_empty());
+        }
+        true
+    }
+
+    fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        self.media()
+            .flat_map(|(m, b)| b.workers().map(move |w| entry(w, m)))
+    }
+
+    fn heap_bytes(&self) -> usize {
+        let others = if self.others.capacity() == 0 {
+            0
+        } else {
+            self.others.capacity() * std::mem::size_of::<(u8, Bitset)>() + 16
+        };
+        others + self.media().map(|(_, b)| b.heap_bytes()).sum::<usize>()
+    }
+}
+
+/// The set bits of a word, lowest first.
+pub struct Bits(pub u64);
+
+impl Iterator for Bits {
+    type Item = usize;
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        if self.0 == 0 {
+            return None;
+        }
+        let b = self.0.trailing_zeros() as usize;
+        self.0 &= self.0 - 1;
+        Some(b)
+    }
+}
+
+/// Storage for the holder sets of more than two.
+#[derive(Default)]
+pub struct Slab {
+    many: Vec<Many>,
+    free: Vec<u32>,
+}
+
+impl Slab {
+    fn add(&mut self, m: Many) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.many[i as usize] = m;
+                i
+            }
+            None => {
+                self.many.push(m);
+                (self.many.len() - 1) as u32
+            }
+        }
+    }
+
+    fn release(&mut self, i: u32) {
+        self.many[i as usize] = Many::default();
+        self.free.push(i);
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.many.capacity() * std::mem::size_of::<Many>()
+            + self.free.capacity() * 4
+            + self
+                .many
+                .iter()
+                .filter(|m| m.count > 0)
+                .map(Many::heap_bytes)
+                .sum::<usize>()
+    }
+}
+
+/// What `Holders::remove` did.
+#[derive(PartialEq, Eq, Debug)]
+pub enum Removed {
+    NotHeld,
+    Kept,
+    /// The last holder left: the caller drops the block.
+    Empty,
+}
+
+impl Holders {
+    pub fn one(e: Entry) -> Holders {
+        Holders { a: e, b: NONE }
+    }
+
+    pub fn contains(&self, slab: &Slab, e: Entry) -> bool {
+        if self.a == MANY {
+            slab.many[self.b as usize].contains(e)
+        } else {
+            self.a == e || self.b == e
+        }
+    }
+
+    /// Adds `e`, which must not be held yet.
+    pub fn insert(&mut self, slab: &mut Slab, e: Entry) {
+        if self.a == MANY {
+            slab.many[self.b as usize].insert(e);
+        } else if self.b == NONE {
+            self.b = e;
+        } else {
+            let mut m = Many::default();
+            for x in [self.a, self.b, e] {
+                m.insert(x);
+            }
+            *self = Holders {
+                a: MANY,
+                b: slab.add(m),
+            };
+        }
+    }
+
+    pub fn remove(&mut self, slab: &mut Slab, e: Entry) -> Removed {
+        if self.a == MANY {
+            let i = self.b;
+            let m = &mut slab.many[i as usize];
+            if !m.remove(e) {
+                return Removed::NotHeld;
+            }
+            if m.count <= 2 {
+                let mut rest = [NONE; 2];
+                for (r, e) in rest.iter_mut().zip(m.entries()) {
+                    *r = e;
+                }
+                let [a, b] = rest;
+                slab.release(i);
+                *self = Holders { a, b };
+            }
+            Removed::Kept
+        } else if self.b == e {
+            self.b = NONE;
+            Removed::Kept
+        } else if self.a == e {
+            if self.b == NONE {
+                return Removed::Empty;
+            }
+            self.a = self.b;
+            self.b = NONE;
+            Removed::Kept
+        } else {
+            Removed::NotHeld
+        }
+    }
+
+    /// Drops every entry of worker `w`; returns whether the set is now empty.
+    pub fn remove_worker(&mut self, slab: &mut Slab, w: u32) -> bool {
+        let mine: Vec<Entry> = self.entries(slab).filter(|&e| worker_of(e) == w).collect();
+        for e in mine {
+            if self.remove(slab, e) == Removed::Empty {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Frees the slab entry of a set being dropped.
+    pub fn release(self, slab: &mut Slab) {
+        if self.a == MANY {
+            slab.release(self.b);
+        }
+    }
+
+    pub fn entries<'s>(&self, slab: &'s Slab) -> Box<dyn Iterator<Item = Entry> + 's> {
+        if self.a == MANY {
+            Box::new(slab.many[self.b as usize].entries())
+        } else {
+            let (a, b) = (self.a, self.b);
+            Box::new([a, b].into_iter().filter(|&x| x != NONE))
+        }
+    }
+
+    pub fn held_by_worker(&self, slab: &Slab, w: u32) -> bool {
+        if self.a == MANY {
+            slab.many[self.b as usize].media().any(|(_, b)| b.get(w))
+        } else {
+            worker_of(self.a) == w || (self.b != NONE && worker_of(self.b) == w)
+        }
+    }
+
+    /// ORs into `out` (a bitset over worker ids) the workers holding this block, in `medium`
+    /// only or in any.
+    #[inline]
+    pub fn workers_into(&self, slab: &Slab, medium: Option<u8>, out: &mut [u64]) {
+        if self.a == MANY {
+            for (m, b) in slab.many[self.b as usize].media() {
+                if medium.is_none_or(|x| x == m) {
+                    b.or_into(out);
+                }
+            }
+        } else {
+            for e in [self.a, self.b] {
+                if e != NONE && medium.is_none_or(|x| x == medium_of(e)) {
+                    set_bit(out, worker_of(e));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sorted(h: &Holders, slab: &Slab) -> Vec<Entry> {
+        let mut v: Vec<Entry> = h.entries(slab).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn grows_to_many_and_back() {
+        let mut slab = Slab::default();
+        let es: Vec<Entry> = (0..70).map(|w| entry(w * 3, (w % 2) as u8)).collect();
+        let mut h = Holders::one(es[0]);
+        for &e in &es[1..] {
+            assert!(!h.contains(&slab, e));
+            h.insert(&mut slab, e);
+            assert!(h.contains(&slab, e));
+        }
+        let mut want = es.clone();
+        want.sort();
+        assert_eq!(sorted(&h, &slab), want);
+        let mut out = vec![0u64; 4];
+        h.workers_into(&slab, Some(1), &mut out);
+        let got: Vec<u32> = (0..256).filter(|&w| out[w / 64] & (1 << (w % 64)) != 0).map(|w| w as u32).collect();
+        let odd: Vec<u32> = (0..70).filter(|w| w % 2 == 1).map(|w| w * 3).collect();
+        assert_eq!(got, odd);
+        for &e in &es[..69] {
+            assert_ne!(h.remove(&mut slab, e), Removed::NotHeld);
+            assert_eq!(h.remove(&mut slab, e), Removed::NotHeld);
+        }
+        assert_eq!(sorted(&h, &slab), vec![es[69]]);
+        assert_eq!(h.remove(&mut slab, es[69]), Removed::Empty);
+        assert_eq!(slab.free.len(), 1);
+    }
+
+    #[test]
+    fn remove_worker_drops_all_media() {
+        let mut slab = Slab::default();
+        let mut h = Holders::one(entry(5, 0));
+        h.insert(&mut slab, entry(5, 1));
+        h.insert(&mut slab, entry(6, 0));
+        assert!(h.held_by_worker(&slab, 5));
+        assert!(!h.remove_worker(&mut slab, 5));
+        assert!(!h.held_by_worker(&slab, 5));
+        assert_eq!(sorted(&h, &slab), vec![entry(6, 0)]);
+        assert!(h.remove_worker(&mut slab, 6));
+    }
+}

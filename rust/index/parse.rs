@@ -1,0 +1,682 @@
+//! Payload bytes -> the events an index needs, with no Python object in between.
+//!
+//! msgpack is read with the batch scanner's `Reader` (rust/scan.rs). It takes every shape
+//! `kvbridge.events.decode_batch` takes: vLLM 0.33's tagged-map events (unknown fields skipped),
+//! the older positional events (`["BlockStored", hashes, parent, tokens, block_size, lora_id,
+//! medium, lora_name | metadata]`), SGLang's map events without medium / lora_name, and
+//! map-encoded batches. JSON is transcoded to msgpack first (serde_json), so one reader decides
+//! both; a JSON string where a block hash goes is base64 bytes, as msgspec writes bytes.
+//!
+//! A payload either parses whole or not at all (`None`): the index applies none of a payload it
+//! cannot read.
+
+use std::cell::Cell;
+use std::ops::Range;
+
+use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
+
+use crate::hash::value::Value;
+use crate::scan::{Hash, Reader};
+
+const MAX_DEPTH: u32 = 32;
+
+pub struct Stored<'a> {
+    pub hashes: Range<usize>,
+    pub parent: Option<u64>,
+    pub tokens: Range<usize>,
+    pub block_size: i64,
+    pub medium: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    pub extra_keys: Option<Vec<Option<Value>>>,
+    /// A token id outside 0..2**32-1: the blocks cannot be hashed.
+    pub bad_tokens: bool,
+    /// An extra key of a type no engine writes (float, map): the blocks cannot be keyed.
+    pub bad_extra_keys: bool,
+}
+
+pub enum Event<'a> {
+    Stored(Stored<'a>),
+    Removed {
+        hashes: Range<usize>,
+        medium: Option<&'a str>,
+    },
+    Cleared,
+}
+
+/// A payload's events; their hashes and token ids live in two flat vectors, which go back to
+/// a per-thread spare when the batch is dropped (a payload's worth of malloc and free saved).
+#[derive(Default)]
+pub struct Batch<'a> {
+    pub events: Vec<Event<'a>>,
+    pub hashes: Vec<u64>,
+    pub tokens: Vec<u32>,
+}
+
+thread_local! {
+    static SPARE: Cell<(Vec<u64>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// Larger vectors are freed, so one huge payload does not pin its memory.
+const KEEP_MAX_ITEMS: usize = 1 << 18;
+
+impl Batch<'_> {
+    fn recycled() -> Self {
+        let (hashes, tokens) = SPARE.try_with(Cell::take).unwrap_or_default();
+        Batch {
+            events: Vec::new(),
+            hashes,
+            tokens,
+        }
+    }
+}
+
+impl Drop for Batch<'_> {
+    fn drop(&mut self) {
+        let (mut h, mut t) = (std::mem::take(&mut self.hashes), std::mem::take(&mut self.tokens));
+        if h.capacity() <= KEEP_MAX_ITEMS && t.capacity() <= KEEP_MAX_ITEMS {
+            h.clear();
+            t.clear();
+            // The thread may be exiting, in which case there is nothing to return to.
+            let _ = SPARE.try_with(|c| c.set((h, t)));
+        }
+    }
+}
+
+/// A 64-bit block hash: ints as two's complement, bytes reduced as vLLM reduces a digest to
+/// its int event hash (`int.from_bytes(h, "big") & (2**64 - 1)`: the last 8 bytes).
+pub fn reduce_bytes(b: &[u8]) -> u64 {
+    b.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+pub enum Format {
+    Msgpack,
+    Json,
+}
+
+/// JSON when the first non-whitespace byte opens an array or object; msgpack otherwise.
+pub fn detect(b: &[u8]) -> Format {
+    match b.iter().find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
+        Some(b'[') | Some(b'{') => Format::Json,
+        _ => Format::Msgpack,
+    }
+}
+
+/// `scratch` holds JSON transcoded to msgpack, which the batch's strings borrow from.
+pub fn parse<'a>(b: &'a [u8], format: Format, scratch: &'a mut Vec<u8>) -> Option<Batch<'a>> {
+    match format {
+        Format::Msgpack => Parser::new(b, false).batch(),
+        Format::Json => {
+            scratch.clear();
+            json_to_msgpack(b, scratch)?;
+            let bytes: &'a [u8] = scratch;
+            Parser::new(bytes, true).batch()
+        }
+    }
+}
+
+struct Parser<'a> {
+    r: Reader<'a>,
+    /// Transcoded JSON: strings in hash positions are base64 bytes.
+    json: bool,
+    out: Batch<'a>,
+    /// Set by the current event's token ids / extra keys when they hold what the index cannot
+    /// use, though the payload is a valid batch.
+    bad_tokens: bool,
+    bad_extra_keys: bool,
+}
+
+#[derive(Default)]
+struct Fields<'a> {
+    kind: Option<&'a [u8]>,
+    hashes: Option<Range<usize>>,
+    parent: Option<u64>,
+    tokens: Option<Range<usize>>,
+    block_size: Option<i64>,
+    medium: Option<&'a str>,
+    lora_name: Option<&'a str>,
+    extra_keys: Option<Vec<Option<Value>>>,
+}
+
+impl<'a> Parser<'a> {
+    fn new(b: &'a [u8], json: bool) -> Self {
+        Parser {
+            r: Reader { b, p: 0 },
+            json,
+            out: Batch::recycled(),
+            bad_tokens: false,
+            bad_extra_keys: false,
+        }
+    }
+
+    fn batch(mut self) -> Option<Batch<'a>> {
+        match self.r.peek()? {
+            0x90..=0x9f | 0xdc | 0xdd => {
+                let n = self.r.array_len()?;
+                if !(2..=3).contains(&n) {
+                    return None;
+                }
+                self.number()?;
+                self.events()?;
+                if n == 3 && !self.r.nil() {
+                    self.r.int()?;
+                }
+            }
+            _ => {
+                // A map-encoded batch: {"ts": ..., "events": [...], "data_parallel_rank": ...}.
+                let mut seen = (false, false);
+                for _ in 0..self.r.map_len()? {
+                    match self.r.str()? {
+                        b"ts" => {
+                            self.number()?;
+                            seen.0 = true;
+                        }
+                        b"events" => {
+                            self.events()?;
+                            seen.1 = true;
+                        }
+                        _ => self.r.any(1)?,
+                    }
+                }
+                if seen != (true, true) {
+                    return None;
+                }
+            }
+        }
+        (self.r.p == self.r.b.len()).then_some(self.out)
+    }
+
+    fn number(&mut self) -> Option<()> {
+        match self.r.peek()? {
+            0xca => self.r.take(5).map(drop),
+            0xcb => self.r.take(9).map(drop),
+            _ => self.r.int().map(drop),
+        }
+    }
+
+    fn events(&mut self) -> Option<()> {
+        let n = self.r.array_len()?;
+        self.out.events.reserve(n);
+        for _ in 0..n {
+            self.bad_tokens = false;
+            self.bad_extra_keys = false;
+            let mut ev = match self.r.peek()? {
+                0x90..=0x9f | 0xdc | 0xdd => self.positional()?,
+                _ => self.tagged()?,
+            };
+            if let Event::Stored(s) = &mut ev {
+                s.bad_tokens = self.bad_tokens;
+                s.bad_extra_keys = self.bad_extra_keys;
+            }
+            self.out.events.push(ev);
+        }
+        Some(())
+    }
+
+    fn tagged(&mut self) -> Option<Event<'a>> {
+        let mut f = Fields::default();
+        for _ in 0..self.r.map_len()? {
+            // Keys only need to equal known ASCII names; unknown ones are skipped with their value.
+            match field(self.r.raw_str()?) {
+                Field::Type => f.kind = Some(self.r.raw_str()?),
+                Field::BlockHashes => f.hashes = Some(self.hashes()?),
+                Field::Parent => f.parent = self.opt_hash()?,
+                Field::TokenIds => f.tokens = Some(self.tokens()?),
+                Field::BlockSize => f.block_size = Some(self.int()?),
+                Field::Medium => f.medium = self.opt_str()?,
+                Field::LoraName => f.lora_name = self.opt_str()?,
+                Field::ExtraKeys => f.extra_keys = self.extra_keys()?,
+                Field::Other => self.r.any(1)?,
+            }
+        }
+        f.into_event()
+    }
+
+    fn positional(&mut self) -> Option<Event<'a>> {
+        let n = self.r.array_len()?;
+        if n == 0 {
+            return None;
+        }
+        let mut f = Fields {
+            kind: Some(self.r.str()?),
+            ..Fields::default()
+        };
+        for i in 1..n {
+            match (f.kind?, i) {
+                (b"BlockStored" | b"BlockRemoved", 1) => f.hashes = Some(self.hashes()?),
+                (b"BlockStored", 2) => f.parent = self.opt_hash()?,
+                (b"BlockStored", 3) => f.tokens = Some(self.tokens()?),
+                (b"BlockStored", 4) => f.block_size = Some(self.int()?),
+                (b"BlockStored", 6) | (b"BlockRemoved", 2) => f.medium = self.opt_str()?,
+                // vLLM's lora_name, or SGLang's metadata map in the same place.
+                (b"BlockStored", 7) if matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) => {
+                    f.lora_name = self.opt_str()?
+                }
+                _ => self.r.any(1)?,
+            }
+        }
+        f.into_event()
+    }
+
+    fn int(&mut self) -> Option<i64> {
+        match self.r.int()? {
+            // Only ever compared with the index's block size: a huge one is just a mismatch.
+            Hash::U(v) => Some(i64::try_from(v).unwrap_or(i64::MAX)),
+            Hash::I(v) => Some(v),
+            Hash::B(..) => None,
+        }
+    }
+
+    fn opt_str(&mut self) -> Option<Option<&'a str>> {
+        if self.r.nil() {
+            return Some(None);
+        }
+        std::str::from_utf8(self.r.str()?).ok().map(Some)
+    }
+
+    fn hash(&mut self) -> Option<u64> {
+        if self.json && matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
+            return base64_reduced(self.r.str()?);
+        }
+        Some(match self.r.hash()? {
+            Hash::U(v) => v,
+            Hash::I(v) => v as u64,
+            Hash::B(s, e) => reduce_bytes(&self.r.b[s..e]),
+        })
+    }
+
+    fn opt_hash(&mut self) -> Option<Option<u64>> {
+        if self.r.nil() {
+            Some(None)
+        } else {
+            self.hash().map(Some)
+        }
+    }
+
+    fn hashes(&mut self) -> Option<Range<usize>> {
+        let n = self.r.array_len()?;
+        let start = self.out.hashes.len();
+        for _ in 0..n {
+            let h = self.hash()?;
+            self.out.hashes.push(h);
+        }
+        Some(start..self.out.hashes.len())
+    }
+
+    fn tokens(&mut self) -> Option<Range<usize>> {
+        let n = self.r.array_len()?;
+        let start = self.out.tokens.len();
+        // Every token takes at least a byte: a length beyond the payload is garbage.
+        if n > self.r.b.len() - self.r.p {
+            return None;
+        }
+        // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
+        // uint32 for a vocabulary past 65536), so they are decoded without a branch on the
+        // width: one 8-byte big-endian load, then shift and mask by the marker byte.
+        let b = self.r.b;
+        let mut p = self.r.p;
+        let tokens = &mut self.out.tokens;
+        tokens.resize(start + n, 0);
+        let mut bad = false;
+        for slot in &mut tokens[start..] {
+            let t = match b.get(p..p + 8) {
+                Some(word) => {
+                    let word = u64::from_be_bytes(word.try_into().unwrap());
+                    let m = (word >> 56) as u32;
+                    // The next token's position is on the critical path: its width is computed,
+                    // not looked up (fixint 1, uint8/16/32 = 0xcc..0xce: 1 + 1, 2, 4).
+                    if m < 0x80 {
+                        p += 1;
+                        Some(m)
+                    } else if (0xcc..=0xce).contains(&m) {
+                        let bytes = 1u32 << (m - 0xcc);
+                        p += 1 + bytes as usize;
+                        Some(((word >> (56 - 8 * bytes)) & TOKEN_MASK[m as usize]) as u32)
+                    } else {
+                        self.r.p = p;
+                        let t = other_token(&mut self.r)?;
+                        p = self.r.p;
+                        t
+                    }
+                }
+                None => {
+                    self.r.p = p;
+                    let t = other_token(&mut self.r)?;
+                    p = self.r.p;
+                    t
+                }
+            };
+            bad |= t.is_none();
+            *slot = t.unwrap_or(0);
+        }
+        self.r.p = p;
+        self.bad_tokens |= bad;
+        Some(start..self.out.tokens.len())
+    }
+
+    fn extra_keys(&mut self) -> Option<Option<Vec<Option<Value>>>> {
+        if self.r.nil() {
+            return Some(None);
+        }
+        let n = self.r.array_len()?;
+        let mut out = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            out.push(if self.r.nil() {
+                None
+            } else {
+                Some(self.value(1)?)
+            });
+        }
+        Some(Some(out))
+    }
+
+    /// An extra-key value in its canonical form: nil, bool, int, str, bytes and arrays of
+    /// these (the form Python query arguments take too, see rust/index.rs `key_value`). Floats
+    /// and maps are skipped and flag the event: no engine writes them, and they have no
+    /// canonical form here.
+    fn value(&mut self, depth: u32) -> Option<Value> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        Some(match self.r.peek()? {
+            0xc0 => {
+                self.r.p += 1;
+                Value::None
+            }
+            0xc2 | 0xc3 => Value::Bool(self.r.byte()? == 0xc3),
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => match self.r.int()? {
+                Hash::I(v) => Value::Int(v),
+                Hash::U(v) => match i64::try_from(v) {
+                    Ok(v) => Value::Int(v),
+                    // 2**63..2**64-1 as Value keeps them: nine LE bytes, a zero sign byte last.
+                    Err(_) => {
+                        let mut le = v.to_le_bytes().to_vec();
+                        le.push(0);
+                        Value::BigInt(le)
+                    }
+                },
+                Hash::B(..) => return None,
+            },
+            0xa0..=0xbf | 0xd9..=0xdb => Value::Str(self.r.str()?.to_vec(), 0),
+            0xc4..=0xc6 => match self.r.hash()? {
+                Hash::B(s, e) => Value::Bytes(self.r.b[s..e].to_vec(), 0),
+                _ => return None,
+            },
+            0x90..=0x9f | 0xdc | 0xdd => {
+                let n = self.r.array_len()?;
+                let mut items = Vec::with_capacity(n.min(1024));
+                for _ in 0..n {
+                    items.push(self.value(depth + 1)?);
+                }
+                Value::Tuple(items, 0)
+            }
+            _ => {
+                self.r.any(depth)?;
+                self.bad_extra_keys = true;
+                Value::None
+            }
+        })
+    }
+}
+
+enum Field {
+    Type,
+    BlockHashes,
+    Parent,
+    TokenIds,
+    BlockSize,
+    Medium,
+    LoraName,
+    ExtraKeys,
+    Other,
+}
+
+/// An event field by name: one comparison per key (the key's length and first byte pick the
+/// candidate), not one per known name.
+#[inline]
+fn field(key: &[u8]) -> Field {
+    let (want, f): (&[u8], Field) = match (key.len(), key.first()) {
+        (4, _) => (b"type", Field::Type),
+        (12, _) => (b"block_hashes", Field::BlockHashes),
+        (17, _) => (b"parent_block_hash", Field::Parent),
+        (9, Some(b't')) => (b"token_ids", Field::TokenIds),
+        (9, _) => (b"lora_name", Field::LoraName),
+        (10, Some(b'b')) => (b"block_size", Field::BlockSize),
+        (10, _) => (b"extra_keys", Field::ExtraKeys),
+        (6, _) => (b"medium", Field::Medium),
+        _ => return Field::Other,
+    };
+    if key == want {
+        f
+    } else {
+        Field::Other
+    }
+}
+
+impl<'a> Fields<'a> {
+    fn into_event(self) -> Option<Event<'a>> {
+        Some(match self.kind? {
+            b"BlockStored" => Event::Stored(Stored {
+                hashes: self.hashes?,
+                parent: self.parent,
+                tokens: self.tokens?,
+                block_size: self.block_size?,
+                medium: self.medium,
+                lora_name: self.lora_name,
+                extra_keys: self.extra_keys,
+                bad_tokens: false,
+                bad_extra_keys: false,
+            }),
+            b"BlockRemoved" => Event::Removed {
+                hashes: self.hashes?,
+                medium: self.medium,
+            },
+            b"AllBlocksCleared" => Event::Cleared,
+            _ => return None,
+        })
+    }
+}
+
+/// The value mask of a token id by its marker: uint8/16/32 at 0xcc..0xce.
+const TOKEN_MASK: [u64; 256] = {
+    let mut t = [0u64; 256];
+    t[0xcc] = 0xff;
+    t[0xcd] = 0xffff;
+    t[0xce] = 0xffff_ffff;
+    t
+};
+
+/// A token id at the payload's very end, or in a width msgspec does not write for one (or out
+/// of range: `Some(None)`).
+fn other_token(r: &mut Reader) -> Option<Option<u32>> {
+    Some(match r.byte()? {
+        t @ 0x00..=0x7f => Some(t as u32),
+        0xcc => Some(r.be(1)? as u32),
+        0xcd => Some(r.be(2)? as u32),
+        0xce => Some(r.be(4)? as u32),
+        0xcf => u32::try_from(r.be(8)?).ok(),
+        0xe0..=0xff => None,
+        // Signed markers may hold non-negative values (msgspec never writes these).
+        0xd0 => u32::try_from(r.be(1)? as u8 as i8).ok(),
+        0xd1 => u32::try_from(r.be(2)? as u16 as i16).ok(),
+        0xd2 => u32::try_from(r.be(4)? as u32 as i32).ok(),
+        0xd3 => u32::try_from(r.be(8)? as i64).ok(),
+        _ => return None,
+    })
+}
+
+fn base64_reduced(s: &[u8]) -> Option<u64> {
+    fn sextet(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    if !s.len().is_multiple_of(4) {
+        return None;
+    }
+    let body = s.strip_suffix(b"==").or_else(|| s.strip_suffix(b"=")).unwrap_or(s);
+    let mut acc = 0u64;
+    let (mut bits, mut buf) = (0u32, 0u32);
+    for &c in body {
+        buf = (buf << 6) | sextet(c)?;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            acc = (acc << 8) | ((buf >> bits) & 0xff) as u64;
+        }
+    }
+    Some(acc)
+}
+
+// --- JSON -> msgpack ---------------------------------------------------------------------------
+
+/// Writes the msgpack form of one JSON document to `out`; `None` if it is not JSON.
+fn json_to_msgpack(b: &[u8], out: &mut Vec<u8>) -> Option<()> {
+    let mut de = serde_json::Deserializer::from_slice(b);
+    Transcode { out }.deserialize(&mut de).ok()?;
+    de.end().ok()
+}
+
+struct Transcode<'w> {
+    out: &'w mut Vec<u8>,
+}
+
+impl Transcode<'_> {
+    /// Writes a 32-bit container header and returns where to patch in its length.
+    fn open(&mut self, marker: u8) -> usize {
+        self.out.push(marker);
+        self.out.extend_from_slice(&[0; 4]);
+        self.out.len() - 4
+    }
+
+    fn close(&mut self, at: usize, n: u32) {
+        self.out[at..at + 4].copy_from_slice(&n.to_be_bytes());
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Transcode<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Transcode<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.out.push(0xc0);
+        Ok(())
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
+        self.out.push(if v { 0xc3 } else { 0xc2 });
+        Ok(())
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
+        self.out.push(0xcf);
+        self.out.extend_from_slice(&v.to_be_bytes());
+        Ok(())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
+        if v >= 0 {
+            return self.visit_u64(v as u64);
+        }
+        self.out.push(0xd3);
+        self.out.extend_from_slice(&v.to_be_bytes());
+        Ok(())
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
+        self.out.push(0xcb);
+        self.out.extend_from_slice(&v.to_be_bytes());
+        Ok(())
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        self.out.push(0xdb);
+        self.out.extend_from_slice(&(v.len() as u32).to_be_bytes());
+        self.out.extend_from_slice(v.as_bytes());
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
+        let at = self.open(0xdd);
+        let mut n = 0u32;
+        while seq
+            .next_element_seed(Transcode { out: self.out })?
+            .is_some()
+        {
+            n += 1;
+        }
+        self.close(at, n);
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+        let at = self.open(0xdf);
+        let mut n = 0u32;
+        while map.next_key_seed(Transcode { out: self.out })?.is_some() {
+            map.next_value_seed(Transcode { out: self.out })?;
+            n += 1;
+        }
+        self.close(at, n);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_and_msgpack_agree() {
+        let json = br#"[1.5, [{"type": "BlockStored", "block_hashes": [1, "AAAAAAAAAAI="],
+            "parent_block_hash": null, "token_ids": [1, 2, 3, 4], "block_size": 2,
+            "lora_id": null, "medium": "GPU", "lora_name": "x", "extra_keys": [["x"], null],
+            "unknown": {"a": [1.0]}}, ["BlockRemoved", [7], "CPU"], {"type": "AllBlocksCleared"}], 0]"#;
+        let mut scratch = Vec::new();
+        let b = parse(json, detect(json), &mut scratch).expect("parses");
+        assert_eq!(b.hashes, vec![1, 2, 7]);
+        assert_eq!(b.tokens, vec![1, 2, 3, 4]);
+        assert_eq!(b.events.len(), 3);
+        match &b.events[0] {
+            Event::Stored(s) => {
+                assert_eq!(s.medium, Some("GPU"));
+                assert_eq!(s.lora_name, Some("x"));
+                assert_eq!(s.block_size, 2);
+                assert_eq!(s.extra_keys.as_ref().map(Vec::len), Some(2));
+            }
+            _ => panic!("not stored"),
+        }
+        assert!(matches!(b.events[1], Event::Removed { medium: Some("CPU"), .. }));
+        assert!(matches!(b.events[2], Event::Cleared));
+    }
+
+    #[test]
+    fn rejects_garbage_and_trailing_bytes() {
+        let mut scratch = Vec::new();
+        for bad in [&b"[1.0, [], 0] x"[..], b"{}", b"\x92\xcb", b"[1.0, [{\"type\": \"Nope\"}]]"] {
+            assert!(parse(bad, detect(bad), &mut scratch).is_none(), "{bad:?}");
+        }
+        assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch).is_some());
+    }
+
+    #[test]
+    fn reduces_bytes_like_vllm() {
+        assert_eq!(reduce_bytes(&[0xff; 32]), u64::MAX);
+        assert_eq!(reduce_bytes(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 5]), 5);
+        assert_eq!(base64_reduced(b"AAAAAAAAAAI="), Some(2));
+    }
+}

@@ -1,0 +1,603 @@
+"""kvbridge.Index against a plain-Python model of its rules, and its argument checks.
+
+The model (``RefIndex``) is the spec in dicts and sets: per (worker, medium) a dict engine hash ->
+index key (key="tokens", the key being ``hash_blocks(..., algo="xxh3")`` of the event's tokens
+chained on the parent's key) or a set of engine hashes (key="engine"). ``find_matches`` is then
+brute force over it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bridge_support import prefix_scores
+from event_strategies import batches
+from kvbridge import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    Index,
+    KVCacheManager,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    hash_blocks,
+)
+
+BS = 2
+MASK = 2**64 - 1
+
+
+def engine_key(h) -> int:
+    """An engine hash as the index keeps it: ints as u64, bytes reduced like vLLM."""
+    return int.from_bytes(h, "big") & MASK if isinstance(h, bytes) else h & MASK
+
+
+def as_tuples(v):
+    return tuple(as_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def strip_lora(entry, lora_name):
+    """The index's canonical extra key of one block: vLLM's leading LoRA name left out."""
+    if entry is None:
+        return None
+    entry = as_tuples(entry)
+    if lora_name is not None and entry and entry[0] == lora_name:
+        entry = entry[1:]
+    return entry or None
+
+
+def index_keys(tokens, parent=None, lora_name=None, extra_keys=None) -> list[int]:
+    extra = None if extra_keys is None else [strip_lora(e, lora_name) for e in extra_keys]
+    return hash_blocks(tokens, BS, algo="xxh3", parent=parent, lora_name=lora_name, extra_keys=extra)
+
+
+class RefIndex:
+    STATS = (
+        "events", "blocks_stored", "blocks_removed", "cleared", "unknown_parents", "block_size_mismatches",
+        "events_without_tokens", "malformed_payloads", "unknown_removes", "bad_extra_keys",
+    )  # fmt: skip
+
+    def __init__(self, key: str = "tokens") -> None:
+        self.key = key
+        self.workers: dict[str, dict] = {}  # worker -> {medium: {engine: key} | set}, in creation order
+        self.stats = dict.fromkeys(self.STATS, 0)
+
+    def apply(self, worker: str, batch: KVEventBatch | None) -> None:
+        if batch is None:
+            self.stats["malformed_payloads"] += 1
+            return
+        slots = self.workers.setdefault(worker, {})
+        for ev in batch.events:
+            self.stats["events"] += 1
+            if isinstance(ev, BlockStored):
+                self._stored(worker, slots, ev)
+            elif isinstance(ev, BlockRemoved):
+                slot = slots.get(ev.medium)
+                for h in map(engine_key, ev.block_hashes):
+                    if slot is not None and h in slot:
+                        if self.key == "tokens":
+                            del slot[h]
+                        else:
+                            slot.discard(h)
+                        self.stats["blocks_removed"] += 1
+                    else:
+                        self.stats["unknown_removes"] += 1
+            else:
+                self.stats["cleared"] += 1
+                slots.clear()
+
+    def _stored(self, worker, slots, ev: BlockStored) -> None:
+        n = len(ev.block_hashes)
+        if n == 0:
+            return
+        if ev.block_size != BS or len(ev.token_ids) not in (0, n * BS):
+            self.stats["block_size_mismatches"] += 1
+            return
+        if not ev.token_ids:
+            self.stats["events_without_tokens"] += 1
+            if self.key == "tokens":
+                return
+        engine = [engine_key(h) for h in ev.block_hashes]
+        if self.key == "engine":
+            if ev.parent_block_hash is not None:
+                p = engine_key(ev.parent_block_hash)
+                if not any(p in s for s in slots.values()):
+                    self.stats["unknown_parents"] += 1
+            slots.setdefault(ev.medium, set()).update(engine)
+        else:
+            if ev.extra_keys is not None and len(ev.extra_keys) != n:
+                self.stats["bad_extra_keys"] += 1
+                return
+            parent = None
+            if ev.parent_block_hash is not None:
+                p = engine_key(ev.parent_block_hash)
+                same = [slots[ev.medium]] if ev.medium in slots else []
+                found = [s[p] for s in same + [s for m, s in slots.items() if m != ev.medium] if p in s]
+                if not found:
+                    self.stats["unknown_parents"] += 1
+                    return
+                parent = found[0]
+            keys = index_keys(ev.token_ids, parent, ev.lora_name, ev.extra_keys)
+            slots.setdefault(ev.medium, {}).update(zip(engine, keys))
+        self.stats["blocks_stored"] += n
+
+    def remove_worker(self, worker: str) -> None:
+        self.workers.pop(worker, None)
+
+    def clear(self) -> None:
+        self.workers.clear()
+
+    def holders(self, medium=...) -> dict[int, set[str]]:
+        out: dict[int, set[str]] = {}
+        for w, slots in self.workers.items():
+            for m, slot in slots.items():
+                if medium is not ... and m != medium:
+                    continue
+                for k in slot.values() if self.key == "tokens" else slot:
+                    out.setdefault(k, set()).add(w)
+        return out
+
+    def find_matches(self, keys: list[int], medium=...) -> dict[str, int]:
+        holders = self.holders(medium)
+        scores: dict[str, int] = {}
+        for w in holders.get(keys[0], ()) if keys else ():
+            n = 0
+            while n < len(keys) and w in holders.get(keys[n], ()):
+                n += 1
+            scores[w] = n
+        return scores
+
+
+def check_equal(idx: Index, ref: RefIndex, queries=()) -> None:
+    stats = idx.stats
+    assert {k: stats[k] for k in ref.STATS} == ref.stats
+    assert idx.workers == sorted(ref.workers)
+    holders = ref.holders()
+    assert len(idx) == len(holders)
+    for k, workers in holders.items():
+        assert idx.find_matches(block_hashes=[k]) == dict.fromkeys(workers, 1)
+    for medium in ("GPU", "CPU"):  # (medium=None asks for any medium)
+        for k, workers in ref.holders(medium).items():
+            assert idx.find_matches(block_hashes=[k], medium=medium) == dict.fromkeys(workers, 1)
+    for tokens, lora_name, extra in queries:
+        keys = index_keys(tokens, None, lora_name, extra)
+        query_extra = None if extra is None else [strip_lora(e, lora_name) for e in extra]
+        want = ref.find_matches(keys)
+        assert idx.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra) == want
+        assert idx.find_matches(block_hashes=keys) == want
+        assert idx.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra, medium="CPU") == (
+            ref.find_matches(keys, "CPU")
+        )
+
+
+# --- random event streams --------------------------------------------------------------------
+
+# Three documents whose blocks the streams store, remove and query; a block's engine hash is
+# a function of (document, block, lora), with a per-worker offset half of the time (engines
+# with different seeds), so parents chain as an engine's would.
+DOCS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 50, 60, 70, 80], [7, 7, 7, 7, 7, 7]]
+LORAS = [None, "ad"]
+EXTRAS = [(), ("mm-1", 0), ("salt",), (b"\x00emb",)]
+
+
+def engine_hash(worker: int, doc: int, block: int, lora: int, form: int):
+    h = (doc * 100 + block) * 10 + lora + (worker * 7919 if form == 1 else 0)
+    if form == 2:
+        return h.to_bytes(32, "big")  # a full digest, reduced to h
+    if form == 3:
+        return (h | 1 << 63) - 2**64  # a u64 >= 2**63, as a signed engine writes it
+    return h
+
+
+@st.composite
+def stored_events(draw, worker: int):
+    d = draw(st.integers(0, len(DOCS) - 1))
+    n_doc_blocks = len(DOCS[d]) // BS
+    start = draw(st.integers(0, n_doc_blocks - 1))
+    n = draw(st.integers(0, n_doc_blocks - start))
+    lora = draw(st.integers(0, 1))
+    form = draw(st.integers(0, 3))
+    lora_name = LORAS[lora]
+    tokens = DOCS[d][start * BS : (start + n) * BS]
+    parent = engine_hash(worker, d, start - 1, lora, form) if start else None
+    if draw(st.integers(0, 9)) == 0:
+        parent = draw(st.integers(0, 2**64 - 1))  # a parent nobody stored
+    extra = None
+    if draw(st.booleans()):
+        extra = [
+            ((lora_name,) if lora_name and draw(st.booleans()) else ()) + draw(st.sampled_from(EXTRAS))
+            for _ in range(n)
+        ]
+        extra = [e or None for e in extra]
+    block_size = BS
+    oddity = draw(st.integers(0, 15))
+    if oddity == 0:
+        block_size = BS + 1
+    elif oddity == 1 and tokens:
+        tokens = tokens[:-1]
+    elif oddity == 2:
+        tokens = []  # an offload placeholder
+    elif oddity == 3 and extra:
+        extra = extra[:-1]
+    return BlockStored(
+        block_hashes=[engine_hash(worker, d, start + i, lora, form) for i in range(n)],
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=lora or None,
+        medium=draw(st.sampled_from(["GPU", "GPU", "CPU", None])),
+        lora_name=lora_name,
+        extra_keys=extra,
+    )
+
+
+@st.composite
+def removed_events(draw, worker: int):
+    ints = lambda hi: draw(st.integers(0, hi))  # noqa: E731
+    hashes = [engine_hash(worker, ints(2), ints(4), ints(1), ints(3)) for _ in range(ints(4))]
+    return BlockRemoved(block_hashes=hashes, medium=draw(st.sampled_from(["GPU", "CPU", None])))
+
+
+@st.composite
+def operations(draw):
+    ops = []
+    for _ in range(draw(st.integers(1, 25))):
+        worker = draw(st.integers(0, 2))
+        kind = draw(st.integers(0, 19))
+        if kind == 0:
+            ops.append(("remove_worker", worker, None, None))
+        elif kind == 1:
+            ops.append(("clear", worker, None, None))
+        else:
+            one = st.one_of(
+                stored_events(worker), stored_events(worker), removed_events(worker), st.just(AllBlocksCleared())
+            )
+            evs = draw(st.lists(one, max_size=4))
+            how = draw(st.sampled_from(["msgpack", "json", "batch", "detect", "malformed"]))
+            ops.append(("apply", worker, KVEventBatch(ts=1.0, events=evs, data_parallel_rank=0), how))
+    return ops
+
+
+def run_ops(ops, key: str):
+    idx, ref = Index(BS, key), RefIndex(key)
+    for op, worker, batch, how in ops:
+        name = f"worker-{worker}"
+        if op == "remove_worker":
+            idx.remove_worker(name)
+            ref.remove_worker(name)
+        elif op == "clear":
+            idx.clear()
+            ref.clear()
+        else:
+            if how == "batch":
+                n = idx.apply(name, batch)
+            elif how == "malformed":
+                payload = encode_batch(batch)[:-1]  # cut short: never a batch
+                n = idx.apply(name, payload)
+                batch = None
+            else:
+                fmt = "msgpack" if how == "detect" else how
+                payload = encode_batch(batch, fmt)
+                n = idx.apply(name, payload, None if how == "detect" else fmt)
+                # What the payload says (JSON has no bytes: bytes extra keys arrive as base64 text).
+                batch = decode_batch(payload, fmt)
+            assert n == (0 if batch is None else len(batch.events))
+            ref.apply(name, batch)
+    return idx, ref
+
+
+QUERIES = [
+    (doc[: len(doc) // BS * BS], lora, extra)
+    for doc in DOCS
+    for lora in LORAS
+    for extra in (None, [("mm-1", 0)] + [None] * (len(doc) // BS - 1))
+]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations())
+def test_tokens_index_equals_the_model(ops):
+    idx, ref = run_ops(ops, "tokens")
+    check_equal(idx, ref, QUERIES)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations())
+def test_engine_index_equals_the_model(ops):
+    idx, ref = run_ops(ops, "engine")
+    check_equal(idx, ref)
+    # Brute force over engine hashes: the leading blocks of each document's chain.
+    for d in range(len(DOCS)):
+        for lora in (0, 1):
+            for form in (0, 1):
+                for w in range(3):
+                    keys = [engine_key(engine_hash(w, d, b, lora, form)) for b in range(len(DOCS[d]) // BS)]
+                    assert idx.find_matches(block_hashes=keys) == ref.find_matches(keys)
+
+
+def test_the_same_stream_from_bytes_json_and_batches_gives_the_same_state():
+    rng = random.Random(5)
+    idxs = [Index(4) for _ in range(3)]
+    pools = {f"w{i}": KVCacheManager(40, 4, algo="sha256_cbor") for i in range(3)}
+    prefixes = [[rng.randrange(100) for _ in range(24)] for _ in range(4)]
+    for step in range(300):
+        w = rng.choice(list(pools))
+        pool = pools[w]
+        rid = f"r{step}"
+        lora = rng.choice([None, "ad"])
+        prompt = rng.choice(prefixes)[: rng.randrange(4, 25)] + [rng.randrange(100)] * rng.randrange(9)
+        if pool.allocate(rid, prompt, lora_name=lora) is not None:
+            pool.free(rid)
+        batch = KVEventBatch(ts=float(step), events=pool.take_events())
+        assert idxs[0].apply(w, encode_batch(batch)) == len(batch.events)
+        assert idxs[1].apply(w, bytearray(encode_batch(batch, "json"))) == len(batch.events)
+        assert idxs[2].apply(w, batch) == len(batch.events)
+    for tokens in prefixes:
+        for lora in (None, "ad"):
+            answers = [i.find_matches(tokens, lora_name=lora) for i in idxs]
+            assert answers[0] == answers[1] == answers[2]
+    assert len(idxs[0]) == len(idxs[1]) == len(idxs[2]) > 0
+    assert idxs[0].stats == idxs[1].stats == idxs[2].stats
+
+
+def test_tokens_and_engine_keys_agree_on_vllm_hashes():
+    """A stream from sha256_cbor pools (vLLM's hash, LoRA in extra keys): the tokens index queried
+    with tokens and the engine index queried with hash_blocks(sha256_cbor) score alike."""
+    rng = random.Random(11)
+    tokens_idx, engine_idx = Index(4), Index(4, key="engine")
+    pools = {f"w{i}": KVCacheManager(24, 4, algo="sha256_cbor") for i in range(4)}
+    prefixes = [[rng.randrange(50) for _ in range(28)] for _ in range(5)]
+    live: dict[str, list[str]] = {w: [] for w in pools}
+    for step in range(600):
+        w = rng.choice(list(pools))
+        pool = pools[w]
+        if live[w] and rng.random() < 0.5:
+            pool.free(live[w].pop(rng.randrange(len(live[w]))))
+        else:
+            rid = f"r{step}"
+            prompt = rng.choice(prefixes)[: rng.randrange(4, 29)] + [rng.randrange(50)] * rng.randrange(6)
+            if pool.allocate(rid, prompt, lora_name=rng.choice([None, None, "ad"])) is not None:
+                live[w].append(rid)
+        if rng.random() < 0.005:
+            for rid in live[w]:
+                pool.free(rid)
+            live[w].clear()
+            pool.reset()
+        payload = encode_batch(KVEventBatch(ts=0.0, events=pool.take_events()))
+        tokens_idx.apply(w, payload)
+        engine_idx.apply(w, payload)
+        if step % 50 == 0:
+            for prefix in prefixes:
+                for lora in (None, "ad"):
+                    n = len(prefix) // 4
+                    hashes = hash_blocks(prefix, 4, algo="sha256_cbor", extra_keys=[(lora,)] * n if lora else None)
+                    want = brute_force(pools, hashes)
+                    assert tokens_idx.find_matches(prefix, lora_name=lora) == want
+                    assert engine_idx.find_matches(block_hashes=hashes) == want
+    assert tokens_idx.stats["unknown_parents"] == engine_idx.stats["unknown_parents"] == 0
+
+
+def brute_force(pools: dict[str, KVCacheManager], hashes: list[int]) -> dict[str, int]:
+    return prefix_scores({w: set(pool.cached_block_hashes()) for w, pool in pools.items()}, hashes)
+
+
+# --- payloads the schema accepts, and garbage ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_every_batch_the_schema_encodes_is_read(fmt, data):
+    batch = data.draw(batches(fmt))
+    idx = Index(BS)
+    payload = encode_batch(batch, fmt)
+    assert idx.apply("w", payload) == len(batch.events)
+    assert idx.stats["malformed_payloads"] == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200) | st.text(max_size=100).map(str.encode))
+def test_garbage_is_counted_and_never_raises(payload):
+    idx = Index(BS)
+    n = idx.apply("w", payload)
+    try:
+        fmt = "json" if payload.lstrip()[:1] in (b"[", b"{") else "msgpack"
+        batch = decode_batch(payload, fmt)
+    except (DecodeError, msgspec.DecodeError):
+        assert n == 0
+        assert idx.stats["malformed_payloads"] == 1
+        assert idx.workers == []
+    else:
+        assert n == len(batch.events)
+
+
+def test_foreign_shapes_apply_like_their_decoded_batch():
+    pos_stored = ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", "ad"]
+    pos_removed = ["BlockRemoved", [12], "GPU"]
+    sglang_maps = [
+        {"type": "BlockStored", "block_hashes": [21], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2},
+        {"type": "BlockStored", "block_hashes": [22], "parent_block_hash": 21, "token_ids": [5, 6], "block_size": 2,
+         "cache_salt": "s"},
+    ]  # fmt: skip
+    payloads = [
+        msgspec.msgpack.encode([1.0, [pos_stored, pos_removed, ["AllBlocksCleared"], pos_stored]]),
+        msgspec.msgpack.encode([1.0, sglang_maps, 0]),
+        msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "AllBlocksCleared"}], "data_parallel_rank": None}),
+        msgspec.json.encode([1.0, [pos_stored[:5], ["BlockStored", [13], 11, [5, 6], 2]]]),
+    ]
+    for payload in payloads:
+        fmt = "json" if payload[:1] == b"[" else "msgpack"
+        by_bytes, by_batch = Index(BS), Index(BS)
+        assert by_bytes.apply("w", payload) == by_batch.apply("w", decode_batch(payload, fmt)) > 0
+        for tokens, lora in (([1, 2, 3, 4], "ad"), ([1, 2, 3, 4], None), ([1, 2, 5, 6], None), ([1, 2, 5, 6], "ad")):
+            assert by_bytes.find_matches(tokens, lora_name=lora) == by_batch.find_matches(tokens, lora_name=lora)
+        assert by_bytes.stats == by_batch.stats
+        assert by_bytes.stats["malformed_payloads"] == 0
+
+
+def test_removing_a_block_keeps_its_children_and_a_refill_counts_again():
+    idx = Index(BS)
+    tokens = [1, 2, 3, 4, 5, 6]
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([1, 2, 3], None, tokens, BS, None, "GPU", None)])))
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockRemoved([2], "GPU")])))
+    assert idx.find_matches(tokens) == {"a": 1}
+    assert idx.find_matches(block_hashes=index_keys(tokens)[2:]) == {"a": 1}  # the child is still there
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2], 1, tokens[2:4], BS, None, "GPU", None)])))
+    assert idx.find_matches(tokens) == {"a": 3}
+
+
+def test_lora_name_leading_extra_keys_are_left_out_and_salt_the_chain():
+    idx = Index(BS)
+    tokens = [1, 2, 3, 4]
+    ev = BlockStored([1, 2], None, tokens, BS, 7, "GPU", "ad", extra_keys=[("ad", "salt"), ("ad",)])
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [ev])))
+    assert idx.find_matches(tokens, lora_name="ad", extra_keys=[("salt",), None]) == {"a": 2}
+    assert idx.find_matches(tokens, lora_name="ad", extra_keys=[["salt"], ()]) == {"a": 2}  # lists, empty = None
+    assert idx.find_matches(tokens, lora_name="ad") == {}  # the salt is part of block 0
+    assert idx.find_matches(tokens, extra_keys=[("salt",), None]) == {}  # no LoRA: another chain
+    keys = hash_blocks(tokens, BS, algo="xxh3", lora_name="ad", extra_keys=[("salt",), None])
+    assert idx.find_matches(block_hashes=keys) == {"a": 2}
+
+
+def test_engine_mode_takes_placeholders_and_bytes_hashes():
+    idx = Index(BS, key="engine")
+    digest = bytes(range(32))
+    ev = BlockStored([digest, 5], None, [], BS, None, "CPU", None)
+    assert idx.apply("a", encode_batch(KVEventBatch(0.0, [ev]))) == 1
+    assert idx.stats["events_without_tokens"] == 1
+    assert idx.find_matches(block_hashes=[digest, 5]) == {"a": 2}
+    assert idx.find_matches(block_hashes=[int.from_bytes(digest[-8:], "big"), 5], medium="CPU") == {"a": 2}
+    assert idx.find_matches(block_hashes=[digest], medium="GPU") == {}
+    tokens_idx = Index(BS)
+    tokens_idx.apply("a", encode_batch(KVEventBatch(0.0, [ev])))
+    assert len(tokens_idx) == 0 and tokens_idx.stats["events_without_tokens"] == 1
+
+
+def test_many_workers_beyond_one_word_of_bits():
+    idx = Index(BS)
+    tokens = list(range(40))
+    for w in range(150):
+        n = 1 + w % 20
+        ev = BlockStored(list(range(n)), None, tokens[: n * BS], BS, None, "GPU", None)
+        idx.apply(f"w{w:03}", encode_batch(KVEventBatch(0.0, [ev])))
+    want = {f"w{w:03}": 1 + w % 20 for w in range(150)}
+    assert idx.find_matches(tokens) == want
+    for w in range(0, 150, 3):
+        idx.remove_worker(f"w{w:03}")
+        del want[f"w{w:03}"]
+    assert idx.find_matches(tokens) == want
+    idx.apply("late", encode_batch(KVEventBatch(0.0, [BlockStored([0], None, tokens[:BS], BS, None, "GPU", None)])))
+    assert idx.find_matches(tokens) == {**want, "late": 1}
+    assert idx.memory_bytes > 0 and len(idx) == 20
+
+
+# --- arguments --------------------------------------------------------------------------------
+
+
+def test_wrong_argument_types_raise_naming_the_argument():
+    idx = Index(BS)
+    payload = encode_batch(KVEventBatch(0.0, []))
+    cases = [
+        (lambda: idx.apply(5, payload), TypeError, "worker must be str"),
+        (lambda: idx.apply("w", "text"), TypeError, "data must be bytes"),
+        (lambda: idx.apply("w", [1, 2]), TypeError, "data must be bytes"),
+        (lambda: idx.apply("w", payload, 1), TypeError, "format must be str"),
+        (lambda: idx.apply("w", payload, "xml"), ValueError, "format must be 'msgpack', 'json' or None"),
+        (lambda: Index(0), ValueError, "block_size"),
+        (lambda: Index("16"), TypeError, "block_size"),
+        (lambda: Index(16, key="hash"), ValueError, "key must be 'tokens' or 'engine'"),
+        (lambda: idx.find_matches(), TypeError, "needs tokens or block_hashes"),
+        (lambda: idx.find_matches([1, 2], block_hashes=[1]), TypeError, "not both"),
+        (lambda: idx.find_matches([1, 2**32]), ValueError, "token at index 1"),
+        (lambda: idx.find_matches([1, -1]), ValueError, "token at index 1"),
+        (lambda: idx.find_matches("abc"), TypeError, "tokens"),
+        (lambda: idx.find_matches([1, 2, 3, 4], extra_keys=[None]), ValueError, "2 full blocks"),
+        (lambda: idx.find_matches([1, 2], extra_keys=[(1.5,)]), TypeError, r"extra_keys\[0\]\[0\]"),
+        (lambda: idx.find_matches([1, 2], extra_keys=["salt"]), TypeError, r"extra_keys\[0\] must be None or a tuple"),
+        (lambda: idx.find_matches([1, 2], extra_keys=5), TypeError, "extra_keys must be a list"),
+        (lambda: idx.find_matches([1, 2], lora_name=3), TypeError, "lora_name must be str"),
+        (lambda: idx.find_matches([1, 2], medium=b"GPU"), TypeError, "medium must be str"),
+        (lambda: idx.find_matches(block_hashes=[1, "x"]), TypeError, r"block_hashes\[1\] must be int or bytes"),
+        (lambda: idx.find_matches(block_hashes=[2**64]), ValueError, r"block_hashes\[0\]"),
+        (lambda: idx.find_matches(block_hashes=b"ab"), TypeError, "block_hashes must be"),
+        (lambda: idx.find_matches(block_hashes=[1], lora_name="a"), ValueError, "go with tokens"),
+        (lambda: Index(BS, key="engine").find_matches([1, 2]), ValueError, "block_hashes="),
+        (lambda: idx.remove_worker(None), TypeError, "worker must be str"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+    assert idx.stats["payloads"] == 0  # nothing got as far as the index
+
+
+def test_inputs_and_properties():
+    import array
+
+    idx = Index(4, key="tokens")
+    assert (idx.block_size, idx.key, len(idx), idx.workers) == (4, "tokens", 0, [])
+    assert idx.apply("idle", b"[0.5, []]") == 0  # a heartbeat: the worker is known
+    ev = BlockStored([1], None, [1, 2, 3, 4], 4, None, "GPU", None)
+    assert idx.apply("m", memoryview(encode_batch(KVEventBatch(0.0, [ev])))) == 1
+    assert idx.workers == ["idle", "m"]
+    for tokens in ([1, 2, 3, 4, 5], array.array("I", [1, 2, 3, 4]), array.array("q", [1, 2, 3, 4, 9]), (1, 2, 3, 4)):
+        assert idx.find_matches(tokens) == {"m": 1}
+    assert idx.find_matches([1, 2, 3]) == {}  # no full block
+    assert "blocks=1" in repr(idx)
+    idx.clear()
+    assert (len(idx), idx.workers, idx.stats["payloads"]) == (0, [], 2)
+
+
+# --- threads ----------------------------------------------------------------------------------
+
+
+def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
+    """One worker's chain grows one payload at a time (some over 64 KiB, which apply with the GIL
+    released): a concurrent reader must only ever see a prefix length some payload ended at."""
+    idx = Index(4)
+    rng = random.Random(3)
+    total = 9000
+    tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]  # 5 msgpack bytes each
+    hashes = list(range(1, total + 1))
+    payloads, ends = [], {0}
+    start = 0
+    while start < total:
+        n = min(rng.choice([1, 5, 3000]), total - start)
+        ev = BlockStored(
+            hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4,
+            None, "GPU", None,
+        )  # fmt: skip
+        payloads.append(encode_batch(KVEventBatch(0.0, [ev])))
+        start += n
+        ends.add(start)
+    assert max(map(len, payloads)) >= 64 * 1024
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                seen.append(idx.find_matches(tokens).get("w", 0))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, name="kvbridge-test-reader")
+    t.start()
+    try:
+        for p in payloads:
+            idx.apply("w", p)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors
+    assert seen and all(s in ends for s in seen)
+    assert seen == sorted(seen)
+    assert idx.find_matches(tokens) == {"w": total}

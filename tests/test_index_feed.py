@@ -1,0 +1,108 @@
+"""KvEventSubscriber(index=...) against a real nats-server: publishers driving KVCacheManager pools,
+a subscriber feeding payload bytes to an Index; its answers equal brute force over the pools."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bridge_support import Engine, prefix_scores, wait_until
+from kvbridge import Config, Index, KvEventPublisher, KvEventSubscriber, hash_blocks
+
+MODEL = "index-model"
+BS = 4
+
+
+def cfg(server, prefix: str, worker: str = "w0") -> Config:
+    return Config(
+        servers=server.url, model=MODEL, worker_id=worker, subject_prefix=prefix, reconnect_wait_s=0.2, heartbeat_s=0.5
+    )
+
+
+def brute_force(engines: dict[str, Engine], tokens: list[int]) -> dict[str, int]:
+    cached = {}
+    for worker, e in engines.items():
+        with e.publisher.lock:
+            cached[worker] = set(e.manager.cached_block_hashes())
+    return prefix_scores(cached, hash_blocks(tokens, BS))
+
+
+def queries(engines: dict[str, Engine]) -> list[list[int]]:
+    """Every engine's shared prefixes, plus a prompt nobody holds."""
+    return [p for e in engines.values() for p in e.prefixes] + [[5000 + i for i in range(32)]]
+
+
+def index_matches(tokens_idx: Index, engine_idx: Index, subs, engines: dict[str, Engine]) -> bool:
+    if not all(s.in_sync() for s in subs):
+        return False
+    union: set[int] = set()
+    for e in engines.values():
+        with e.publisher.lock:
+            union.update(e.manager.cached_block_hashes())
+    if not len(tokens_idx) == len(engine_idx) == len(union):
+        return False
+    for tokens in queries(engines):
+        want = brute_force(engines, tokens)
+        if tokens_idx.find_matches(tokens) != want:
+            return False
+        if engine_idx.find_matches(block_hashes=hash_blocks(tokens, BS)) != want:
+            return False
+    return True
+
+
+async def start_indexes(server, prefix: str):
+    """Two subscribers, each feeding an index: key="tokens" and key="engine"."""
+    tokens_idx, engine_idx = Index(BS), Index(BS, key="engine")
+    subs = [
+        await KvEventSubscriber(cfg(server, prefix), model=MODEL, index=idx).start() for idx in (tokens_idx, engine_idx)
+    ]
+    return tokens_idx, engine_idx, subs
+
+
+@pytest.mark.timeout(180)
+async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
+    prefix = "idxfeed"
+    tokens_idx, engine_idx, subs = await start_indexes(nats_server, prefix)
+    pubs = [await KvEventPublisher(cfg(nats_server, prefix, f"w{i}")).start() for i in range(3)]
+    engines = {p.config.worker_id: Engine(p, 20_000, seed=60 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
+    for e in engines.values():
+        e.start()
+    # Queried while it is being fed, from another thread, as a router would.
+    mid = await asyncio.to_thread(lambda: [tokens_idx.find_matches(t) for t in queries(engines)])
+    assert all(isinstance(m, dict) for m in mid)
+    for e in engines.values():
+        await asyncio.to_thread(e.finish)
+    waited = await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, engines), 60, "index == pools")
+    for sub, idx in zip(subs, (tokens_idx, engine_idx)):
+        assert sub.views == {}  # no per-worker Python sets in index mode
+        assert sub.stats["malformed"] == 0 and sub.stats["events"] > 0
+        stats = idx.stats
+        assert stats["malformed_payloads"] == stats["unknown_parents"] == stats["block_size_mismatches"] == 0
+        assert idx.workers == sorted(engines)
+        print(f"key={idx.key}: converged {waited:.2f}s after the engines finished; {stats}; {idx.memory_bytes} bytes")
+    for c in pubs + subs:
+        await c.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_is_replaced_in_the_index(nats_server):
+    prefix = "idxrestart"
+    tokens_idx, engine_idx, subs = await start_indexes(nats_server, prefix)
+    old = await KvEventPublisher(cfg(nats_server, prefix)).start()
+    e1 = Engine(old, 5_000, seed=70)
+    e1.start()
+    await asyncio.to_thread(e1.finish)
+    await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, {"w0": e1}), 30, "first incarnation")
+    before = tokens_idx.stats["payloads"]
+    await old.close()
+    new = await KvEventPublisher(cfg(nats_server, prefix)).start()
+    e2 = Engine(new, 5_000, seed=71)
+    e2.start()
+    await asyncio.to_thread(e2.finish)
+    # The old pool's blocks are gone from the index: only the new pool's remain.
+    await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, {"w0": e2}), 30, "restarted worker")
+    assert tokens_idx.stats["payloads"] > before
+    assert all(s.stats["epoch_changes"] == 1 for s in subs)
+    for c in [new, *subs]:
+        await c.close()
