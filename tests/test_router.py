@@ -5,10 +5,8 @@ from collections import Counter
 
 import pytest
 
-from kvbridge import BlockStored, KVEventBatch
+from kvbridge import BlockStored, Index, KVEventBatch
 from kvbridge.router import NoWorkersError, Router, softmax_probabilities
-
-from _index_standin import StandInIndex as Index
 
 BS = 4
 PROMPT = list(range(100, 116))  # 4 full blocks

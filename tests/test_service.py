@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import sys
@@ -15,17 +14,15 @@ import nats
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from bridge_support import pool_hashes, wait_until
-from kvbridge import Config, KvEventPublisher, hash_blocks
+from bridge_support import pool_hashes, prefix_scores
+from kvbridge import Config, Index, KvEventPublisher, hash_blocks
 from kvbridge.pool import KVCacheManager
 from kvbridge.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 from kvbridge.subjects import query_subject
 
-from _index_standin import StandInIndex as Index  # until kvbridge.Index lands on main
 
 BS = 16
 LORA = "ad-1"
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def cfg(server, model, worker="w0", **kw) -> Config:
@@ -72,20 +69,12 @@ class Fleet:
 
     def expected(self, tokens, lora=None, without=()) -> dict[str, int]:
         """Brute force: per worker, how many leading blocks of ``tokens`` its pool holds."""
-        n = len(tokens) // BS
-        hashes = hash_blocks(tokens, BS, extra_keys=[(lora,)] * n if lora else None)
-        out = {}
+        cached = {}
         for name, manager in self.managers.items():
-            if name in without:
-                continue
-            with self.publishers[name].lock:
-                held = pool_hashes(manager)
-            k = 0
-            while k < n and hashes[k] in held:
-                k += 1
-            if k:
-                out[name] = k
-        return out
+            if name not in without:
+                with self.publishers[name].lock:
+                    cached[name] = pool_hashes(manager)
+        return prefix_scores(cached, self.block_hashes(tokens, lora))
 
     def block_hashes(self, tokens, lora=None):
         n = len(tokens) // BS
@@ -292,31 +281,15 @@ async def test_client_without_any_service_is_a_clear_error(nats_server):
         await IndexClient(cfg(nats_server, "svc-nobody")).find_matches([1])
 
 
-# --- replicas in separate processes, one SIGKILLed mid-stream -----------------------------------
-
-_REPLICA = f"""
-import asyncio, signal, sys
-sys.path.insert(0, {TESTS!r})
-from _index_standin import StandInIndex
-from kvbridge.service import IndexService
-
-async def main():
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    async with IndexService(servers=[sys.argv[1]], model=sys.argv[2], index=StandInIndex({BS})) as svc:
-        print(f"answering {{svc.subject}}", file=sys.stderr, flush=True)
-        await stop.wait()
-
-asyncio.run(main())
-"""
-
+# --- `kvbridge index` replicas, one SIGKILLed mid-stream --------------------------------------------
 
 async def _start_replica(url: str, model: str) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _REPLICA, url, model, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        sys.executable, "-m", "kvbridge", "index", "--servers", url, "--model", model, "--block-size", str(BS),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
     line = await asyncio.wait_for(proc.stderr.readline(), 60)
-    assert b"answering" in line, line
+    assert f"answering kv.query.{model} (queue group kvbridge-index)".encode() in line, line
     return proc
 
 

@@ -22,8 +22,8 @@ import collections
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvbridge import Index
 from kvbridge.config import Config
 from kvbridge.consumer import KvEventSubscriber, Update
 from kvbridge.hashing import hash_blocks
@@ -31,7 +31,6 @@ from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import KvEventPublisher
 from kvbridge.router import Router
 from kvbridge.server import NatsServer
-from kvbridge.service import _feed
 
 VOCAB = 151_936
 MODEL = "demo-model"
@@ -141,7 +140,7 @@ class _StreamStats:
 class _Fleet:
     """One policy's workers, the subscriber that follows their stream, and the index it feeds."""
 
-    def __init__(self, policy: str, args: argparse.Namespace, base: Config, index_cls: Any, outage: _Outage) -> None:
+    def __init__(self, policy: str, args: argparse.Namespace, base: Config, outage: _Outage) -> None:
         self.policy = policy
         self.model = f"{MODEL}-{policy.lower()}"
         self.block_size = args.block_size
@@ -153,15 +152,12 @@ class _Fleet:
             self.workers.append(_Worker(f"worker-{i}", manager, publisher))
         self.by_name = {w.name: w for w in self.workers}
         self.running: collections.deque[_Worker] = collections.deque()  # one entry per running request
-        self.index = index_cls(args.block_size)
+        self.index = Index(args.block_size)
         self.stream = _StreamStats(outage)
-        feed = _feed(self.index)
-
-        def on_update(update: Update) -> None:
-            feed(update)
-            self.stream(update)
-
-        self.subscriber = KvEventSubscriber(base.replace(model=self.model), model=self.model, on_update=on_update)
+        # The index is fed straight from the payload bytes; the views are kept to check it against.
+        self.subscriber = KvEventSubscriber(
+            base.replace(model=self.model), model=self.model, index=self.index, track_views=True, on_update=self.stream
+        )
         # load: the router's own count of requests in flight (choose() ... done())
         self.router = Router(self.index, workers=list(self.by_name)) if policy == "KV-aware" else None
         self.rng = random.Random(args.seed + 1)
@@ -263,10 +259,8 @@ async def run_demo(args: argparse.Namespace) -> int:
     with NatsServer() as server:
         _say(t0, f"nats-server started on {server.url} (watch it: kvbridge watch --servers {server.url})")
         base = Config(servers=[server.url], encoding=args.encoding, reconnect_wait_s=0.2)
-        from kvbridge import Index
-
         outage = _Outage()
-        fleets = [_Fleet(policy, args, base, Index, outage) for policy in POLICIES]
+        fleets = [_Fleet(policy, args, base, outage) for policy in POLICIES]
         for f in fleets:
             await f.subscriber.start()
         try:

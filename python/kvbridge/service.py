@@ -30,7 +30,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from kvbridge import metrics
 from kvbridge.config import Config
 from kvbridge.connection import connect
-from kvbridge.consumer import KvEventSubscriber, Update
+from kvbridge.consumer import KvEventSubscriber
 from kvbridge.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, query_subject
 
 __all__ = ["IndexClient", "IndexQuery", "IndexQueryError", "IndexService", "IndexUnavailableError"]
@@ -119,20 +119,6 @@ def _config(config: Config | None, model: str | None, options: dict[str, Any]) -
     return config if model is None else config.replace(model=model)
 
 
-def _feed(index: Any):
-    """on_update callback applying a worker's stream to ``index``: a reset (snapshot) replaces
-    everything known about the worker; an expired worker is forgotten."""
-
-    def on_update(update: Update) -> None:
-        if update.reset:
-            index.remove_worker(update.worker)
-            if update.source == "expired":
-                return
-        index.apply(update.worker, update.batch)
-
-    return on_update
-
-
 class IndexService:
     """Keeps an index of ``model``'s workers from the event stream and answers overlap queries on
     ``<prefix>.query.<model>`` in queue group ``queue_group``. An async context manager.
@@ -164,9 +150,7 @@ class IndexService:
         self.index = index
         self.queue_group = queue_group
         self.subject = query_subject(config.subject_prefix, config.model)
-        self.subscriber = KvEventSubscriber(
-            config, model=config.model, on_update=_feed(index), track_views=False
-        )
+        self.subscriber = KvEventSubscriber(config, model=config.model, index=index)
         self.metric_labels = {"subject": self.subject}
         self._nc: Any = None
         self._closed = False
