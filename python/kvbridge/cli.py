@@ -15,9 +15,8 @@ import time
 from typing import Any, Sequence
 
 from kvbridge.config import Config, ConfigError
-from kvbridge.connection import ConnectError
+from kvbridge.errors import Error
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_load_report
-from kvbridge.server import NatsServerError
 
 __all__ = ["main"]
 
@@ -247,7 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (ConnectError, NatsServerError) as exc:
+    except Error as exc:
+        # kvbridge's own refusals (connect, auth, permissions, JetStream, local server) are for the
+        # user to fix, not bugs: one line, no traceback.
         print(f"kvbridge: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ import ssl
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from kvbridge.errors import Error
 from kvbridge.subjects import CONTENT_TYPES, sanitize_token
 
 __all__ = ["Config", "ConfigError"]
@@ -22,7 +23,7 @@ ENV_PREFIX = "KVBRIDGE_"
 _SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-class ConfigError(ValueError):
+class ConfigError(Error, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 
@@ -107,7 +108,20 @@ class Config:
         return cls(**values)
 
     def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied, checked like a new config."""
+        known = {f.name for f in fields(self)}
+        for key in changes:
+            if key not in known:
+                raise ConfigError(f"unknown kvbridge option {key!r}")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def resolve(cls, config: Config | None = None, **options: Any) -> Config:
+        """The config a component was given, as its constructors take it: ``config`` with
+        ``options`` applied, or (no ``config``) the environment with ``options`` applied."""
+        if config is None:
+            return cls.from_env(**options)
+        return config.replace(**options) if options else config
 
     # -- validation ---------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import gc
 import inspect
 import json
 import logging
@@ -315,10 +314,7 @@ class KvEventSubscriber:
         stream_start: int | datetime.datetime | None = None,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         self.config = config
         self.prefix = config.subject_prefix
         self.subject = subject or events_pattern(self.prefix, model, worker)
@@ -853,13 +849,7 @@ _NO_RESPONDERS = object()
 
 
 def _decode(payload: bytes, fmt: str) -> KVEventBatch:
-    # A batch is thousands of small lists (token ids): letting the cyclic GC run in the middle of
-    # decoding them more than doubles the cost, and they cannot form cycles. Pausing it for the
-    # call changes nothing else; the objects stay tracked and are collected as usual afterwards.
-    if gc.isenabled():
-        gc.disable()
-        try:
-            return decode_batch(payload, fmt)
-        finally:
-            gc.enable()
+    # The GC stays on: pausing it here (as this once did) switches it off for every thread of the
+    # application meanwhile. Structs are gc=False (untracked); the lists in them are tracked and
+    # cost 3-30% of decode time (bench/decode_gc.py, bench/RESULTS.md).
     return decode_batch(payload, fmt)

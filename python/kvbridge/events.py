@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 import msgspec
 
 from kvbridge import _native
+from kvbridge.errors import Error
 
 __all__ = [
     "AllBlocksCleared",
@@ -44,7 +45,7 @@ MEDIUM_GPU = "GPU"
 Format = Literal["msgpack", "json"]
 
 
-class DecodeError(ValueError):
+class DecodeError(Error, ValueError):
     """A payload that is not a KV event batch. The message says what was wrong."""
 
 

@@ -70,9 +70,10 @@ from typing import Any, Awaitable, Callable
 
 from nats.errors import Error as NatsError
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from kvbridge.config import Config, ConfigError
+from kvbridge.errors import Error
 
 __all__ = ["JetStreamAcks", "JetStreamError", "ensure_stream", "stream_subjects", "subscribe_stream"]
 
@@ -87,7 +88,7 @@ _CONSUMER_HEARTBEAT_S = 1.0
 _ERR_STREAM_NAME_IN_USE = 10058
 
 
-class JetStreamError(RuntimeError):
+class JetStreamError(Error, RuntimeError):
     """JetStream is not available, or the stream cannot be created/updated as configured."""
 
 
@@ -150,6 +151,13 @@ async def ensure_stream(nc: Any, config: Config, *, update: bool = True) -> api.
     except (APIError, NatsError, asyncio.TimeoutError) as exc:
         if isinstance(exc, JetStreamError):
             raise
+        if isinstance(exc, ServiceUnavailableError):
+            # nats-py's text for "no responders on $JS.API" is a row of Nones; say what it means.
+            raise JetStreamError(
+                f"JetStream is not enabled on the NATS server at {', '.join(config.servers)} (nothing answers "
+                f"$JS.API, so stream {config.stream_name!r} cannot be used): start nats-server with -js, "
+                f"or unset KVBRIDGE_JETSTREAM"
+            ) from exc
         raise JetStreamError(
             f"cannot create or update JetStream stream {config.stream_name!r} over {want}: "
             f"{type(exc).__name__}: {exc} (is the server running with JetStream, -js?)"

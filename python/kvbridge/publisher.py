@@ -196,10 +196,7 @@ class KvEventPublisher:
     """
 
     def __init__(self, config: Config | None = None, **options: Any) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         self.config = config
         #: A fresh random id per incarnation: consumers drop their view of this worker when it changes.
         self.epoch = secrets.token_hex(8)

@@ -203,10 +203,7 @@ class Relay:
         idle_probe_s: float = 1.0,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         if dp_rank is not None and config.dp_rank is None:
             config = config.replace(dp_rank=dp_rank)
         self.config = config
