@@ -83,3 +83,24 @@ def test_watch_jetstream_without_js_server_is_one_line(own_nats_server):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvbridge: JetStream is not enabled") and "-js" in lines[0]
     assert own_nats_server.url in lines[0]
+
+
+def test_watch_json_line_escapes_model_and_worker():
+    import json
+
+    import msgspec
+
+    from kvbridge import KVEventBatch, Update
+    from kvbridge.cli import json_line
+    from kvbridge.events import LoadReport
+
+    # A subject token may hold quotes, backslashes and non-ASCII: only ".", "*", ">" and spaces are out.
+    model, worker = 'm"1', "w\\2\u00e9\n"
+    batch = KVEventBatch(12.5, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", 'lora "x"')])
+    report = LoadReport(ts=12.0, kv_cache_usage=0.5, running=3)
+    u = Update(model, worker, "e0", 7, batch, source="replay")
+    obj = json.loads(json_line(u, {(model, worker): (report, 1.0)}))
+    assert (obj["model"], obj["worker"], obj["seq"], obj["source"]) == (model, worker, 7, "replay")
+    assert msgspec.json.decode(json.dumps(obj["batch"]), type=KVEventBatch) == batch
+    assert msgspec.json.decode(json.dumps(obj["load"]), type=LoadReport) == report
+    assert "load" not in json.loads(json_line(u, {}))
