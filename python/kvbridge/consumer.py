@@ -1,4 +1,4 @@
-"""The consumer side of the delivery contract (DESIGN.md, "Delivery guarantees").
+"""The consumer side of the delivery contract (docs/delivery.md).
 
 ``KvEventSubscriber`` subscribes to event subjects and, per worker, turns whatever arrives --
 in order, duplicated, with holes, from a restarted worker, or garbage -- into an exactly-once,

@@ -19,7 +19,7 @@ Threading contract
   the last message before that mark: the snapshot equals the state after every message <= that
   seq, and no message after it is part of the snapshot.
 
-Delivery (DESIGN.md, "Delivery guarantees"): messages are kept, encoded, in a ring buffer bounded in
+Delivery (docs/delivery.md): messages are kept, encoded, in a ring buffer bounded in
 bytes. They are sent in seq order while connected; while NATS is down they wait in the ring, and
 are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
 replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every

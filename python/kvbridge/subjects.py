@@ -1,7 +1,7 @@
 """Subject names and header names: the parts of the wire contract that are not the payload.
 
 Publisher and consumer both build and parse through here so the two sides cannot drift.
-See DESIGN.md, "Subjects and headers".
+See docs/wire-format.md.
 """
 
 from __future__ import annotations
