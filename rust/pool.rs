@@ -252,7 +252,11 @@ impl Manager {
 #[pymethods]
 impl Manager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true))]
+    #[pyo3(
+        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true),
+        // pyo3 cannot render the `Some(..)` default; stubtest compares this with _native.pyi.
+        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True)"
+    )]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,

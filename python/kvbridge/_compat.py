@@ -26,6 +26,7 @@ from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Event,
     ExternalBlockHash,
     KVEventBatch,
 )
@@ -142,7 +143,7 @@ def _stored_from_positional(ev: _PosBlockStored) -> BlockStored:
     )
 
 
-def _canonical(ev: Any):
+def _canonical(ev: Any) -> Event:
     if isinstance(ev, _MapBlockStored):
         return _stored_from_map(ev)
     if isinstance(ev, _PosBlockStored):
@@ -154,7 +155,7 @@ def _canonical(ev: Any):
     return AllBlocksCleared()
 
 
-def _decoders(module):
+def _decoders(module: Any) -> list[Any]:
     return [module.Decoder(shape) for shape in (_MapEventsBatch, _PosBatch, _MapBatch)]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from kvbridge.errors import Error
-from kvbridge.subjects import CONTENT_TYPES, sanitize_token
+from kvbridge.subjects import CONTENT_TYPES, Format, sanitize_token
 
 __all__ = ["Config", "ConfigError"]
 
@@ -49,7 +49,7 @@ class Config:
     model: str = "default"
     worker_id: str = field(default_factory=_default_worker_id)
     dp_rank: int | None = None
-    encoding: str = "msgpack"
+    encoding: Format = "msgpack"
 
     #: A NATS message carries at most this many events / bytes. linger_ms 0 (default): an idle
     #: publisher sends each hand-off at once, a busy one coalesces what arrives while it sends;

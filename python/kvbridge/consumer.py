@@ -48,9 +48,10 @@ from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.connection import Permissions, connect
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
-from kvbridge.events import LoadReport, decode_load_report
+from kvbridge.events import Event, LoadReport, decode_load_report
 from kvbridge.subjects import (
     FORMATS,
+    Format,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
     HDR_EPOCH,
@@ -102,8 +103,11 @@ class _Body:
     """
 
     __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
+    payload: bytes | None
+    fmt: Format | None
+    _batch: KVEventBatch | None
 
-    def __init__(self, payload: bytes, fmt: str) -> None:
+    def __init__(self, payload: bytes, fmt: Format) -> None:
         self.payload, self.fmt = payload, fmt
         scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
         if scanned is None:
@@ -460,7 +464,7 @@ class KvEventSubscriber:
                 self._ensure_sync(w)
                 continue
             blocks = list(w.view.blocks)
-            events = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
+            events: list[Event] = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
             out.append(Update(w.model, w.worker, w.epoch, w.view.seq, KVEventBatch(now, events), True, "behind"))
             self._iter_known.add(key)
         return out
@@ -735,7 +739,7 @@ class KvEventSubscriber:
                     log.debug("kvbridge request on %s failed: %r", subject, exc)
             return None
 
-    async def _replay(self, w: _Worker) -> bool:
+    async def _replay(self, w: _Worker) -> object:  # True, False or _NO_RESPONDERS
         self._counts["replays"] += 1
         parked_before = set(w.parked)
         replies = await self._request(
@@ -775,7 +779,7 @@ class KvEventSubscriber:
         self._counts["malformed"] += len(bogus)
         return True
 
-    async def _snapshot(self, w: _Worker) -> bool:
+    async def _snapshot(self, w: _Worker) -> object:  # True, False or _NO_RESPONDERS
         replies = await self._request(w.subjects.snapshot, b"{}", (REPLY_SNAPSHOT_END, REPLY_UNAVAILABLE))
         if not isinstance(replies, list):
             return replies or False
@@ -848,7 +852,7 @@ _scan = _native.scan_batch_msgpack
 _NO_RESPONDERS = object()
 
 
-def _decode(payload: bytes, fmt: str) -> KVEventBatch:
+def _decode(payload: bytes, fmt: Format) -> KVEventBatch:
     # The GC stays on: pausing it here (as this once did) switches it off for every thread of the
     # application meanwhile. Structs are gc=False (untracked); the lists in them are tracked and
     # cost 3-30% of decode time (bench/decode_gc.py, bench/RESULTS.md).

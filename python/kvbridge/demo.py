@@ -117,7 +117,10 @@ async def run_demo(args: argparse.Namespace) -> int:
     return 0 if converged else 1
 
 
-async def _drive(args, rng, t0, server, workers, subscriber) -> _Routing:
+async def _drive(
+    args: argparse.Namespace, rng: random.Random, t0: float, server: NatsServer, workers: list[_Worker],
+    subscriber: KvEventSubscriber,
+) -> _Routing:
     workload = _Workload(rng, args.block_size)
     routing = _Routing()
     kill_at = None if args.no_kill else args.duration * 0.35
@@ -182,7 +185,7 @@ def _finish_oldest(w: _Worker) -> None:
     w.manager.free(w.active.pop(0))
 
 
-async def _converge(workers, subscriber, timeout: float) -> bool:
+async def _converge(workers: list[_Worker], subscriber: KvEventSubscriber, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(_view_equals_pool(w, subscriber) for w in workers):
@@ -196,7 +199,7 @@ def _view_equals_pool(w: _Worker, subscriber: KvEventSubscriber) -> bool:
     return view is not None and view.blocks == set(w.manager.pool.cached_block_hashes())
 
 
-def _report(workers, subscriber, routing: _Routing, converged: bool) -> None:
+def _report(workers: list[_Worker], subscriber: KvEventSubscriber, routing: _Routing, converged: bool) -> None:
     print()
     print(f"{'worker':<10} {'events':>9} {'messages':>9} {'cached blocks':>14} {'view == pool':>13}")
     for w in workers:

@@ -15,12 +15,13 @@ Encoding uses the native (Rust) encoder when it can, msgspec otherwise; the byte
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union, overload
 
 import msgspec
 
 from kvbridge import _native
 from kvbridge.errors import Error
+from kvbridge.subjects import Format
 
 __all__ = [
     "AllBlocksCleared",
@@ -42,7 +43,6 @@ __all__ = [
 #: vLLM publishes 64-bit ints (the last 8 bytes of the digest) or, in some modes, full digests.
 ExternalBlockHash = Union[int, bytes]
 MEDIUM_GPU = "GPU"
-Format = Literal["msgpack", "json"]
 
 
 class DecodeError(Error, ValueError):
@@ -108,7 +108,10 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _native_encode = _native.encode_batch_msgpack
-_decoders = {"msgpack": msgspec.msgpack.Decoder(KVEventBatch), "json": msgspec.json.Decoder(KVEventBatch)}
+_decoders: dict[str, msgspec.msgpack.Decoder[KVEventBatch] | msgspec.json.Decoder[KVEventBatch]] = {
+    "msgpack": msgspec.msgpack.Decoder(KVEventBatch),
+    "json": msgspec.json.Decoder(KVEventBatch),
+}
 
 
 def _check_format(format: str) -> None:
@@ -142,6 +145,10 @@ def encode_batch(batch: KVEventBatch, format: Format = "msgpack", *, native: boo
     return _msgpack_encoder.encode(batch)
 
 
+@overload
+def slice_event(ev: BlockStored, first: int, end: int) -> BlockStored: ...
+@overload
+def slice_event(ev: BlockRemoved, first: int, end: int) -> BlockRemoved: ...
 def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockStored | BlockRemoved:
     """Blocks ``first:end`` of ``ev`` as an event of their own.
 
@@ -156,7 +163,7 @@ def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockSt
     n = len(ev.block_hashes)
     if first == 0 and end == n:
         return ev
-    if ev.__class__ is BlockRemoved:
+    if isinstance(ev, BlockRemoved):
         return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[first:end])
     last = end == n
 
@@ -223,7 +230,10 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     dp_rank: int | None = None
 
 
-_load_decoders = {"msgpack": msgspec.msgpack.Decoder(LoadReport), "json": msgspec.json.Decoder(LoadReport)}
+_load_decoders: dict[str, msgspec.msgpack.Decoder[LoadReport] | msgspec.json.Decoder[LoadReport]] = {
+    "msgpack": msgspec.msgpack.Decoder(LoadReport),
+    "json": msgspec.json.Decoder(LoadReport),
+}
 
 
 def encode_load_report(report: LoadReport, format: Format = "msgpack") -> bytes:

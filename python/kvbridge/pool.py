@@ -61,11 +61,14 @@ from __future__ import annotations
 import os
 import threading
 from itertools import repeat
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from kvbridge import _native
 from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvbridge.hashing import BlockHasher
+
+if TYPE_CHECKING:
+    from kvbridge._native import Algorithm
 
 __all__ = ["Block", "BlockPool", "KVCacheManager", "NativeKVCacheManager", "PyKVCacheManager"]
 
@@ -83,8 +86,9 @@ class Block:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        # Linked into the queue (or between its sentinels) before anything follows them.
+        self.prev: Block = None  # type: ignore[assignment]
+        self.next: Block = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
@@ -103,7 +107,7 @@ class BlockPool:
         num_blocks: int,
         block_size: int,
         *,
-        algo: str = "xxh3",
+        algo: Algorithm = "xxh3",
         seed: Any = None,
         medium: str | None = MEDIUM_GPU,
         enable_events: bool = True,
@@ -239,7 +243,7 @@ class BlockPool:
         out: list[Block] = []
         if not num_blocks:
             return out
-        removed: list[int] = []
+        removed: list[int | bytes] = []
         cached, copies = self._cached, self._copies
         b = self._head.next
         for _ in range(num_blocks):
@@ -272,7 +276,7 @@ class BlockPool:
             # re-assigning keeps the hash's place in the order.
             self._cached[h] = (copies.pop(0), entry[1])
         else:
-            copies.remove(block)
+            copies.remove(block)  # type: ignore[union-attr]  # a block that is not the entry's is a copy
         if not copies:
             del self._copies[h]
         return False
@@ -307,7 +311,7 @@ class BlockPool:
                 list(chain_values or block_hashes), lora,
             )
 
-    def _cache(self, blocks, hashes: list, tokens: list, parent, chains: list, lora) -> None:
+    def _cache(self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any) -> None:
         # The lists become the run record: the caller hands them over and keeps no reference.
         cached = self._cached
         run = (parent, hashes, tokens, lora, chains)
@@ -422,13 +426,15 @@ class BlockPool:
             tokens[first * bs : end * bs], lora,
         )
 
-    def _stored(self, hashes: list, parent, tokens: list, lora) -> BlockStored:
+    def _stored(self, hashes: list, parent: Any, tokens: list, lora: Any) -> BlockStored:
         # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
         if lora is None:
             return BlockStored(hashes, parent, tokens, self.block_size, None, self.medium, None)
         lora_name, lora_id = lora
         # vLLM 0.33 publishes, per block, what was mixed into its hash.
-        extra = [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
+        extra: list[tuple[Any, ...] | None] | None = (
+            [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
+        )
         return BlockStored(
             hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra
         )
@@ -455,7 +461,10 @@ _NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of i
 class _Request:
     __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora", "plain")
 
-    def __init__(self, blocks, num_tokens, tail, hasher, last_hash, lora_name, lora_id, plain):
+    def __init__(
+        self, blocks: list[Block], num_tokens: int, tail: list[int], hasher: BlockHasher, last_hash: int | None,
+        lora_name: str | None, lora_id: int | None, plain: bool,
+    ) -> None:
         self.blocks: list[Block] = blocks
         self.num_tokens: int = num_tokens
         self.tail: list[int] = tail  # tokens of the partial last block
@@ -688,4 +697,7 @@ class NativeKVCacheManager(_native.KVCacheManager):
         return _NativePool(self)
 
 
-KVCacheManager = PyKVCacheManager if os.environ.get("KVBRIDGE_POOL") == "python" else NativeKVCacheManager
+if TYPE_CHECKING:  # the default; type checkers cannot follow the switch
+    KVCacheManager = NativeKVCacheManager
+else:
+    KVCacheManager = PyKVCacheManager if os.environ.get("KVBRIDGE_POOL") == "python" else NativeKVCacheManager

@@ -264,7 +264,7 @@ class KvEventPublisher:
             item = (batch_or_events.ts, events)  # type: ignore[union-attr]
         elif cls is list or cls is tuple:
             _check_events(batch_or_events, "publish(): events")
-            item = (time.time(), batch_or_events)
+            item = (time.time(), batch_or_events)  # type: ignore[assignment]
         else:
             raise TypeError(f"publish() takes {_EXPECTED}, got {cls.__name__}")
         if not item[1]:

@@ -314,7 +314,7 @@ class Relay:
             while not self._stopping:
                 self._reading = True
                 # One timer at a time: each frame starts the quiet spell again.
-                if self._probe_due and not await sub.poll(self._idle_probe_ms, zmq.POLLIN):
+                if self._probe_due and not await sub.poll(self._idle_probe_ms):  # POLLIN
                     self._reading = False
                     await self._probe()
                     continue
@@ -438,7 +438,7 @@ class Relay:
         try:
             sock.connect(self.replay_endpoint)
             await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.config.request_timeout_s)
-            while await sock.poll(timeout_ms, zmq.POLLIN):
+            while await sock.poll(timeout_ms):  # POLLIN
                 frames = await sock.recv_multipart()
                 if len(frames) < 3 or frames[0] != b"":
                     raise _Malformed(f"replay reply of {len(frames)} frames")

@@ -7,11 +7,12 @@ See docs/wire-format.md.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 __all__ = [
     "CONTENT_TYPES",
     "FORMATS",
+    "Format",
     "HDR_CONTENT_TYPE",
     "HDR_COUNT",
     "HDR_EPOCH",
@@ -55,8 +56,10 @@ REPLY_SNAPSHOT_END = "snapshot-end"  # Kv-Seq = seq the snapshot is consistent w
 REPLY_UNAVAILABLE = "unavailable"  # no pool attached: this publisher cannot snapshot
 REPLY_ERROR = "error"  # the request failed; the body says why (a request never goes unanswered)
 
-CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
-FORMATS = {v: k for k, v in CONTENT_TYPES.items()}
+#: A payload encoding: vLLM's msgpack, or the same structure as JSON.
+Format = Literal["msgpack", "json"]
+CONTENT_TYPES: dict[Format, str] = {"msgpack": "application/msgpack", "json": "application/json"}
+FORMATS: dict[str, Format] = {v: k for k, v in CONTENT_TYPES.items()}
 
 _BAD_TOKEN_CHARS = re.compile(r"[.*>\s]+")
 
