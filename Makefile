@@ -17,7 +17,9 @@ setup: $(BIN)/maturin
 demo: setup
 	$(BIN)/kvbridge demo
 
+# cargo test: the pure-Rust parts (pickle, CBOR, the pool's core), linked against the venv's Python.
 test: setup
+	PYO3_PYTHON=$(abspath $(BIN))/python cargo test --quiet
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: setup
