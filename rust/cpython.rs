@@ -92,7 +92,11 @@ pub unsafe fn list_items<'a>(
 /// # Safety
 /// `items` are live objects (a list's item array read under the GIL, no Python code run since).
 #[inline(always)]
-pub unsafe fn read_u32_prefix(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) -> usize {
+pub unsafe fn read_u32_prefix(
+    layout: Layout,
+    items: &[*mut ffi::PyObject],
+    out: &mut Vec<u32>,
+) -> usize {
     let long = addr_of_mut!(ffi::PyLong_Type);
     for (i, &p) in items.iter().enumerate() {
         if ffi::Py_TYPE(p) != long {

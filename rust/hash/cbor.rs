@@ -105,7 +105,10 @@ mod tests {
     use crate::hash::value::long_bytes;
 
     fn hex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
     }
 
     /// Expected bytes from `cbor2.dumps([b"\x01" * 32, [0, 1, 255, 256, 65535, 65536, 2**31,
@@ -128,7 +131,12 @@ mod tests {
             4,
         );
         let mut out = Vec::new();
-        block(&mut out, &[1u8; 32], &[0, 1, 255, 256, 65535, 65536, 1 << 31, u32::MAX], Some(&extra));
+        block(
+            &mut out,
+            &[1u8; 32],
+            &[0, 1, 255, 256, 65535, 65536, 1 << 31, u32::MAX],
+            Some(&extra),
+        );
         let expected = hex(concat!(
             "8358200101010101010101010101010101010101010101010101010101010101010101",
             "88000118ff19010019ffff1a000100001a800000001affffffff",

@@ -308,7 +308,10 @@ mod tests {
     use crate::hash::value::long_bytes;
 
     fn hex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
     }
 
     /// Expected bytes from CPython 3.11's `pickle.dumps(..., protocol=5)` of
@@ -358,6 +361,9 @@ mod tests {
     fn seed_pickle() {
         let mut out = Vec::new();
         Pickler::default().value(&mut out, &Value::Str(b"vllm-none-hash".to_vec(), 9));
-        assert_eq!(out, hex("80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e"));
+        assert_eq!(
+            out,
+            hex("80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e")
+        );
     }
 }

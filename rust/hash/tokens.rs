@@ -98,7 +98,11 @@ fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
             ffi::PyTuple_Size(ptr)
         } as usize;
         out.reserve(n);
-        let layout = if is_list { cpython::layout(py) } else { Layout::Api };
+        let layout = if is_list {
+            cpython::layout(py)
+        } else {
+            Layout::Api
+        };
         if let Some(items) = cpython::list_items(layout, ptr) {
             cpython::read_u32_prefix(layout, items, &mut out);
         }

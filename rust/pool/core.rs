@@ -449,7 +449,12 @@ mod tests {
         r.events
             .iter()
             .filter_map(|e| match e {
-                Event::Stored { parent, hashes, tokens, .. } => Some((
+                Event::Stored {
+                    parent,
+                    hashes,
+                    tokens,
+                    ..
+                } => Some((
                     *parent,
                     r.hashes[hashes.clone()].to_vec(),
                     r.tokens[tokens.clone()].to_vec(),
