@@ -102,14 +102,8 @@ fn big_int(out: &mut Vec<u8>, le: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::testing::hex;
     use crate::hash::value::long_bytes;
-
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
 
     /// Expected bytes from `cbor2.dumps([b"\x01" * 32, [0, 1, 255, 256, 65535, 65536, 2**31,
     /// 2**32 - 1], ("adapter", ("adapter", 7), "adapter", -1, 2**70, b"x", None, True)],

@@ -305,14 +305,8 @@ fn sized_header(short: u8, long: u8, huge: u8, len: usize) -> ([u8; 9], usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hash::testing::hex;
     use crate::hash::value::long_bytes;
-
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
-    }
 
     /// Expected bytes from CPython 3.11's `pickle.dumps(..., protocol=5)` of
     /// `(b"\x01" * 32, (0, 1, 255, 256, 65535, 65536, 2**31, 2**32 - 1),
