@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench wheel clean
 
 $(BIN)/maturin:
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,9 @@ setup: $(BIN)/maturin
 demo: setup
 	$(BIN)/kvbridge demo
 
+# cargo test: the pure-Rust parts (pickle, CBOR, the pool's core), linked against the venv's Python.
 test: setup
+	PYO3_PYTHON=$(abspath $(BIN))/python cargo test --quiet
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: setup
@@ -25,8 +27,24 @@ bench: setup
 	$(BIN)/python bench/encode.py
 	$(BIN)/python bench/pool.py
 	$(BIN)/python bench/bridge.py
+	$(BIN)/python bench/decode_gc.py
 	$(BIN)/python bench/idle.py
 	$(BIN)/python bench/vllm_record.py
 
+# Release artefacts in dist/: the manylinux_2_28 abi3 wheel for this machine's architecture
+# (linked through zig against glibc 2.28, so it installs on any Linux with glibc >= 2.28; maturin
+# refuses the tag otherwise), checked by auditwheel, and the sdist, checked by building a wheel
+# from it. Not part of `make test`: a release build takes minutes.
+WHEEL_TAG := cp311-abi3-manylinux_2_28_$(shell uname -m)
+wheel: $(BIN)/maturin
+	$(BIN)/pip install -q --group release
+	rm -rf dist
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/maturin build --release --zig --out dist
+	$(BIN)/maturin sdist --out dist
+	ls dist/kvbridge-*-$(WHEEL_TAG).whl
+	$(BIN)/auditwheel show dist/kvbridge-*-$(WHEEL_TAG).whl | grep '"manylinux_2_28_$(shell uname -m)"'
+	$(BIN)/pip wheel -q --no-deps -w dist/from-sdist dist/kvbridge-*.tar.gz
+	@echo "wheel and sdist in dist/: pip install dist/kvbridge-*-$(WHEEL_TAG).whl'[demo]'"
+
 clean:
-	rm -rf $(VENV) target
+	rm -rf $(VENV) target dist

@@ -1,7 +1,7 @@
 """Cost of the vLLM stat logger's ``record()`` per call, on vLLM's thread.
 
 vLLM calls ``record()`` once per engine step and per engine, on the API server's event loop; the
-target (DESIGN.md) is a few microseconds, publishing happening off that path. The stats are shaped
+target (docs/architecture.md) is a few microseconds, publishing happening off that path. The stats are shaped
 like vLLM 0.33's ``SchedulerStats`` (a dataclass with a ``PrefixCacheStats``).
 
 Anchor: the least any Python stat logger can do -- a method that reads the same five numbers from

@@ -10,7 +10,7 @@
 //! Speed comes from reading what msgspec reads, the way msgspec does, from an abi3 module:
 //! struct fields straight from the instance slots at the offsets the type records for them
 //! (`plan.rs`, checked against `getattr` once per type), ints and list items straight from
-//! CPython's layout where a self-test vouches for it (`cpython.rs`), keys pre-encoded once per
+//! CPython's layout where a self-test vouches for it (`crate::cpython`), keys pre-encoded once per
 //! type, int widths by table lookup (`msgpack.rs`), and one output buffer reused across calls.
 //! Anything outside the supported value set raises TypeError before a single wrong byte could
 //! be returned, so callers can fall back to msgspec.
@@ -26,7 +26,8 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBytes;
 
-pub(crate) mod cpython;
+use crate::cpython;
+
 mod msgpack;
 mod plan;
 
@@ -87,7 +88,7 @@ fn setup(py: Python<'_>) -> PyResult<&'static Setup> {
         Ok(Setup {
             struct_meta: msgspec.getattr("Struct")?.get_type().into_any().unbind(),
             unset: msgspec.getattr("UNSET")?.unbind(),
-            layout: cpython::detect(py),
+            layout: cpython::layout(py),
         })
     })
 }

@@ -12,6 +12,17 @@ mod tokenbytes;
 pub(crate) mod tokens;
 pub(crate) mod value;
 
+#[cfg(test)]
+mod testing {
+    /// Bytes from a hex string: expected serialisations captured from the reference libraries.
+    pub fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+}
+
 use std::cell::Cell;
 
 use pyo3::prelude::*;

@@ -1,5 +1,6 @@
 use pyo3::prelude::*;
 
+mod cpython;
 mod encode;
 mod hash;
 mod index;

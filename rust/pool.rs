@@ -5,7 +5,7 @@
 //! The semantics are those of `PyKVCacheManager` in python/kvbridge/pool.py, the executable
 //! spec (its docstring states the rules; tests/test_pool.py runs both side by side, step by
 //! step). Hashing reuses the chains in `crate::hash`; token lists are read with the encoder's
-//! verified CPython fast path (`crate::encode::cpython`), anything else with the hashing's
+//! verified CPython fast path (`crate::cpython`), anything else with the hashing's
 //! reader, so the errors are the hashing's own.
 //!
 //! Threading: one mutex serialises the public methods, like the spec's lock. It is taken with
@@ -19,16 +19,14 @@ mod core;
 mod events;
 
 use std::collections::HashMap;
-use std::ptr::addr_of_mut;
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
-use crate::encode::cpython::{self, Layout};
+use crate::cpython::{self, Layout};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::args::new_chain;
 use crate::hash::tokens;
@@ -146,23 +144,8 @@ fn read_tokens(obj: &Bound<'_, PyAny>, layout: Layout, out: &mut Vec<u32>) -> Py
         // are only read while the slice is alive.
         let items = unsafe { cpython::list_items(layout, obj.as_ptr()) }.unwrap_or(&[]);
         out.reserve(items.len());
-        let long = addr_of_mut!(ffi::PyLong_Type);
-        let fast = items.iter().all(|&item| {
-            // SAFETY: item is a live object owned by the list.
-            let parts = unsafe {
-                (ffi::Py_TYPE(item) == long)
-                    .then(|| cpython::int_parts(layout, item))
-                    .flatten()
-            };
-            match parts {
-                Some((false, v)) if v <= u32::MAX as u64 => {
-                    out.push(v as u32);
-                    true
-                }
-                _ => false,
-            }
-        });
-        if fast {
+        // SAFETY: the items are live objects owned by the list.
+        if unsafe { cpython::read_u32_prefix(layout, items, out) } == items.len() {
             return Ok(());
         }
         out.clear();
@@ -252,7 +235,11 @@ impl Manager {
 #[pymethods]
 impl Manager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true))]
+    #[pyo3(
+        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true),
+        // pyo3 cannot render the `Some(..)` default; stubtest compares this with _native.pyi.
+        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True)"
+    )]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
@@ -298,7 +285,7 @@ impl Manager {
             }]),
             ints: Mutex::new(Ints::default()),
             classes: Classes::import(py)?,
-            layout: cpython::detect(py),
+            layout: cpython::layout(py),
             algo,
             lora_in_extra_keys: algo != Algo::DynamoSeq,
             num_blocks,

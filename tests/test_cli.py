@@ -1,6 +1,7 @@
 """The command line, run as a user runs it: a real process against a real nats-server."""
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -126,3 +127,38 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
     port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
+
+
+def test_watch_jetstream_without_js_server_is_one_line(own_nats_server):
+    # A kvbridge.Error (here JetStreamError: the server runs without -js) is the user's to fix:
+    # one line on stderr naming the cause, exit 1, no traceback.
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "watch", "--servers", own_nats_server.url],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "KVBRIDGE_JETSTREAM": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kvbridge: JetStream is not enabled") and "-js" in lines[0]
+    assert own_nats_server.url in lines[0]
+
+
+def test_watch_json_line_escapes_model_and_worker():
+    import json
+
+    import msgspec
+
+    from kvbridge import KVEventBatch, Update
+    from kvbridge.cli import json_line
+    from kvbridge.events import LoadReport
+
+    # A subject token may hold quotes, backslashes and non-ASCII: only ".", "*", ">" and spaces are out.
+    model, worker = 'm"1', "w\\2\u00e9\n"
+    batch = KVEventBatch(12.5, [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", 'lora "x"')])
+    report = LoadReport(ts=12.0, kv_cache_usage=0.5, running=3)
+    u = Update(model, worker, "e0", 7, batch, source="replay")
+    obj = json.loads(json_line(u, {(model, worker): (report, 1.0)}))
+    assert (obj["model"], obj["worker"], obj["seq"], obj["source"]) == (model, worker, 7, "replay")
+    assert msgspec.json.decode(json.dumps(obj["batch"]), type=KVEventBatch) == batch
+    assert msgspec.json.decode(json.dumps(obj["load"]), type=LoadReport) == report
+    assert "load" not in json.loads(json_line(u, {}))

@@ -4,6 +4,7 @@ from kvbridge._native import Index, __version__
 from kvbridge.config import Config, ConfigError
 from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
 from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
+from kvbridge.errors import Error
 from kvbridge.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -14,6 +15,7 @@ from kvbridge.events import (
     encode_batch,
 )
 from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
+from kvbridge.jetstream import JetStreamError
 from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
 from kvbridge.router import Router
@@ -34,6 +36,8 @@ __all__ = [
     "Index",
     "IndexClient",
     "IndexService",
+    "Error",
+    "JetStreamError",
     "KVCacheManager",
     "KVEventBatch",
     "KvEventPublisher",

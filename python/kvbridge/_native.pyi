@@ -3,11 +3,24 @@
 Each part of the core adds its own section below.
 """
 from collections.abc import Iterable, Sequence
-from typing import Final, Literal, SupportsIndex, TypeAlias, overload
+from typing import Final, Literal, SupportsIndex, TypeAlias, final, overload
 
-from typing_extensions import Buffer
+from typing_extensions import Buffer, disjoint_base
 
 __version__: str
+__all__ = [
+    "__version__",
+    "hash_blocks",
+    "BlockHasher",
+    "ALGORITHMS",
+    "encode_batch_msgpack",
+    "_encode_layout",
+    "scan_batch_msgpack",
+    "eventfd_signal",
+    "timerfd_new",
+    "timerfd_every",
+    "KVCacheManager",
+]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
 
@@ -35,6 +48,7 @@ def hash_blocks(
     as_bytes: Literal[False] = False,
     lora_name: str | None = None,
     cache_namespace: str | None = None,
+    out: None = None,
 ) -> list[int]: ...
 @overload
 def hash_blocks(
@@ -48,6 +62,7 @@ def hash_blocks(
     as_bytes: Literal[True],
     lora_name: str | None = None,
     cache_namespace: str | None = None,
+    out: None = None,
 ) -> list[bytes]: ...
 @overload
 def hash_blocks(
@@ -65,11 +80,12 @@ def hash_blocks(
 ) -> int:
     """Writes the 64-bit hashes into `out` (numpy uint64 / array('Q')); returns the block count."""
 
+@final
 class BlockHasher:
     """One growing sequence's chain: update() returns the hashes of newly completed blocks."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int,
         *,
         algo: Algorithm = "xxh3",
@@ -77,7 +93,7 @@ class BlockHasher:
         parent: bytes | int | None = None,
         lora_name: str | None = None,
         cache_namespace: str | None = None,
-    ) -> None: ...
+    ) -> BlockHasher: ...
     @overload
     def update(
         self, tokens: Tokens, extra_keys: Sequence[ExtraKey] | None = None, *, as_bytes: Literal[False] = False
@@ -129,23 +145,24 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 #: 1 = removed, 2 = all cleared, consecutive events of one kind merged; None when the payload is
 #: not vLLM's msgpack shape and needs a full decode.
 def scan_batch_msgpack(
-    payload: bytes, /
+    payload: bytes
 ) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
 
 # --- publisher wake-up (rust/wake.rs) -------------------------------------------------------------
 
 #: Add 1 to a non-blocking eventfd without releasing the GIL; False if the write failed.
-def eventfd_signal(fd: int, /) -> bool: ...
+def eventfd_signal(fd: int) -> bool: ...
 #: A non-blocking timerfd (CLOCK_MONOTONIC), or -1.
 def timerfd_new() -> int: ...
 #: Fire every interval_ns (0 disarms); False on error.
-def timerfd_every(fd: int, interval_ns: int, /) -> bool: ...
+def timerfd_every(fd: int, interval_ns: int) -> bool: ...
 
 # --- block pool (rust/pool.rs; used through kvbridge.pool.NativeKVCacheManager) -------------------
 
 from typing import Any, Hashable
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored
 
+@disjoint_base
 class KVCacheManager:
     """The request level of the prefix-caching block pool; kvbridge.pool documents it.
     One mutex serialises every method; none releases the GIL except to hash >= 64k tokens."""
@@ -180,7 +197,7 @@ class KVCacheManager:
     def snapshot(self) -> list[BlockStored]: ...
     def get_block_ids(self, request_id: Hashable) -> list[int]: ...
     def num_tokens(self, request_id: Hashable) -> int: ...
-    def __contains__(self, request_id: Hashable) -> bool: ...
+    def __contains__(self, request_id: Hashable, /) -> bool: ...
     def __len__(self) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...

@@ -14,10 +14,11 @@ import sys
 import time
 from typing import Any, Sequence
 
+import msgspec
+
 from kvbridge.config import Config, ConfigError
-from kvbridge.connection import ConnectError
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch, encode_load_report
-from kvbridge.server import NatsServerError
+from kvbridge.errors import Error
+from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["main"]
 
@@ -73,6 +74,17 @@ def load_columns(loads: dict, model: str, worker: str) -> str:
     return f"  [kv {100 * r.kv_cache_usage:.0f}% run {r.running} wait {r.waiting}{hit}, {age:.0f}s ago]"
 
 
+def json_line(u: Any, loads: dict) -> str:
+    """``watch --json``'s object for one update (an ``Update``), with the worker's latest load report.
+
+    Model and worker come off subjects any publisher may name, so they go through the encoder."""
+    line: dict[str, Any] = {"model": u.model, "worker": u.worker, "seq": u.seq, "source": u.source, "batch": u.batch}
+    report = loads.get((u.model, u.worker))
+    if report is not None:
+        line["load"] = report[0]
+    return msgspec.json.encode(line).decode()
+
+
 async def _watch(args: argparse.Namespace) -> int:
     from kvbridge.consumer import KvEventSubscriber
 
@@ -87,10 +99,7 @@ async def _watch(args: argparse.Namespace) -> int:
         loads = sub.loads
         load = load_columns(loads, u.model, u.worker)
         if args.json:
-            body = encode_batch(u.batch, "json").decode()
-            report = loads.get((u.model, u.worker))
-            extra = f',"load":{encode_load_report(report[0], "json").decode()}' if report else ""
-            print(f'{{"model":"{u.model}","worker":"{u.worker}","seq":{u.seq},"source":"{u.source}","batch":{body}{extra}}}')
+            print(json_line(u, loads))
         elif u.reset:
             blocks = sum(len(ev.block_hashes) for ev in u.batch.events if isinstance(ev, BlockStored))
             print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks{load}")
@@ -307,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (ConnectError, NatsServerError) as exc:
+    except Error as exc:
+        # kvbridge's own refusals (connect, auth, permissions, JetStream, local server) are for the
+        # user to fix, not bugs: one line, no traceback.
         print(f"kvbridge: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

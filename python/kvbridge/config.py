@@ -14,7 +14,8 @@ import ssl
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from kvbridge.subjects import CONTENT_TYPES, sanitize_token
+from kvbridge.errors import Error
+from kvbridge.subjects import CONTENT_TYPES, Format, sanitize_token
 
 __all__ = ["Config", "ConfigError"]
 
@@ -22,7 +23,7 @@ ENV_PREFIX = "KVBRIDGE_"
 _SCHEMES = ("nats", "tls", "ws", "wss")
 
 
-class ConfigError(ValueError):
+class ConfigError(Error, ValueError):
     """A configuration value is missing, malformed or inconsistent."""
 
 
@@ -48,7 +49,7 @@ class Config:
     model: str = "default"
     worker_id: str = field(default_factory=_default_worker_id)
     dp_rank: int | None = None
-    encoding: str = "msgpack"
+    encoding: Format = "msgpack"
 
     #: A NATS message carries at most this many events / bytes. linger_ms 0 (default): an idle
     #: publisher sends each hand-off at once, a busy one coalesces what arrives while it sends;
@@ -107,7 +108,20 @@ class Config:
         return cls(**values)
 
     def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied, checked like a new config."""
+        known = {f.name for f in fields(self)}
+        for key in changes:
+            if key not in known:
+                raise ConfigError(f"unknown kvbridge option {key!r}")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def resolve(cls, config: Config | None = None, **options: Any) -> Config:
+        """The config a component was given, as its constructors take it: ``config`` with
+        ``options`` applied, or (no ``config``) the environment with ``options`` applied."""
+        if config is None:
+            return cls.from_env(**options)
+        return config.replace(**options) if options else config
 
     # -- validation ---------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.errors import AuthorizationError
 
 from kvbridge.config import Config
+from kvbridge.errors import Error
 
 __all__ = [
     "AuthenticationError",
@@ -32,7 +33,7 @@ __all__ = [
 log = logging.getLogger("kvbridge.connection")
 
 
-class ConnectError(ConnectionError):
+class ConnectError(Error, ConnectionError):
     """The first connection to NATS failed; the message names the servers and the cause."""
 
 

@@ -1,4 +1,4 @@
-"""The consumer side of the delivery contract (DESIGN.md, "Delivery guarantees").
+"""The consumer side of the delivery contract (docs/delivery.md).
 
 ``KvEventSubscriber`` subscribes to event subjects and, per worker, turns whatever arrives --
 in order, duplicated, with holes, from a restarted worker, or garbage -- into an exactly-once,
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import gc
 import inspect
 import json
 import logging
@@ -50,9 +49,10 @@ from kvbridge.config import Config
 from kvbridge.connection import Permissions, connect
 from kvbridge.sequencer import Sequencer, Verdict
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
-from kvbridge.events import LoadReport, decode_load_report
+from kvbridge.events import Event, LoadReport, decode_load_report
 from kvbridge.subjects import (
     FORMATS,
+    Format,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
     HDR_EPOCH,
@@ -100,8 +100,11 @@ class _Body:
     """
 
     __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
+    payload: bytes | None
+    fmt: Format | None
+    _batch: KVEventBatch | None
 
-    def __init__(self, payload: bytes, fmt: str, raw: bool = False) -> None:
+    def __init__(self, payload: bytes, fmt: Format, raw: bool = False) -> None:
         self.payload, self.fmt = payload, fmt
         if raw:
             # An Index reads the bytes itself: nothing is scanned or decoded unless asked for.
@@ -324,10 +327,7 @@ class KvEventSubscriber:
         index: Any = None,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         self.config = config
         self.prefix = config.subject_prefix
         self.subject = subject or events_pattern(self.prefix, model, worker)
@@ -476,7 +476,7 @@ class KvEventSubscriber:
                 self._ensure_sync(w)
                 continue
             blocks = list(w.view.blocks)
-            events = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
+            events: list[Event] = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
             out.append(Update(w.model, w.worker, w.epoch, w.view.seq, KVEventBatch(now, events), True, "behind"))
             self._iter_known.add(key)
         return out
@@ -741,7 +741,7 @@ class KvEventSubscriber:
                     log.debug("kvbridge request on %s failed: %r", subject, exc)
             return None
 
-    async def _replay(self, w: _Worker) -> bool:
+    async def _replay(self, w: _Worker) -> object:  # True, False or _NO_RESPONDERS
         self._counts["replays"] += 1
         sq = w.seq
         parked_before = set(sq.parked)
@@ -778,7 +778,7 @@ class KvEventSubscriber:
         self._counts["malformed"] += sq.drop_bogus(parked_before, last)
         return True
 
-    async def _snapshot(self, w: _Worker) -> bool:
+    async def _snapshot(self, w: _Worker) -> object:  # True, False or _NO_RESPONDERS
         replies = await self._request(w.subjects.snapshot, b"{}", (REPLY_SNAPSHOT_END, REPLY_UNAVAILABLE))
         if not isinstance(replies, list):
             return replies or False
@@ -839,14 +839,8 @@ _scan = _native.scan_batch_msgpack
 _NO_RESPONDERS = object()
 
 
-def _decode(payload: bytes, fmt: str) -> KVEventBatch:
-    # A batch is thousands of small lists (token ids): letting the cyclic GC run in the middle of
-    # decoding them more than doubles the cost, and they cannot form cycles. Pausing it for the
-    # call changes nothing else; the objects stay tracked and are collected as usual afterwards.
-    if gc.isenabled():
-        gc.disable()
-        try:
-            return decode_batch(payload, fmt)
-        finally:
-            gc.enable()
+def _decode(payload: bytes, fmt: Format) -> KVEventBatch:
+    # The GC stays on: pausing it here (as this once did) switches it off for every thread of the
+    # application meanwhile. Structs are gc=False (untracked); the lists in them are tracked and
+    # cost 3-30% of decode time (bench/decode_gc.py, bench/RESULTS.md).
     return decode_batch(payload, fmt)

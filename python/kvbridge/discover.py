@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
 from kvbridge.connection import ConnectError
+from kvbridge.errors import Error
 from kvbridge.relay import Relay
 
 __all__ = [
@@ -50,7 +51,7 @@ log = logging.getLogger("kvbridge.discover")
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 10.0
 
 
-class DiscoveryError(ValueError):
+class DiscoveryError(Error, ValueError):
     """``/kv_event_sources`` could not be read or is not shaped as vLLM serves it."""
 
 

@@ -15,11 +15,13 @@ Encoding uses the native (Rust) encoder when it can, msgspec otherwise; the byte
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Literal, TypeVar, Union
+from typing import Any, Callable, Iterable, TypeVar, Union, overload
 
 import msgspec
 
 from kvbridge import _native
+from kvbridge.errors import Error
+from kvbridge.subjects import Format
 
 __all__ = [
     "AllBlocksCleared",
@@ -42,11 +44,10 @@ __all__ = [
 #: vLLM publishes 64-bit ints (the last 8 bytes of the digest) or, in some modes, full digests.
 ExternalBlockHash = Union[int, bytes]
 MEDIUM_GPU = "GPU"
-Format = Literal["msgpack", "json"]
 R = TypeVar("R")
 
 
-class DecodeError(ValueError):
+class DecodeError(Error, ValueError):
     """A payload that is not a KV event batch. The message says what was wrong."""
 
 
@@ -109,7 +110,10 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
 _native_encode = _native.encode_batch_msgpack
-_decoders = {"msgpack": msgspec.msgpack.Decoder(KVEventBatch), "json": msgspec.json.Decoder(KVEventBatch)}
+_decoders: dict[str, msgspec.msgpack.Decoder[KVEventBatch] | msgspec.json.Decoder[KVEventBatch]] = {
+    "msgpack": msgspec.msgpack.Decoder(KVEventBatch),
+    "json": msgspec.json.Decoder(KVEventBatch),
+}
 
 
 def _check_format(format: str) -> None:
@@ -143,6 +147,10 @@ def encode_batch(batch: KVEventBatch, format: Format = "msgpack", *, native: boo
     return _msgpack_encoder.encode(batch)
 
 
+@overload
+def slice_event(ev: BlockStored, first: int, end: int) -> BlockStored: ...
+@overload
+def slice_event(ev: BlockRemoved, first: int, end: int) -> BlockRemoved: ...
 def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockStored | BlockRemoved:
     """Blocks ``first:end`` of ``ev`` as an event of their own.
 
@@ -157,7 +165,7 @@ def slice_event(ev: BlockStored | BlockRemoved, first: int, end: int) -> BlockSt
     n = len(ev.block_hashes)
     if first == 0 and end == n:
         return ev
-    if ev.__class__ is BlockRemoved:
+    if isinstance(ev, BlockRemoved):
         return msgspec.structs.replace(ev, block_hashes=ev.block_hashes[first:end])
     last = end == n
 
@@ -242,7 +250,10 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     dp_rank: int | None = None
 
 
-_load_decoders = {"msgpack": msgspec.msgpack.Decoder(LoadReport), "json": msgspec.json.Decoder(LoadReport)}
+_load_decoders: dict[str, msgspec.msgpack.Decoder[LoadReport] | msgspec.json.Decoder[LoadReport]] = {
+    "msgpack": msgspec.msgpack.Decoder(LoadReport),
+    "json": msgspec.json.Decoder(LoadReport),
+}
 
 
 def encode_load_report(report: LoadReport, format: Format = "msgpack") -> bytes:

@@ -1,7 +1,7 @@
 """JetStream mode: the event subjects stored in a stream, so consumers can catch up without workers.
 
 Core NATS keeps nothing: a consumer that starts late, or a worker that has gone, leaves only the
-replay/snapshot protocol of DESIGN.md ("Delivery guarantees"), which needs the worker alive. With
+replay/snapshot protocol of docs/delivery.md, which needs the worker alive. With
 ``jetstream=True`` (``KVBRIDGE_JETSTREAM=1``) the same messages -- same subjects, same headers, same
 payload bytes -- are also stored in a JetStream stream, and a subscriber can rebuild every worker's
 view from the stream alone.
@@ -70,9 +70,10 @@ from typing import Any, Awaitable, Callable
 
 from nats.errors import Error as NatsError
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from kvbridge.config import Config, ConfigError
+from kvbridge.errors import Error
 from kvbridge.outbox import Outbox
 
 __all__ = ["JetStreamAcks", "JetStreamError", "ensure_stream", "stream_subjects", "subscribe_stream"]
@@ -88,7 +89,7 @@ _CONSUMER_HEARTBEAT_S = 1.0
 _ERR_STREAM_NAME_IN_USE = 10058
 
 
-class JetStreamError(RuntimeError):
+class JetStreamError(Error, RuntimeError):
     """JetStream is not available, or the stream cannot be created/updated as configured."""
 
 
@@ -151,6 +152,13 @@ async def ensure_stream(nc: Any, config: Config, *, update: bool = True) -> api.
     except (APIError, NatsError, asyncio.TimeoutError) as exc:
         if isinstance(exc, JetStreamError):
             raise
+        if isinstance(exc, ServiceUnavailableError):
+            # nats-py's text for "no responders on $JS.API" is a row of Nones; say what it means.
+            raise JetStreamError(
+                f"JetStream is not enabled on the NATS server at {', '.join(config.servers)} (nothing answers "
+                f"$JS.API, so stream {config.stream_name!r} cannot be used): start nats-server with -js, "
+                f"or unset KVBRIDGE_JETSTREAM"
+            ) from exc
         raise JetStreamError(
             f"cannot create or update JetStream stream {config.stream_name!r} over {want}: "
             f"{type(exc).__name__}: {exc} (is the server running with JetStream, -js?)"

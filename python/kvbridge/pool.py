@@ -62,8 +62,9 @@ class Block:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
-        self.prev: Block | None = None
-        self.next: Block | None = None
+        # Linked into the queue (or between its sentinels) before anything follows them.
+        self.prev: Block = None  # type: ignore[assignment]
+        self.next: Block = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Block(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"

@@ -19,7 +19,7 @@ Threading contract
   the last message before that mark: the snapshot equals the state after every message <= that
   seq, and no message after it is part of the snapshot.
 
-Delivery (DESIGN.md, "Delivery guarantees"): messages are kept, encoded, in a ring buffer bounded in
+Delivery (docs/delivery.md): messages are kept, encoded, in a ring buffer bounded in
 bytes. They are sent in seq order while connected; while NATS is down they wait in the ring, and
 are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
 replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
@@ -161,10 +161,7 @@ class KvEventPublisher:
     """
 
     def __init__(self, config: Config | None = None, **options: Any) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         self.config = config
         #: A fresh random id per incarnation: consumers drop their view of this worker when it changes.
         self.epoch = secrets.token_hex(8)
@@ -231,7 +228,7 @@ class KvEventPublisher:
             item = (batch_or_events.ts, events)  # type: ignore[union-attr]
         elif cls is list or cls is tuple:
             _check_events(batch_or_events, "publish(): events")
-            item = (time.time(), batch_or_events)
+            item = (time.time(), batch_or_events)  # type: ignore[assignment]
         else:
             raise TypeError(f"publish() takes {_EXPECTED}, got {cls.__name__}")
         if not item[1]:

@@ -198,10 +198,7 @@ class Relay:
         idle_probe_s: float = 1.0,
         **options: Any,
     ) -> None:
-        if config is None:
-            config = Config.from_env(**options)
-        elif options:
-            config = config.replace(**options)
+        config = Config.resolve(config, **options)
         if dp_rank is not None and config.dp_rank is None:
             config = config.replace(dp_rank=dp_rank)
         self.config = config
@@ -312,7 +309,7 @@ class Relay:
             while not self._stopping:
                 self._reading = True
                 # One timer at a time: each frame starts the quiet spell again.
-                if self._probe_due and not await sub.poll(self._idle_probe_ms, zmq.POLLIN):
+                if self._probe_due and not await sub.poll(self._idle_probe_ms):  # POLLIN
                     self._reading = False
                     await self._probe()
                     continue
@@ -436,7 +433,7 @@ class Relay:
         try:
             sock.connect(self.replay_endpoint)
             await asyncio.wait_for(sock.send_multipart([b"", start.to_bytes(8, "big")]), self.config.request_timeout_s)
-            while await sock.poll(timeout_ms, zmq.POLLIN):
+            while await sock.poll(timeout_ms):  # POLLIN
                 frames = await sock.recv_multipart()
                 if len(frames) < 3 or frames[0] != b"":
                     raise _Malformed(f"replay reply of {len(frames)} frames")

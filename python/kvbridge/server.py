@@ -18,12 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvbridge.errors import Error
+
 __all__ = ["NatsServer", "NatsServerError", "find_nats_server"]
 
 HOST = "127.0.0.1"
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(Error, RuntimeError):
     """The server binary is missing, or the server did not come up."""
 
 

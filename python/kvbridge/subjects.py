@@ -1,17 +1,18 @@
 """Subject names and header names: the parts of the wire contract that are not the payload.
 
 Publisher and consumer both build and parse through here so the two sides cannot drift.
-See DESIGN.md, "Subjects and headers".
+See docs/wire-format.md.
 """
 
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 __all__ = [
     "CONTENT_TYPES",
     "FORMATS",
+    "Format",
     "HDR_CONTENT_TYPE",
     "HDR_COUNT",
     "HDR_EPOCH",
@@ -56,8 +57,10 @@ REPLY_SNAPSHOT_END = "snapshot-end"  # Kv-Seq = seq the snapshot is consistent w
 REPLY_UNAVAILABLE = "unavailable"  # no pool attached: this publisher cannot snapshot
 REPLY_ERROR = "error"  # the request failed; the body says why (a request never goes unanswered)
 
-CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
-FORMATS = {v: k for k, v in CONTENT_TYPES.items()}
+#: A payload encoding: vLLM's msgpack, or the same structure as JSON.
+Format = Literal["msgpack", "json"]
+CONTENT_TYPES: dict[Format, str] = {"msgpack": "application/msgpack", "json": "application/json"}
+FORMATS: dict[str, Format] = {v: k for k, v in CONTENT_TYPES.items()}
 
 _BAD_TOKEN_CHARS = re.compile(r"[.*>\s]+")
 

@@ -85,15 +85,15 @@ except Exception:  # vLLM absent (or not importable): stand-ins with vLLM 0.33's
 
         @abstractmethod
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0): ...  # fmt: skip
+                   engine_idx: int = 0) -> None: ...  # fmt: skip
 
         @abstractmethod
-        def log_engine_initialized(self): ...
+        def log_engine_initialized(self) -> None: ...
 
-        def log(self):  # noqa: A003
+        def log(self) -> None:  # noqa: A003
             pass
 
-        def record_sleep_state(self, is_awake: int, level: int):
+        def record_sleep_state(self, is_awake: int, level: int) -> None:
             pass
 
     class _AggregateBase(_StatLoggerBase):  # type: ignore[no-redef]

@@ -98,3 +98,62 @@ fn big_int(out: &mut Vec<u8>, le: &[u8]) {
         out.extend_from_slice(&magnitude);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::testing::hex;
+    use crate::hash::value::long_bytes;
+
+    /// Expected bytes from `cbor2.dumps([b"\x01" * 32, [0, 1, 255, 256, 65535, 65536, 2**31,
+    /// 2**32 - 1], ("adapter", ("adapter", 7), "adapter", -1, 2**70, b"x", None, True)],
+    /// canonical=True)`: shortest heads, tuples as arrays, -1 as major 1, 2**70 as tag 2.
+    #[test]
+    fn block_is_canonical_cbor() {
+        let s = || Value::Str(b"adapter".to_vec(), 1);
+        let extra = Value::Tuple(
+            vec![
+                s(),
+                Value::Tuple(vec![s(), Value::Int(7)], 2),
+                s(),
+                Value::Int(-1),
+                Value::BigInt(long_bytes(1i128 << 70)),
+                Value::Bytes(b"x".to_vec(), 3),
+                Value::None,
+                Value::Bool(true),
+            ],
+            4,
+        );
+        let mut out = Vec::new();
+        block(
+            &mut out,
+            &[1u8; 32],
+            &[0, 1, 255, 256, 65535, 65536, 1 << 31, u32::MAX],
+            Some(&extra),
+        );
+        let expected = hex(concat!(
+            "8358200101010101010101010101010101010101010101010101010101010101010101",
+            "88000118ff19010019ffff1a000100001a800000001affffffff",
+            "886761646170746572826761646170746572076761646170746572",
+            "20c2494000000000000000004178f6f5",
+        ));
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn heads_use_the_shortest_form() {
+        for (n, want) in [
+            (0u64, "00"),
+            (23, "17"),
+            (24, "1818"),
+            (255, "18ff"),
+            (256, "190100"),
+            (65536, "1a00010000"),
+            (1 << 32, "1b0000000100000000"),
+        ] {
+            let mut out = Vec::new();
+            head(&mut out, 0, n);
+            assert_eq!(out, hex(want), "{n}");
+        }
+    }
+}

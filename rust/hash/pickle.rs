@@ -301,3 +301,63 @@ fn sized_header(short: u8, long: u8, huge: u8, len: usize) -> ([u8; 9], usize) {
         (head, 9)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::testing::hex;
+    use crate::hash::value::long_bytes;
+
+    /// Expected bytes from CPython 3.11's `pickle.dumps(..., protocol=5)` of
+    /// `(b"\x01" * 32, (0, 1, 255, 256, 65535, 65536, 2**31, 2**32 - 1),
+    ///   (lora, (lora, 7), other, -1, 2**70, b"x", None, True))`
+    /// where `lora` is one str object and `other` an equal but distinct one: the second `lora`
+    /// is a memo back-reference (BINGET 2), `other` is written out again.
+    #[test]
+    fn block_pickle_memoizes_by_identity() {
+        let lora = Value::Str(b"adapter".to_vec(), 1);
+        let other = Value::Str(b"adapter".to_vec(), 2);
+        let extra = Value::Tuple(
+            vec![
+                lora.clone(),
+                Value::Tuple(vec![lora, Value::Int(7)], 3),
+                other,
+                Value::Int(-1),
+                Value::BigInt(long_bytes(1i128 << 70)),
+                Value::Bytes(b"x".to_vec(), 4),
+                Value::None,
+                Value::Bool(true),
+            ],
+            5,
+        );
+        let tokens = [0, 1, 255, 256, 65535, 65536, 1 << 31, u32::MAX];
+        let mut out = b"kept".to_vec();
+        let mut pickler = Pickler::default();
+        pickler.block(&mut out, &[1u8; 32], 0, &tokens, Some(&extra));
+        let expected = hex(concat!(
+            "8005957b0000000000000043200101010101010101010101010101010101010101010101010101010101010101",
+            "9428",
+            "4b004b014bff4d00014dffff4a000001008a0500000080008a05ffffffff007494",
+            "288c0761646170746572946802",
+            "4b0786948c0761646170746572944affffffff8a09000000000000000040430178944e88749487942e",
+        ));
+        assert_eq!(&out[..4], b"kept"); // appends
+        assert_eq!(out[4..], expected[..]);
+
+        // The pickler is reusable: a second block starts a fresh memo.
+        let mut again = Vec::new();
+        pickler.block(&mut again, &[1u8; 32], 0, &tokens, Some(&extra));
+        assert_eq!(again, expected);
+    }
+
+    /// `pickle.dumps("vllm-none-hash", protocol=5)`: vLLM's default NONE_HASH seed.
+    #[test]
+    fn seed_pickle() {
+        let mut out = Vec::new();
+        Pickler::default().value(&mut out, &Value::Str(b"vllm-none-hash".to_vec(), 9));
+        assert_eq!(
+            out,
+            hex("80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e")
+        );
+    }
+}

@@ -1,5 +1,5 @@
 //! Token ids from Python: list/tuple of int (no per-element Python calls; a list's ints are read
-//! from CPython's own layout where `encode::cpython` vouches for it, else through the C API),
+//! from CPython's own layout where `crate::cpython` vouches for it, else through the C API),
 //! any 1-D buffer of 32- or 64-bit ints (array.array, numpy, memoryview; no numpy import),
 //! or any other iterable of ints. Every id must be in 0..2**32-1.
 
@@ -9,9 +9,8 @@ use std::ptr::addr_of_mut;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 
-use crate::encode::cpython::{self, Layout};
+use crate::cpython::{self, Layout};
 
 use super::buffer::Buffer;
 use super::scratch::Recycled;
@@ -99,9 +98,13 @@ fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
             ffi::PyTuple_Size(ptr)
         } as usize;
         out.reserve(n);
-        let layout = if is_list { layout(py) } else { Layout::Api };
+        let layout = if is_list {
+            cpython::layout(py)
+        } else {
+            Layout::Api
+        };
         if let Some(items) = cpython::list_items(layout, ptr) {
-            read_exact_ints(layout, items, &mut out);
+            cpython::read_u32_prefix(layout, items, &mut out);
         }
         for i in out.len()..n {
             let p = if is_list {
@@ -117,26 +120,6 @@ fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
         }
     }
     Ok(out)
-}
-
-/// Appends exact ints in range from the start of `items`; stops at the first other item, which
-/// the caller converts (and reports) through the API.
-#[inline(always)]
-unsafe fn read_exact_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) {
-    for &p in items {
-        if ffi::Py_TYPE(p) != addr_of_mut!(ffi::PyLong_Type) {
-            return;
-        }
-        match cpython::int_parts(layout, p) {
-            Some((false, v)) if v <= u32::MAX as u64 => out.push(v as u32),
-            _ => return,
-        }
-    }
-}
-
-fn layout(py: Python<'_>) -> Layout {
-    static LAYOUT: PyOnceLock<Layout> = PyOnceLock::new();
-    *LAYOUT.get_or_init(py, || cpython::detect(py))
 }
 
 /// One token from a Python object; exact ints take the fast path.

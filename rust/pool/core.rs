@@ -440,3 +440,99 @@ impl Core {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stored(r: &Record) -> Vec<(Option<u64>, Vec<u64>, Vec<u32>)> {
+        r.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Stored {
+                    parent,
+                    hashes,
+                    tokens,
+                    ..
+                } => Some((
+                    *parent,
+                    r.hashes[hashes.clone()].to_vec(),
+                    r.tokens[tokens.clone()].to_vec(),
+                )),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn removed(r: &Record) -> Vec<Vec<u64>> {
+        r.events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Removed { hashes } => Some(r.hashes[hashes.clone()].to_vec()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The free-queue order of the spec (python/kvbridge/pool.py `BlockPool`, same steps):
+    /// freeing walks a request backwards; cached blocks go to the tail (tail of the chain
+    /// first, so it is evicted first), uncached ones to the head; taking evicts from the head.
+    #[test]
+    fn free_queue_order_follows_the_spec() {
+        let mut core = Core::new(6, 2, true);
+        let mut taken = Vec::new();
+        core.new_blocks(4, &mut taken);
+        assert_eq!(taken, [0, 1, 2, 3]);
+        assert_eq!(core.free_block_ids(), [4, 5]);
+
+        core.cache(&taken[..2], &[100, 101], &[1, 2, 3, 4], None, 0);
+        core.free_reversed(&taken);
+        assert_eq!(core.free_block_ids(), [3, 2, 4, 5, 1, 0]);
+        assert_eq!(core.num_free(), 6);
+
+        let mut again = Vec::new();
+        core.new_blocks(4, &mut again);
+        assert_eq!(again, [3, 2, 4, 5]);
+        assert_eq!(core.cached_hashes(), [100, 101]);
+        let mut evicting = Vec::new();
+        core.new_blocks(1, &mut evicting);
+        assert_eq!(evicting, [1]);
+        assert_eq!(core.free_block_ids(), [0]);
+        assert_eq!(core.cached_hashes(), [100]);
+
+        let record = core.take_record();
+        assert_eq!(stored(&record), [(None, vec![100, 101], vec![1, 2, 3, 4])]);
+        assert_eq!(removed(&record), [vec![101]]);
+        assert!(core.take_record().is_empty());
+    }
+
+    /// A prefix hit on a free block takes it out of the queue wherever it is (`touch`), and
+    /// a hash held by two blocks is removed only when its last copy goes.
+    #[test]
+    fn touch_unlinks_and_copies_keep_a_hash_cached() {
+        let mut core = Core::new(4, 1, true);
+        let mut a = Vec::new();
+        core.new_blocks(2, &mut a);
+        core.cache(&a, &[7, 8], &[70, 80], None, 0);
+        let mut b = Vec::new();
+        core.new_blocks(1, &mut b);
+        core.cache(&b, &[7], &[70], None, 0); // a second copy of 7: no new event
+        core.free_reversed(&a);
+        assert_eq!(core.free_block_ids(), [3, 1, 0]);
+        core.touch(&[1]);
+        assert_eq!(core.free_block_ids(), [3, 0]);
+        assert_eq!(core.ref_cnt(1), 1);
+
+        let mut fresh = Vec::new();
+        core.new_blocks(2, &mut fresh); // 3 (no hash), then 0, the first holder of 7
+        assert_eq!(fresh, [3, 0]);
+        assert_eq!(core.cached_hashes(), [7, 8]);
+        let mut found = Vec::new();
+        core.find_cached_prefix(&[7, 8], &mut found);
+        assert_eq!(found, [2, 1]); // block 2, the other copy, took over hash 7
+        let record = core.take_record();
+        assert_eq!(stored(&record).len(), 1);
+        assert!(removed(&record).is_empty());
+        assert!(!core.reset()); // blocks in use: no reset
+    }
+}

@@ -1,13 +1,18 @@
-//! Direct reads of CPython's int digits and list item array: the two lookups the encoder does
-//! per token id, where the stable API's out-of-line calls cost more than the encoding itself.
+//! Direct reads of CPython's int digits and list item array, for every hot path that walks lists
+//! of ints: the encoder (`crate::encode`), token ids for hashing (`crate::hash::tokens`) and the
+//! pool (`crate::pool`). Per token id these are the two lookups, and the stable API's out-of-line
+//! calls cost more than the work done with the value.
 //!
 //! This is the layout msgspec reads too, but an abi3 module may load into a CPython it was not
 //! built against, so the fast path is only taken on the versions whose layout is known (3.11:
 //! signed digit count in `ob_size`; 3.12-3.14: sign and count packed in `lv_tag`) and after a
 //! self-test against the API on this very interpreter. Anything else uses the API.
 
+use std::ptr::addr_of_mut;
+
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyList;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -80,9 +85,40 @@ pub unsafe fn list_items<'a>(
     })
 }
 
+/// Appends the leading items of `items` that are exact ints in 0..=u32::MAX (token ids) to
+/// `out` and returns how many; stops at the first other item, which the caller converts (and
+/// reports) through the API.
+///
+/// # Safety
+/// `items` are live objects (a list's item array read under the GIL, no Python code run since).
+#[inline(always)]
+pub unsafe fn read_u32_prefix(
+    layout: Layout,
+    items: &[*mut ffi::PyObject],
+    out: &mut Vec<u32>,
+) -> usize {
+    let long = addr_of_mut!(ffi::PyLong_Type);
+    for (i, &p) in items.iter().enumerate() {
+        if ffi::Py_TYPE(p) != long {
+            return i;
+        }
+        match int_parts(layout, p) {
+            Some((false, v)) if v <= u32::MAX as u64 => out.push(v as u32),
+            _ => return i,
+        }
+    }
+    items.len()
+}
+
+/// This interpreter's layout, detected once per process (see `detect`).
+pub fn layout(py: Python<'_>) -> Layout {
+    static LAYOUT: PyOnceLock<Layout> = PyOnceLock::new();
+    *LAYOUT.get_or_init(py, || detect(py))
+}
+
 /// The layout to use on this interpreter, proven on sample values before it is trusted.
 /// `KVBRIDGE_ENCODE_STABLE_API` forces the API path, so tests can cover both.
-pub fn detect(py: Python<'_>) -> Layout {
+fn detect(py: Python<'_>) -> Layout {
     if cfg!(not(target_pointer_width = "64"))
         || std::env::var_os("KVBRIDGE_ENCODE_STABLE_API").is_some()
     {

@@ -1,0 +1,18 @@
+"""The root of kvbridge's own exceptions.
+
+Every error kvbridge raises on purpose (bad configuration, a refused or failed connection, a
+payload that is not a KV event batch, JetStream or the local nats-server not being usable)
+derives from :class:`Error`, so an application or the CLI can catch "kvbridge said no" in one
+clause. Each subclass also keeps the builtin base it had before (``ValueError``,
+``ConnectionError``, ``RuntimeError``), so code that catches those keeps working.
+
+This module imports nothing from kvbridge: every other module can import it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Error"]
+
+
+class Error(Exception):
+    """Base of every exception kvbridge raises on purpose; the message says what went wrong."""
