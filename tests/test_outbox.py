@@ -14,7 +14,7 @@ def test_seqs_are_given_in_order_and_held_contiguously():
     ob = Outbox(max_bytes=100)
     assert (ob.first, ob.end, ob.last_seq, ob.cursor, ob.unsent) == (0, 0, -1, 0, 0)
     assert [ob.append(b"x" * 10, 1) for _ in range(3)] == [0, 1, 2]
-    assert (ob.first, ob.end, ob.last_seq, len(ob), ob.bytes) == (0, 3, 2, 3, 30)
+    assert (ob.first, ob.end, ob.last_seq, len(ob), ob.nbytes) == (0, 3, 2, 3, 30)
     assert ob.get(1) == (b"x" * 10, 1)
     assert ob.held(1, 99) == [(1, b"x" * 10), (2, b"x" * 10)]
     with pytest.raises(IndexError, match="seq 3 is not held"):
@@ -98,8 +98,8 @@ class OutboxMachine(RuleBasedStateMachine):
         assert [s for s, _ in held] == list(range(ob.first, ob.end))
         assert all(p == self.messages[s] for s, p in held)
         assert not any(h in range(ob.first, ob.end) for h in self.holes)
-        assert ob.bytes == sum(len(p) for _, p in held)
-        assert ob.bytes <= ob.max_bytes or len(ob) == 1
+        assert ob.nbytes == sum(len(p) for _, p in held)
+        assert ob.nbytes <= ob.max_bytes or len(ob) == 1
         # Everything below the oldest held that was neither sent nor a hole was counted as let go.
         gone_unsent = {s for s in self.messages if s < ob.first and s not in self.sent}
         assert ob.evicted_unsent >= len(gone_unsent)

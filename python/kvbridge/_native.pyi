@@ -20,6 +20,7 @@ __all__ = [
     "timerfd_new",
     "timerfd_every",
     "KVCacheManager",
+    "Index",
 ]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
@@ -210,6 +211,7 @@ class KVCacheManager:
 
 # --- the global KV index (rust/index.rs; exported as kvbridge.Index) ------------------------------
 
+@final
 class Index:
     """Per worker and medium, which KV blocks it holds; per query, how many leading blocks of a
     prompt each worker holds. Thread-safe: queries run while other threads apply events.

@@ -11,11 +11,14 @@ in vLLM.) Not thread-safe below the manager, whose public methods share one lock
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
 from kvbridge.hashing import BlockHasher
 from kvbridge.pool import Block
+
+if TYPE_CHECKING:
+    from kvbridge._native import Algorithm
 
 __all__ = ["BlockPool", "PyKVCacheManager"]
 
@@ -36,7 +39,7 @@ class BlockPool:
         num_blocks: int,
         block_size: int,
         *,
-        algo: str = "xxh3",
+        algo: Algorithm = "xxh3",
         seed: Any = None,
         medium: str | None = MEDIUM_GPU,
         enable_events: bool = True,
@@ -172,7 +175,7 @@ class BlockPool:
         out: list[Block] = []
         if not num_blocks:
             return out
-        removed: list[int] = []
+        removed: list[int | bytes] = []
         cached, copies = self._cached, self._copies
         b = self._head.next
         for _ in range(num_blocks):
@@ -205,7 +208,7 @@ class BlockPool:
             # re-assigning keeps the hash's place in the order.
             self._cached[h] = (copies.pop(0), entry[1])
         else:
-            copies.remove(block)
+            copies.remove(block)  # type: ignore[union-attr]  # a block that is not the entry's is a copy
         if not copies:
             del self._copies[h]
         return False
@@ -240,7 +243,7 @@ class BlockPool:
                 list(chain_values or block_hashes), lora,
             )
 
-    def _cache(self, blocks, hashes: list, tokens: list, parent, chains: list, lora) -> None:
+    def _cache(self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any) -> None:
         # The lists become the run record: the caller hands them over and keeps no reference.
         cached = self._cached
         run = (parent, hashes, tokens, lora, chains)
@@ -342,13 +345,15 @@ class BlockPool:
             tokens[first * bs : end * bs], lora,
         )
 
-    def _stored(self, hashes: list, parent, tokens: list, lora) -> BlockStored:
+    def _stored(self, hashes: list, parent: Any, tokens: list, lora: Any) -> BlockStored:
         # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
         if lora is None:
             return BlockStored(hashes, parent, tokens, self.block_size, None, self.medium, None)
         lora_name, lora_id = lora
         # vLLM 0.33 publishes, per block, what was mixed into its hash.
-        extra = [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
+        extra: list[tuple[Any, ...] | None] | None = (
+            [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
+        )
         return BlockStored(
             hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra
         )
@@ -375,7 +380,10 @@ _NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of i
 class _Request:
     __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id")
 
-    def __init__(self, blocks, num_tokens, tail, hasher, last_hash, lora_name, lora_id):
+    def __init__(
+        self, blocks: list[Block], num_tokens: int, tail: list[int], hasher: BlockHasher, last_hash: int | None,
+        lora_name: str | None, lora_id: int | None,
+    ) -> None:
         self.blocks: list[Block] = blocks
         self.num_tokens: int = num_tokens
         self.tail: list[int] = tail  # tokens of the partial last block

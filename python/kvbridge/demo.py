@@ -297,7 +297,9 @@ async def _meet(fleets: list[_Fleet], timeout: float = 15.0) -> None:
         f.stream.started = True
 
 
-async def _drive(args, t0, server, fleets, workload, outage: _Outage) -> tuple[list[list[int]], float]:
+async def _drive(
+    args: argparse.Namespace, t0: float, server: NatsServer, fleets: list[_Fleet], workload: _Workload, outage: _Outage
+) -> tuple[list[list[int]], float]:
     kill_at = None if args.no_kill else args.duration * 0.35
     restart_at = None if kill_at is None else kill_at + 2.0
     next_report = 2.0
@@ -319,7 +321,7 @@ async def _drive(args, t0, server, fleets, workload, outage: _Outage) -> tuple[l
         if catching_up and _caught_up(fleets):
             outage.end = time.time()
             catching_up = False
-            _say(t0, f"caught up: every subscriber in sync, {outage.end - outage.start:.1f} s after the kill")
+            _say(t0, f"caught up: every subscriber in sync, {outage.end - (outage.start or outage.end):.1f} s after the kill")
         if elapsed >= next_report:
             next_report += 2.0
             published = sum(f.published for f in fleets)
@@ -363,7 +365,7 @@ async def _converge(fleets: list[_Fleet], probes: list[list[int]], timeout: floa
     return False
 
 
-def _report(args, fleets: list[_Fleet], elapsed: float, converged: bool) -> None:
+def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, converged: bool) -> None:
     print()
     print(f"{'fleet':<12} {'worker':<10} {'turns':>6} {'events':>9} {'messages':>9} {'cached blocks':>14} {'view == pool':>13}")
     for f in fleets:
@@ -404,9 +406,9 @@ def _report(args, fleets: list[_Fleet], elapsed: float, converged: bool) -> None
     resets = sum(f.stream.resets_after_start for f in fleets)
     if resets:
         print(f"  {resets} views were rebuilt from a snapshot during the run.")
-    s = [f.subscriber.stats for f in fleets]
-    print(f"\nsubscribers: {sum(x['messages'] for x in s):,} messages, gaps={sum(x['gaps'] for x in s)}, "
-          f"replays={sum(x['replays'] for x in s)}, snapshots={sum(x['snapshots'] for x in s)}, "
-          f"malformed={sum(x['malformed'] for x in s)}")
+    subs = [f.subscriber.stats for f in fleets]
+    print(f"\nsubscribers: {sum(x['messages'] for x in subs):,} messages, gaps={sum(x['gaps'] for x in subs)}, "
+          f"replays={sum(x['replays'] for x in subs)}, snapshots={sum(x['snapshots'] for x in subs)}, "
+          f"malformed={sum(x['malformed'] for x in subs)}")
     print("every view equals its pool and every index scores like the pools: "
           + ("yes -- nothing lost" if converged else "NO"))

@@ -400,7 +400,7 @@ def _stored_from_positional(ev: _PosBlockStored) -> BlockStored:
     )
 
 
-def _canonical(ev: Any):
+def _canonical(ev: Any) -> BlockStored | BlockRemoved | AllBlocksCleared:
     if isinstance(ev, _MapBlockStored):
         return _stored_from_map(ev)
     if isinstance(ev, _PosBlockStored):

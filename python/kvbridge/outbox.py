@@ -82,7 +82,7 @@ class Outbox:
         return self.end - 1
 
     @property
-    def bytes(self) -> int:
+    def nbytes(self) -> int:
         return self._bytes
 
     def __len__(self) -> int:

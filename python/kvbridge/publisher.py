@@ -423,7 +423,7 @@ class KvEventPublisher:
             dropped_batches=self._dropped_batches,
             dropped_events=self._dropped_events,
             queue_depth=len(self._queue),
-            ring_bytes=self._outbox.bytes,
+            ring_bytes=self._outbox.nbytes,
             ring_messages=len(self._outbox),
             unsent=self._outbox.unsent,
             evicted_unsent=self._outbox.evicted_unsent,

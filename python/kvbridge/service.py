@@ -21,7 +21,7 @@ import asyncio
 import bisect
 import logging
 import time
-from typing import Annotated, Any, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
 import msgspec
 from nats.errors import NoRespondersError
@@ -64,8 +64,8 @@ class IndexUnavailableError(TimeoutError):
     """No index service answered, even after the retry."""
 
 
-_decoders = {"json": msgspec.json.Decoder(IndexQuery), "msgpack": msgspec.msgpack.Decoder(IndexQuery)}
-_encoders = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
+_decoders: dict[str, Any] = {"json": msgspec.json.Decoder(IndexQuery), "msgpack": msgspec.msgpack.Decoder(IndexQuery)}
+_encoders: dict[str, Any] = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
 _headers = {fmt: {HDR_CONTENT_TYPE: ctype} for fmt, ctype in CONTENT_TYPES.items()}
 
 
@@ -136,7 +136,7 @@ class IndexService:
         model: str | None = None,
         index: Any = None,
         block_size: int = 16,
-        key: str = "tokens",
+        key: Literal["tokens", "engine"] = "tokens",
         queue_group: str = DEFAULT_QUEUE_GROUP,
         **options: Any,
     ) -> None:
@@ -317,7 +317,7 @@ class IndexClient:
         if tokens is not None:
             query["tokens"] = tokens if isinstance(tokens, list) else [int(t) for t in tokens]
         else:
-            query["block_hashes"] = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+            query["block_hashes"] = block_hashes if isinstance(block_hashes, list) else list(block_hashes or ())
         for name, value in (("lora_name", lora_name), ("extra_keys", extra_keys), ("medium", medium)):
             if value is not None:
                 query[name] = value
@@ -344,7 +344,7 @@ class IndexClient:
                 last = exc
                 await asyncio.sleep(min(timeout, 0.25))
                 continue
-            fmt = FORMATS.get((msg.headers or {}).get(HDR_CONTENT_TYPE), "msgpack")
+            fmt = FORMATS.get((msg.headers or {}).get(HDR_CONTENT_TYPE, ""), "msgpack")
             try:
                 reply = _decoders_any[fmt].decode(msg.data)
             except msgspec.DecodeError as exc:
@@ -357,4 +357,4 @@ class IndexClient:
         raise IndexUnavailableError(f"{why} on {self.subject} (asked twice)")
 
 
-_decoders_any = {"json": msgspec.json.Decoder(), "msgpack": msgspec.msgpack.Decoder()}
+_decoders_any: dict[str, Any] = {"json": msgspec.json.Decoder(), "msgpack": msgspec.msgpack.Decoder()}
