@@ -43,6 +43,9 @@ class Config:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: Subject prefix of this client's reply inboxes (nats-py's default ``_INBOX``). Give each user
+    #: its own (``kvbridge auth-config`` prints it) so it may subscribe to its own replies only.
+    inbox_prefix: str = "_INBOX"
 
     subject_prefix: str = "kv"
     model: str = "default"
@@ -168,6 +171,8 @@ class Config:
             _fail("dp_rank", f"must be a non-negative integer, got {self.dp_rank!r}")
         if self.metrics_port is not None and not (0 <= self.metrics_port <= 65535):
             _fail("metrics_port", f"must be a TCP port, got {self.metrics_port!r}")
+        if not self.inbox_prefix or any(c in self.inbox_prefix for c in "*> \t") or "" in self.inbox_prefix.split("."):
+            _fail("inbox_prefix", f"must be a subject without wildcards or empty tokens, got {self.inbox_prefix!r}")
         if not isinstance(self.stream_replicas, int) or isinstance(self.stream_replicas, bool) or not (
             1 <= self.stream_replicas <= 5
         ):
@@ -197,6 +202,7 @@ class Config:
             "max_reconnect_attempts": self.max_reconnect_attempts if self.max_reconnect_attempts != 0 else 1,
             "allow_reconnect": self.max_reconnect_attempts != 0,
             "name": f"kvbridge/{self.model}/{self.worker_id}",
+            "inbox_prefix": self.inbox_prefix,
         }
         if self.user is not None:
             opts["user"], opts["password"] = self.user, self.password
