@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
+    d.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
+                   "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
     a = sub.add_parser(
         "auth-config",
         help="print a least-privilege nats-server authorization block for one model's workers and routers",

@@ -4,13 +4,15 @@ A real nats-server, simulated engine workers (each a :class:`KVCacheManager` pub
 :class:`KvEventPublisher`), and a KV-aware router that routes every chat turn to the worker whose
 view -- built only from the NATS stream by a :class:`KvEventSubscriber` -- holds the longest cached
 prefix of the prompt. Mid-run the broker is SIGKILLed and restarted; at the end every view must
-equal its worker's pool, block for block.
+equal its worker's pool, block for block. ``--cluster N`` runs it on an N-node NATS cluster instead:
+every client gets every URL, and the node holding the router's connection is the one killed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from kvbridge.consumer import KvEventSubscriber, WorkerView
 from kvbridge.hashing import hash_blocks
 from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import KvEventPublisher
-from kvbridge.server import NatsServer
+from kvbridge.server import NatsCluster, NatsServer
 
 VOCAB = 151_936
 MODEL = "demo-model"
@@ -95,9 +97,9 @@ async def run_demo(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     bs = args.block_size
     t0 = time.monotonic()
-    with NatsServer() as server:
+    with _ClusterBroker(args.cluster, t0) if getattr(args, "cluster", 0) else NatsServer() as server:
         _say(t0, f"nats-server started on {server.url} (watch it: kvbridge watch --servers {server.url})")
-        base = Config(servers=[server.url], model=MODEL, encoding=args.encoding, reconnect_wait_s=0.2)
+        base = Config(servers=server.url, model=MODEL, encoding=args.encoding, reconnect_wait_s=0.2)
         workers = []
         for i in range(args.workers):
             manager = KVCacheManager(args.num_blocks, bs)
@@ -105,6 +107,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             publisher.attach(manager)
             workers.append(_Worker(f"worker-{i}", manager, publisher))
         subscriber = KvEventSubscriber(base, model=MODEL)
+        server.router = subscriber  # a cluster kills the node holding the router's connection
         async with subscriber:
             for w in workers:
                 await w.publisher.start()
@@ -114,6 +117,8 @@ async def run_demo(args: argparse.Namespace) -> int:
             for w in workers:
                 await w.publisher.close()
         _report(workers, subscriber, routing, converged)
+        if isinstance(server, _ClusterBroker):
+            server.report(workers)
     return 0 if converged else 1
 
 
@@ -212,3 +217,44 @@ def _report(workers, subscriber, routing: _Routing, converged: bool) -> None:
         print(f"KV-aware routing: {routing.turns} turns, {routed:.1f}% of prompt blocks already cached on the "
               f"chosen worker (random routing: {rand:.1f}%)")
     print("every view equals its pool: " + ("yes -- nothing lost" if converged else "NO"))
+
+
+class _ClusterBroker:
+    """``--cluster N``: the demo's broker is an N-node cluster. ``kill()``/``start()`` take down and
+    bring back one node -- the one the router is connected to -- the rest keep serving."""
+
+    def __init__(self, n: int, t0: float) -> None:
+        # A name of this process's own, so nothing can mistake its nodes for anyone else's.
+        self.cluster = NatsCluster(n, name=f"kvbridge-demo-{os.getpid()}")
+        self.t0 = t0
+        self.router: KvEventSubscriber | None = None
+        self.killed: int | None = None
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.cluster.urls)
+
+    def __enter__(self) -> _ClusterBroker:
+        self.cluster.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.close()
+
+    def kill(self) -> None:
+        port = self.router._nc.connected_url.port if self.router is not None and self.router._nc else None
+        nodes = self.cluster.nodes
+        self.killed = next((i for i, node in enumerate(nodes) if node.port == port), 0)
+        self.cluster.kill(self.killed)
+        _say(self.t0, f"(cluster: node {self.killed} of {len(nodes)}, the router's, is the one down; every client "
+                      f"fails over to another node)")  # fmt: skip
+
+    def start(self) -> None:
+        if self.killed is not None:
+            self.cluster.restart(self.killed, wait=False)  # it rejoins the cluster by itself
+
+    def report(self, workers: list[_Worker]) -> None:
+        moves = [f"{w.name} {w.publisher.stats['reconnects']}" for w in workers]
+        router = self.router._nc.stats["reconnects"] if self.router is not None and self.router._nc else 0
+        print(f"failovers (reconnects to another node of the {len(self.cluster.nodes)}-node cluster): "
+              f"{', '.join(moves)}, router {router}")  # fmt: skip
