@@ -495,6 +495,7 @@ class StreamReader:
         self._reset: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         self._closed = False
+        self._deletes: set[asyncio.Task] = set()  # best-effort deletions of replaced consumers
         self._failures_logged = 0.0
         self.counts = dict.fromkeys(("stream_consumer_resets", "stream_status_messages"), 0)
 
@@ -524,7 +525,7 @@ class StreamReader:
 
     async def close(self) -> None:
         self._closed = True
-        tasks = [t for t in (self._watchdog, self._reset) if t is not None]
+        tasks = [t for t in (self._watchdog, self._reset, *self._deletes) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -566,7 +567,9 @@ class StreamReader:
         if old_consumer is not None:
             # Best effort: a consumer that still lives would push to an inbox nobody reads until
             # the server drops it as inactive.
-            asyncio.ensure_future(_quietly(jsm.delete_consumer(self.config.stream_name, old_consumer)))
+            task = asyncio.create_task(_quietly(jsm.delete_consumer(self.config.stream_name, old_consumer)))
+            self._deletes.add(task)
+            task.add_done_callback(self._deletes.discard)
         try:
             info = await jsm.add_consumer(self.config.stream_name, config=cc)
         except (APIError, NatsError, asyncio.TimeoutError) as exc:
