@@ -111,8 +111,9 @@ async def test_core_cluster_loses_the_subscribers_node_then_another(cluster):
         await c.close()
 
 
-async def test_replicated_stream_survives_losing_its_leader(js_cluster):
+async def test_replicated_stream_survives_losing_its_leader(js_cluster, caplog):
     cluster = js_cluster
+    caplog.set_level(logging.INFO, logger="kvbridge")
     config = cfg(cluster, "clj", jetstream=True, stream_name="CLJ", stream_replicas=3)
     rec = Recorder()
     sub = await KvEventSubscriber(config, on_update=rec).start()  # creates the stream, R3
@@ -143,6 +144,12 @@ async def test_replicated_stream_survives_losing_its_leader(js_cluster):
           f"kill; killed the consumer's node {home}: reader moved on after {resumed2:.2f}s; publishers {pstats}")  # fmt: skip
     assert all(s["js_unacked"] == 0 for s in pstats), pstats
     assert new_leader != cluster.node_names[leader]
+    # The election is reported as what it is, while publishing went on.
+    assert all(s["js_outages"] >= 1 for s in pstats), pstats
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("is not storing our messages" in m for m in messages)
+    assert any("stores again after" in m for m in messages)
+    assert not any("-js?" in m for m in messages)
 
     waited = await wait_until(lambda: views_match(sub, engines), 30, "views == pools, read from the stream")
     stats = sub.stats
