@@ -100,6 +100,10 @@ async def test_generated_users_keep_workers_apart_and_let_routers_sync(tmp_path)
 async def test_generated_users_with_jetstream(tmp_path):
     with NatsServer(jetstream=True, config_file=conf_file(tmp_path, "auj", jetstream=True)) as server:
         await scenario(server, "auj", jetstream=True, stream_name="AUJ")
+        # A worker configured with other stream limits may not update the stream: said at start.
+        with pytest.raises(PermissionDeniedError, match=r"\$JS\.API\.STREAM\.UPDATE\.AUJ"):
+            await KvEventPublisher(client(server, "auj", "w2", "worker", jetstream=True, stream_name="AUJ",
+                                          stream_max_age_s=600)).start()  # fmt: skip
         # Workers write to the stream but may not change or delete it.
         for api_call in ("DELETE", "UPDATE", "PURGE", "CREATE"):
             assert await refused(server, "w1", f"$JS.API.STREAM.{api_call}.AUJ")

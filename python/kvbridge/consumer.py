@@ -362,7 +362,7 @@ class KvEventSubscriber:
                 from kvbridge.jetstream import subscribe_stream
 
                 self._stream_reader = await subscribe_stream(
-                    self._nc, self.config, self.subject, self._on_msg, self.stream_start
+                    self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions
                 )
             else:
                 await self._nc.subscribe(

@@ -128,14 +128,17 @@ def stream_subjects(config: Config) -> list[str]:
     return [f"{config.subject_prefix}.events.>"]
 
 
-async def ensure_stream(nc: Any, config: Config, *, update: bool = True, patience: float = 0.0) -> api.StreamInfo:
+async def ensure_stream(nc: Any, config: Config, *, update: bool = True, patience: float = 0.0,
+                        permissions: Any = None) -> api.StreamInfo:  # fmt: skip
     """Create the stream, or update it in place to cover our subject with our limits (``update``;
     subscribers only create a missing one: a reader should not change what writers keep).
 
     The creator sets ``stream_replicas``; an existing stream keeps its replica count whatever our
     config says (a mismatch is logged): publishers configured differently must not scale a shared
     stream up and down against each other. JetStream not answering for a while is what a cluster
-    electing a leader looks like: tried again for up to ``patience`` seconds."""
+    electing a leader looks like: tried again for up to ``patience`` seconds -- unless
+    ``permissions`` (:class:`kvbridge.connection.Permissions`) shows that the server refused the
+    request itself, which also looks like no answer: then PermissionDeniedError names the subject."""
     if config.stream_duplicate_window_s > config.stream_max_age_s:
         raise ConfigError(
             "kvbridge config stream_duplicate_window_s (KVBRIDGE_STREAM_DUPLICATE_WINDOW_S): "
@@ -146,6 +149,11 @@ async def ensure_stream(nc: Any, config: Config, *, update: bool = True, patienc
         try:
             return await _ensure_stream_once(nc, config, update)
         except JetStreamError as exc:
+            if exc.transient and permissions is not None:
+                name = config.stream_name
+                permissions.raise_if_denied(
+                    publish=[f"$JS.API.STREAM.{op}.{name}" for op in ("INFO", "CREATE", "UPDATE")]
+                )
             if not exc.transient or time.monotonic() + config.request_timeout_s / 2 > deadline:
                 raise
             log.info("kvbridge: %s; trying again", exc)
@@ -265,7 +273,7 @@ class JetStreamAcks:
     async def start(self) -> None:
         pub = self.pub
         nc = pub._nc
-        await ensure_stream(nc, pub.config, patience=START_PATIENCE_S)
+        await ensure_stream(nc, pub.config, patience=START_PATIENCE_S, permissions=pub._permissions)
         inbox = nc.new_inbox()
         self._reply_prefix = inbox + "."
         self._ack_sub = await nc.subscribe(inbox + ".*", cb=self._on_ack)
@@ -478,8 +486,9 @@ class StreamReader:
     never a message from a consumer that was replaced."""
 
     def __init__(self, nc: Any, config: Config, subject: str, cb: Callable[[Any], Awaitable[None]],
-                 start: int | datetime.datetime | None = None) -> None:  # fmt: skip
+                 start: int | datetime.datetime | None = None, permissions: Any = None) -> None:  # fmt: skip
         self._nc = nc
+        self._permissions = permissions
         self.config = config
         self.subject = subject
         self._cb = cb
@@ -510,7 +519,8 @@ class StreamReader:
 
     async def start(self) -> StreamReader:
         # The stream may not exist yet when a router starts before any worker.
-        await ensure_stream(self._nc, self.config, update=False, patience=START_PATIENCE_S)
+        await ensure_stream(self._nc, self.config, update=False, patience=START_PATIENCE_S,
+                            permissions=self._permissions)  # fmt: skip
         deadline = time.monotonic() + START_PATIENCE_S
         while True:
             try:
@@ -680,6 +690,7 @@ async def subscribe_stream(
     subject: str,
     cb: Callable[[Any], Awaitable[None]],
     start: int | datetime.datetime | None = None,
+    permissions: Any = None,
 ) -> StreamReader:
     """A started :class:`StreamReader` on the stream, filtered to ``subject``, from ``start``."""
-    return await StreamReader(nc, config, subject, cb, start).start()
+    return await StreamReader(nc, config, subject, cb, start, permissions).start()
