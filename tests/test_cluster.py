@@ -15,6 +15,8 @@ import logging
 import time
 
 import nats
+import nats.errors
+import nats.js.errors
 import pytest
 
 from bridge_support import Engine, Recorder, views_match, wait_until
@@ -53,6 +55,18 @@ async def kill_and_wait_reader(cluster: NatsCluster, node: int, sub: KvEventSubs
     await asyncio.to_thread(cluster.kill, node)
     await wait_until(lambda: sub.stats["messages"] > delivered + 50, 30, f"the stream reader moving on (node {node})")
     return time.monotonic() - t_kill
+
+
+async def patiently(call, timeout: float = 30.0):
+    """A JetStream API call from the test itself, tried again while the cluster elects leaders."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except (asyncio.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def stop_engines(engines: dict) -> None:
@@ -127,12 +141,14 @@ async def test_replicated_stream_survives_losing_its_leader(js_cluster, caplog):
         e.start()
     try:
         await wait_until(lambda: all(e.published > 300 for e in engines.values()), 30, "events before the kill")
-        leader = cluster.index_of((await js.stream_info("CLJ")).cluster.leader)
+        leader = cluster.index_of((await patiently(lambda: js.stream_info("CLJ"))).cluster.leader)
         resumed = await kill_and_wait_reader(cluster, leader, sub)  # the stream elects a new leader
-        new_leader = (await js.stream_info("CLJ")).cluster.leader
+        new_leader = (await patiently(lambda: js.stream_info("CLJ"))).cluster.leader
         # The reader's consumer (one replica, on one node) may have lived elsewhere: lose that node too.
         await asyncio.to_thread(cluster.restart, leader)
-        home = cluster.index_of((await js.consumer_info("CLJ", sub._stream_reader._consumer)).cluster.leader)
+        home = cluster.index_of(
+            (await patiently(lambda: js.consumer_info("CLJ", sub._stream_reader._consumer))).cluster.leader
+        )
         resumed2 = await kill_and_wait_reader(cluster, home, sub)
         await asyncio.sleep(1.0)
     finally:
