@@ -162,3 +162,26 @@ def test_watch_json_line_escapes_model_and_worker():
     assert msgspec.json.decode(json.dumps(obj["batch"]), type=KVEventBatch) == batch
     assert msgspec.json.decode(json.dumps(obj["load"]), type=LoadReport) == report
     assert "load" not in json.loads(json_line(u, {}))
+
+
+def test_demo_on_a_3_node_cluster_converges_and_leaves_nothing_running():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge", "demo", "--cluster", "3", "--duration", "5", "--workers", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    assert out.count(",nats://127.0.0.1:") >= 2  # every client was given all three URLs
+    assert "the router's, is the one down" in out and "broker restarted" in out
+    assert "every view equals its pool and every index scores like the pools: yes" in out
+    assert out.count(" yes\n") >= 3
+    failovers = next(line for line in out.splitlines() if line.startswith("failovers"))
+    assert failovers.endswith("router 1"), failovers  # the router moved to another node, once
+    # The demo's cluster is named after its process: none of its nodes outlived it.
+    left = subprocess.run(["pgrep", "-f", f"kvbridge-demo-{proc.pid}"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout

@@ -1,5 +1,6 @@
 """``kvbridge`` command line: ``watch`` the event stream, ``relay`` a stock engine's ZMQ events to
-NATS, serve overlap queries from an ``index``, or run the end-to-end ``demo``.
+NATS, serve overlap queries from an ``index``, run the end-to-end ``demo``, or print least-privilege NATS
+users (``auth-config``).
 
 Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
 the flags below override them.
@@ -298,7 +299,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-ms-per-block", type=float, default=1.0,
         help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0)",
     )  # fmt: skip
+    d.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
+                   "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
+    a = sub.add_parser(
+        "auth-config",
+        help="print a least-privilege nats-server authorization block for one model's workers and routers",
+        description="Print a nats-server 'authorization' block: one user per worker and router of MODEL, each "
+        "allowed exactly the subjects kvbridge uses (docs/security.md). Include it in nats-server.conf.",
+    )
+    a.add_argument("--model", required=True, help="model name (sanitised as in subjects)")
+    a.add_argument("--workers", required=True, help="worker ids, comma-separated (each becomes a user)")
+    a.add_argument("--routers", default="", help="router / index-service names, comma-separated")
+    a.add_argument("--jetstream", action="store_true", help="add the JetStream API subjects each role needs")
+    a.add_argument("--prefix", default="kv", help="subject prefix (default kv)")
+    a.add_argument("--stream-name", default="KV_EVENTS", help="JetStream stream name (default KV_EVENTS)")
+    a.add_argument("--password-env", metavar="VAR", help="write passwords as $VAR_<USER>, read by nats-server from "
+                   "its environment, instead of generating random ones")  # fmt: skip
     return parser
+
+
+def _auth_config(args: argparse.Namespace) -> int:
+    from kvbridge.authconfig import authorization_block
+
+    split = lambda s: [x for x in s.split(",") if x.strip()]  # noqa: E731
+    try:
+        print(authorization_block(args.model, split(args.workers), split(args.routers), prefix=args.prefix,
+                                  jetstream=args.jetstream, stream_name=args.stream_name,
+                                  password_env=args.password_env), end="")  # fmt: skip
+    except ValueError as exc:
+        print(f"kvbridge auth-config: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_relay(args))
         if args.command == "index":
             return asyncio.run(_index(args))
+        if args.command == "auth-config":
+            return _auth_config(args)
         from kvbridge.demo import run_demo
 
         return asyncio.run(run_demo(args))

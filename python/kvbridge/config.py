@@ -44,6 +44,9 @@ class Config:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: Subject prefix of this client's reply inboxes (nats-py's default ``_INBOX``). Give each user
+    #: its own (``kvbridge auth-config`` prints it) so it may subscribe to its own replies only.
+    inbox_prefix: str = "_INBOX"
 
     subject_prefix: str = "kv"
     model: str = "default"
@@ -77,6 +80,9 @@ class Config:
     stream_name: str = "KV_EVENTS"
     stream_max_age_s: float = 3600.0
     stream_duplicate_window_s: float = 120.0
+    #: Copies of the stream kept by a JetStream cluster (1..5; at most the cluster's JetStream
+    #: servers). Applied by whoever creates the stream; an existing stream keeps its own.
+    stream_replicas: int = 1
 
     #: vLLM stat logger (kvbridge.vllm): publish each engine's LoadReport at most this often; 0: never.
     load_interval_s: float = 1.0
@@ -179,6 +185,12 @@ class Config:
             _fail("dp_rank", f"must be a non-negative integer, got {self.dp_rank!r}")
         if self.metrics_port is not None and not (0 <= self.metrics_port <= 65535):
             _fail("metrics_port", f"must be a TCP port, got {self.metrics_port!r}")
+        if not self.inbox_prefix or any(c in self.inbox_prefix for c in "*> \t") or "" in self.inbox_prefix.split("."):
+            _fail("inbox_prefix", f"must be a subject without wildcards or empty tokens, got {self.inbox_prefix!r}")
+        if not isinstance(self.stream_replicas, int) or isinstance(self.stream_replicas, bool) or not (
+            1 <= self.stream_replicas <= 5
+        ):
+            _fail("stream_replicas", f"must be an integer from 1 to 5 (JetStream's limit), got {self.stream_replicas!r}")
         if self.jetstream and not self.stream_name.replace("_", "").replace("-", "").isalnum():
             _fail("stream_name", f"{self.stream_name!r} is not a valid stream name")
 
@@ -204,6 +216,7 @@ class Config:
             "max_reconnect_attempts": self.max_reconnect_attempts if self.max_reconnect_attempts != 0 else 1,
             "allow_reconnect": self.max_reconnect_attempts != 0,
             "name": f"kvbridge/{self.model}/{self.worker_id}",
+            "inbox_prefix": self.inbox_prefix,
         }
         if self.user is not None:
             opts["user"], opts["password"] = self.user, self.password

@@ -76,7 +76,8 @@ class Permissions:
         m = _VIOLATION.search(str(exc))
         if m is None:
             return
-        key = ("publish" if m.group(1).lower() == "publish" else "subscribe", m.group(2))
+        # nats-py lowercases the server's error text: subjects are compared lowercased.
+        key = ("publish" if m.group(1).lower() == "publish" else "subscribe", m.group(2).lower())
         if key == ("publish", self._ignored):
             return
         self.count += 1
@@ -89,13 +90,13 @@ class Permissions:
 
     def ignore_publish(self, subject: str | None) -> None:
         """Do not count refusals to publish on ``subject`` (a probe that may be refused)."""
-        self._ignored = subject
+        self._ignored = subject.lower() if subject is not None else None
 
     def refused_publish(self, subject: str) -> int:
-        return self.by_subject[("publish", subject)]
+        return self.by_subject[("publish", subject.lower())]
 
     def denied(self, op: str, subject: str) -> bool:
-        return self.by_subject[(op, subject)] > 0
+        return self.by_subject[(op, subject.lower())] > 0
 
     def raise_if_denied(self, *, publish: Iterable[str] = (), subscribe: Iterable[str] = ()) -> None:
         for op, subjects in (("publish", publish), ("subscribe", subscribe)):

@@ -352,6 +352,7 @@ class KvEventSubscriber:
         self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
         self._nc: Any = None
         self._expiry: asyncio.Task | None = None
+        self._stream_reader: Any = None  # kvbridge.jetstream.StreamReader in JetStream mode
         self._closed = False
         self._permissions = Permissions(f"subscriber {self.subject}")
         self._counts = dict.fromkeys(
@@ -372,7 +373,9 @@ class KvEventSubscriber:
             if self.config.jetstream:
                 from kvbridge.jetstream import subscribe_stream
 
-                await subscribe_stream(self._nc, self.config, self.subject, self._on_msg, self.stream_start)
+                self._stream_reader = await subscribe_stream(
+                    self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions
+                )
             else:
                 await self._nc.subscribe(
                     self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
@@ -383,6 +386,8 @@ class KvEventSubscriber:
             await self._nc.flush()
             self._permissions.raise_if_denied(subscribe=(self.subject,))
         except BaseException:
+            if self._stream_reader is not None:
+                await self._stream_reader.close()
             await self._nc.close()
             self._nc = None
             raise
@@ -402,6 +407,8 @@ class KvEventSubscriber:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._stream_reader is not None:
+            await self._stream_reader.close()
         if self._nc is not None:
             try:
                 await self._nc.close()
@@ -490,6 +497,8 @@ class KvEventSubscriber:
         s = dict(self._counts)
         s["workers"] = len(self._workers)
         s["permission_errors"] = self._permissions.count
+        if self._stream_reader is not None:
+            s.update(self._stream_reader.stats)
         return s
 
     def in_sync(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from kvbridge.hashing import hash_blocks
 from kvbridge.pool import KVCacheManager
 from kvbridge.publisher import KvEventPublisher
 from kvbridge.router import Router
-from kvbridge.server import NatsServer
+from kvbridge.server import NatsCluster, NatsServer
 
 VOCAB = 151_936
 MODEL = "demo-model"
@@ -256,11 +257,14 @@ def _say(t0: float, text: str) -> None:
 async def run_demo(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    with NatsServer() as server:
+    cluster = getattr(args, "cluster", 0)
+    with _ClusterBroker(cluster, t0) if cluster else NatsServer() as server:
         _say(t0, f"nats-server started on {server.url} (watch it: kvbridge watch --servers {server.url})")
-        base = Config(servers=[server.url], encoding=args.encoding, reconnect_wait_s=0.2)
+        base = Config(servers=server.url.split(","), encoding=args.encoding, reconnect_wait_s=0.2)
         outage = _Outage()
         fleets = [_Fleet(policy, args, base, outage) for policy in POLICIES]
+        if isinstance(server, _ClusterBroker):  # it kills the node holding the KV-aware router's connection
+            server.router = fleets[0].subscriber
         for f in fleets:
             await f.subscriber.start()
         try:
@@ -281,6 +285,8 @@ async def run_demo(args: argparse.Namespace) -> int:
             for f in fleets:
                 await f.subscriber.close()
         _report(args, fleets, elapsed, converged)
+        if isinstance(server, _ClusterBroker):
+            server.report([w for f in fleets for w in f.workers])
     return 0 if converged else 1
 
 
@@ -298,7 +304,8 @@ async def _meet(fleets: list[_Fleet], timeout: float = 15.0) -> None:
 
 
 async def _drive(
-    args: argparse.Namespace, t0: float, server: NatsServer, fleets: list[_Fleet], workload: _Workload, outage: _Outage
+    args: argparse.Namespace, t0: float, server: NatsServer | _ClusterBroker, fleets: list[_Fleet], workload: _Workload,
+    outage: _Outage,
 ) -> tuple[list[list[int]], float]:
     kill_at = None if args.no_kill else args.duration * 0.35
     restart_at = None if kill_at is None else kill_at + 2.0
@@ -412,3 +419,44 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, conv
           f"malformed={sum(x['malformed'] for x in subs)}")
     print("every view equals its pool and every index scores like the pools: "
           + ("yes -- nothing lost" if converged else "NO"))
+
+
+class _ClusterBroker:
+    """``--cluster N``: the demo's broker is an N-node cluster. ``kill()``/``start()`` take down and
+    bring back one node -- the one the router is connected to -- the rest keep serving."""
+
+    def __init__(self, n: int, t0: float) -> None:
+        # A name of this process's own, so nothing can mistake its nodes for anyone else's.
+        self.cluster = NatsCluster(n, name=f"kvbridge-demo-{os.getpid()}")
+        self.t0 = t0
+        self.router: KvEventSubscriber | None = None
+        self.killed: int | None = None
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.cluster.urls)
+
+    def __enter__(self) -> _ClusterBroker:
+        self.cluster.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cluster.close()
+
+    def kill(self) -> None:
+        port = self.router._nc.connected_url.port if self.router is not None and self.router._nc else None
+        nodes = self.cluster.nodes
+        self.killed = next((i for i, node in enumerate(nodes) if node.port == port), 0)
+        self.cluster.kill(self.killed)
+        _say(self.t0, f"(cluster: node {self.killed} of {len(nodes)}, the router's, is the one down; every client "
+                      f"fails over to another node)")  # fmt: skip
+
+    def start(self) -> None:
+        if self.killed is not None:
+            self.cluster.restart(self.killed, wait=False)  # it rejoins the cluster by itself
+
+    def report(self, workers: list[_Worker]) -> None:
+        moves = [f"{w.name} {w.publisher.stats['reconnects']}" for w in workers]
+        router = self.router._nc.stats["reconnects"] if self.router is not None and self.router._nc else 0
+        print(f"failovers (reconnects to another node of the {len(self.cluster.nodes)}-node cluster): "
+              f"{', '.join(moves)}, router {router}")  # fmt: skip

@@ -330,7 +330,8 @@ class KvEventPublisher:
                 from kvbridge.jetstream import JetStreamAcks
 
                 self._js = JetStreamAcks(
-                    self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle
+                    self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle,
+                    permissions=self._permissions,
                 )
                 await self._js.start()
             publish_probe: tuple[str, ...] = ()
