@@ -48,6 +48,27 @@ pub unsafe fn int_parts(layout: Layout, obj: *mut ffi::PyObject) -> Option<(bool
     Some((negative, magnitude))
 }
 
+/// Whether `obj` (an exact int, or a zeroed stand-in of its size) is in 0..2**30 -- zero or one digit, not negative -- and its
+/// value if so, without a branch: token ids are read in runs of these, eight at a time.
+#[inline(always)]
+pub unsafe fn small_int(layout: Layout, obj: *mut ffi::PyObject) -> (bool, u32) {
+    static ZERO: u32 = 0;
+    let word = *((obj as *const u8).add(WORD) as *const isize);
+    let (small, has_digit) = match layout {
+        Layout::SignedSize => ((word as usize) <= 1, word != 0),
+        // Digit count <= 1, sign not negative; bit 2 (3.14's immortal small ints) is ignored.
+        Layout::TaggedValue => ((word as usize) < 16 && (word & 3) != 2, (word as usize) >> 3 != 0),
+        Layout::Api => (false, false),
+    };
+    // Zero may have no digit allocated: read a static zero instead.
+    let digit = if has_digit {
+        (obj as *const u8).add(PAYLOAD) as *const u32
+    } else {
+        &ZERO as *const u32
+    };
+    (small, *digit)
+}
+
 #[inline(never)]
 unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
     match ndigits {
@@ -128,6 +149,11 @@ fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
             return Ok(false);
         };
         if (negative, magnitude) != (value < 0, value.unsigned_abs() as u64) {
+            return Ok(false);
+        }
+        let small = (0..1 << 30).contains(&value);
+        let (is_small, small_value) = unsafe { small_int(layout, int.as_ptr()) };
+        if is_small != small || (small && small_value as i128 != value) {
             return Ok(false);
         }
         list.append(int)?;
