@@ -23,7 +23,8 @@ Measured, each best of ``--runs`` (the paths taking turns within each run):
   every query, at four points of the stream and at its end.
 * memory: ``Index.memory_bytes`` per (block, worker) entry at the end of the stream.
 * ingest: a real nats-server; another process publishes the vLLM-step payloads, pre-encoded, with
-  kvbridge's headers, as fast as nats-py can; this process runs ``KvEventSubscriber(index=...)``.
+  kvbridge's five headers (Kv-Seq, Kv-Epoch, Nats-Msg-Id, Content-Type, Kv-Heartbeat), as fast as
+  nats-py can; this process runs ``KvEventSubscriber(index=...)``.
   Block events/s applied, first to last message, while the publisher runs; and draining a
   backlog (the subscriber reads nothing until all is at the server: its own capacity). With one
   step per message, and ``--coalesce`` steps per message (what kvbridge's publisher sends when
@@ -180,7 +181,14 @@ def _publisher_main(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
 async def _publisher(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
     import nats
 
-    from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_REPLY, HDR_SEQ, REPLY_UNAVAILABLE
+    from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_HEARTBEAT, HDR_MSG_ID, HDR_REPLY, HDR_SEQ
+    from kvbridge.subjects import REPLY_UNAVAILABLE
+
+    def headers(w: int, seq: int) -> dict[str, str]:
+        """What kvbridge's publisher sends with every event message (KvEventPublisher._headers)."""
+        s = str(seq)
+        return {HDR_SEQ: s, HDR_EPOCH: epoch, HDR_MSG_ID: f"w{w}:{epoch}:{s}", HDR_CONTENT_TYPE: "application/msgpack",
+                HDR_HEARTBEAT: "1"}  # fmt: skip
 
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     epoch = os.urandom(6).hex()
@@ -194,7 +202,7 @@ async def _publisher(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
     seqs: dict[int, int] = {}
     empty = encode_batch(KVEventBatch(0.0, []))
     for w in sorted({w for w, _ in payloads}):
-        await nc.publish(f"kv.events.bench.w{w}", empty, headers={HDR_SEQ: "0", HDR_EPOCH: epoch, HDR_CONTENT_TYPE: "application/msgpack"})
+        await nc.publish(f"kv.events.bench.w{w}", empty, headers=headers(w, 0))
         seqs[w] = 1
     await nc.flush()
     conn.send("joined")
@@ -203,10 +211,7 @@ async def _publisher(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
     for w, payload in payloads:
         seq = seqs[w]
         seqs[w] = seq + 1
-        await nc.publish(
-            f"kv.events.bench.w{w}", payload,
-            headers={HDR_SEQ: str(seq), HDR_EPOCH: epoch, HDR_CONTENT_TYPE: "application/msgpack"},
-        )  # fmt: skip
+        await nc.publish(f"kv.events.bench.w{w}", payload, headers=headers(w, seq))
     await nc.flush()
     conn.send(time.perf_counter() - t0)
     await asyncio.to_thread(conn.recv)

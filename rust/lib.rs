@@ -3,6 +3,7 @@ use pyo3::prelude::*;
 mod encode;
 mod hash;
 mod index;
+mod natshdr;
 mod pool;
 mod scan;
 mod wake;
@@ -16,5 +17,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wake::register(m)?;
     pool::register(m)?;
     index::register(m)?;
+    natshdr::register(m)?;
     Ok(())
 }

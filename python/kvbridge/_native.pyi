@@ -132,6 +132,12 @@ def scan_batch_msgpack(
     payload: bytes, /
 ) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
 
+# --- NATS header blocks (rust/natshdr.rs; used by kvbridge.natsclient) -------------------------
+
+#: The dict nats-py 2.16's Client._process_headers makes of an all-ASCII header block without an
+#: inline status ({} where it makes None); None for any other block (nats-py parses those).
+def parse_nats_headers(block: bytes, /) -> dict[str, str] | None: ...
+
 # --- publisher wake-up (rust/wake.rs) -------------------------------------------------------------
 
 #: Add 1 to a non-blocking eventfd without releasing the GIL; False if the write failed.
