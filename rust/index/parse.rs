@@ -215,9 +215,22 @@ impl<'a> Parser<'a> {
 
     fn tagged(&mut self) -> Option<Event<'a>> {
         let mut f = Fields::default();
+        let mut next = 0;
         for _ in 0..self.r.map_len()? {
-            // Keys only need to equal known ASCII names; unknown ones are skipped with their value.
-            match field(self.r.raw_str()?) {
+            // Writers put the fields in declaration order: the next one expected is compared as
+            // encoded (str header and name) in one go. Any other key is read and matched by
+            // name; keys only need to equal known ASCII names, unknown ones are skipped with
+            // their value.
+            let (b, p) = (self.r.b, self.r.p);
+            let field = match KEY_ORDER.get(next) {
+                Some(&(key, field)) if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) => {
+                    self.r.p += key.len();
+                    next += 1;
+                    field
+                }
+                _ => field(self.r.raw_str()?),
+            };
+            match field {
                 Field::Type => f.kind = Some(self.r.raw_str()?),
                 Field::BlockHashes => f.hashes = Some(self.hashes()?),
                 Field::Parent => f.parent = self.opt_hash()?,
@@ -398,6 +411,7 @@ impl<'a> Parser<'a> {
     }
 }
 
+#[derive(Clone, Copy)]
 enum Field {
     Type,
     BlockHashes,
@@ -409,6 +423,20 @@ enum Field {
     ExtraKeys,
     Other,
 }
+
+/// vLLM's event fields as msgspec writes them, fixstr header and name, in declaration order
+/// (BlockStored's; a BlockRemoved's medium comes early and takes the general path).
+const KEY_ORDER: [(&[u8], Field); 9] = [
+    (b"\xa4type", Field::Type),
+    (b"\xacblock_hashes", Field::BlockHashes),
+    (b"\xb1parent_block_hash", Field::Parent),
+    (b"\xa9token_ids", Field::TokenIds),
+    (b"\xaablock_size", Field::BlockSize),
+    (b"\xa7lora_id", Field::Other),
+    (b"\xa6medium", Field::Medium),
+    (b"\xa9lora_name", Field::LoraName),
+    (b"\xaaextra_keys", Field::ExtraKeys),
+];
 
 /// An event field by name: one comparison per key (the key's length and first byte pick the
 /// candidate), not one per known name.
