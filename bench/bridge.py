@@ -45,11 +45,12 @@ from kvbridge import BackgroundPublisher, BlockRemoved, BlockStored, Config, KVE
 from kvbridge.server import NatsServer
 
 BLOCK_SIZE = 16
-# Full speed: the engine keeps up to this many steps handed over and not yet drained (the queue's
-# bound is Config.queue_max_batches, 65536). This loop is pure Python and holds the GIL while it
-# runs; at 64 it woke so often that the publisher's loop thread, waiting for the GIL, sent ~1/3
-# less (measured 0.97-1.15 M vs 1.53-1.78 M block events/s, same box, same minute).
-FULL_SPEED_QUEUED_STEPS = 1024
+# Full speed: the engine keeps up to about this many events handed over and not yet drained (in
+# whole steps). This loop is pure Python and holds the GIL while it runs; kept to 64 vllm-steps
+# steps (~3k events) it woke so often that the publisher's loop thread, waiting for the GIL, sent
+# ~1/3 less (0.97-1.15 M vs 1.53-1.78 M block events/s, same box, same minute). 1-block steps
+# hold 1000 events each: 64 of them, as before.
+FULL_SPEED_QUEUED_EVENTS = 65536
 
 
 # -- workloads: lists of engine steps, each (events, block events) ---------------------------------
@@ -198,6 +199,7 @@ def run_bridge(url: str, worker: str, workload: str, steps: list, rate: int | No
     calls: list[int] = []
     sent = 0
     n = len(steps)
+    max_queued = max(1, FULL_SPEED_QUEUED_EVENTS * n // sum(len(events) for events, _ in steps))
     perf_ns = time.perf_counter_ns
     start = time.perf_counter()
     end = start + seconds
@@ -210,7 +212,7 @@ def run_bridge(url: str, worker: str, workload: str, steps: list, rate: int | No
             due = start + sent / rate  # deadline schedule: lateness is caught up, never accumulated
             if due > now:
                 time.sleep(due - now)
-        elif len(publisher._queue) > FULL_SPEED_QUEUED_STEPS:
+        elif len(publisher._queue) > max_queued:
             # Full speed, but no faster than the loop drains: beyond its bound the hand-off
             # queue drops the oldest (by design), which would measure drops, not throughput.
             time.sleep(0.0002)
