@@ -17,9 +17,12 @@ _PIECES = [b"\r\n", b"\r", b"\n", b":", b": ", b" ", b"\t", b"\x0b", b"\x1c", b"
            b"-", b"_", b"7", b"\xc3\xa9", b"\xff", b"NATS/1.0", b" 503", b"Status"]  # fmt: skip
 
 
-def _nats_py(block: bytes):
+def _parsed(client_class, block: bytes):
+    """What ``client_class``'s header step makes of ``block``: the dict, or the exception type it
+    raises, and the errors it reports to error_cb."""
+
     async def run():
-        nc = NatsClient()
+        nc = client_class()
         errors = []
 
         async def on_error(exc):
@@ -34,23 +37,6 @@ def _nats_py(block: bytes):
     return asyncio.run(run())
 
 
-def _ours(block: bytes):
-    async def run():
-        nc = Client()
-        errors = []
-
-        async def on_error(exc):
-            errors.append(type(exc))
-
-        nc._error_cb = on_error
-        try:
-            return await nc._process_headers(block), errors
-        except Exception as exc:
-            return type(exc), errors
-
-    return asyncio.run(run())
-
-
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.sampled_from(_PIECES), max_size=24).map(b"".join), st.booleans())
 @example(b"\r\nKv-Seq: 5\r\nKv-Epoch: ab\r\n\r\n", True)
@@ -60,7 +46,7 @@ def _ours(block: bytes):
 @example(b"", False)
 def test_header_blocks_parse_as_nats_py_parses_them(body, versioned):
     block = (b"NATS/1.0" if versioned else b"") + body
-    assert _ours(block) == _nats_py(block)
+    assert _parsed(Client, block) == _parsed(NatsClient, block)
 
 
 def test_kvbridge_headers_take_the_native_path():
@@ -69,7 +55,7 @@ def test_kvbridge_headers_take_the_native_path():
     want = {"Kv-Seq": "12", "Kv-Epoch": "0a1b", "Nats-Msg-Id": "w:0a1b:12", "Content-Type": "application/msgpack",
             "Kv-Heartbeat": "1"}  # fmt: skip
     assert _native.parse_nats_headers(block) == want
-    assert _ours(block) == _nats_py(block) == (want, [])
+    assert _parsed(Client, block) == _parsed(NatsClient, block) == (want, [])
     # Not the common form: left to nats-py.
     assert _native.parse_nats_headers(b"NATS/1.0 503\r\n\r\n") is None
     assert _native.parse_nats_headers("NATS/1.0\r\nK: é\r\n\r\n".encode()) is None

@@ -25,9 +25,9 @@ _NATIVE = getattr(_nats, "parse_email", None) is None
 
 
 class Client(_nats.Client):
-    async def _process_headers(self, headers: Optional[bytes]) -> Optional[dict[str, str]]:  # type: ignore[override]
+    async def _process_headers(self, headers: Optional[bytes]) -> Optional[dict[str, str]]:
         if _NATIVE and headers.__class__ is bytes:
-            parsed = parse_nats_headers(headers)  # type: ignore[arg-type]
+            parsed = parse_nats_headers(headers)
             if parsed is not None:
                 return parsed or None
         return await super()._process_headers(headers)
