@@ -4,6 +4,7 @@ mod cpython;
 mod encode;
 mod hash;
 mod index;
+mod natshdr;
 mod pool;
 mod scan;
 mod wake;
@@ -17,5 +18,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wake::register(m)?;
     pool::register(m)?;
     index::register(m)?;
+    natshdr::register(m)?;
     Ok(())
 }

@@ -21,6 +21,7 @@ __all__ = [
     "timerfd_every",
     "KVCacheManager",
     "Index",
+    "parse_nats_headers",
 ]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
@@ -148,6 +149,12 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 def scan_batch_msgpack(
     payload: bytes
 ) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
+
+# --- NATS header blocks (rust/natshdr.rs; used by kvbridge.natsclient) -------------------------
+
+#: The dict nats-py 2.16's Client._process_headers makes of an all-ASCII header block without an
+#: inline status ({} where it makes None); None for any other block (nats-py parses those).
+def parse_nats_headers(block: bytes) -> dict[str, str] | None: ...
 
 # --- publisher wake-up (rust/wake.rs) -------------------------------------------------------------
 

@@ -84,6 +84,8 @@ _HEARTBEATS_BEFORE_EXPIRY = 3
 _BACKOFF_S = 0.05
 _BACKOFF_NO_RESPONDERS_S = 0.5
 _BACKOFF_MAX_S = 4.0
+# Events subjects remembered with their (model, worker); far more than any deployment's workers.
+_MAX_SUBJECT_KEYS = 4096
 
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
@@ -348,6 +350,8 @@ class KvEventSubscriber:
         self._iter_behind = False
         self._iter_known: set[tuple[str, str]] = set()
         self._workers: dict[tuple[str, str], _Worker] = {}
+        # Subject -> (model, worker), for the subjects seen (bounded: see _subject_key).
+        self._subject_keys: dict[str, tuple[str, str]] = {}
         self._load_subject = load_subject(self.prefix, model, worker)
         self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
         self._nc: Any = None
@@ -548,9 +552,7 @@ class KvEventSubscriber:
         counts["messages"] += 1
         counts["bytes"] += len(msg.data)
         try:
-            key = parse_events_subject(msg.subject, self.prefix)
-            if key is None:
-                raise _Malformed("not an events subject")
+            key = self._subject_keys.get(msg.subject) or self._subject_key(msg.subject)
             epoch, seq, batch = _parse_event_msg(msg, self._raw_bodies)
         except (_Malformed, DecodeError):
             counts["malformed"] += 1
@@ -580,6 +582,17 @@ class KvEventSubscriber:
             counts["duplicates"] += 1
             self._epoch_conflict(w, epoch)
         # Verdict.PARKED: a resync is under way and will take it from there.
+
+    def _subject_key(self, subject: str) -> tuple[str, str]:
+        """``(model, worker)`` of an events subject, remembered: one dict lookup per message after
+        the first. Forgotten all at once past a bound, so made-up subjects cannot grow it."""
+        key = parse_events_subject(subject, self.prefix)
+        if key is None:
+            raise _Malformed("not an events subject")
+        if len(self._subject_keys) >= _MAX_SUBJECT_KEYS:
+            self._subject_keys.clear()
+        self._subject_keys[subject] = key
+        return key
 
     def _epoch_conflict(self, w: _Worker, other: str) -> None:
         self._counts["epoch_conflicts"] += 1
@@ -619,7 +632,8 @@ class KvEventSubscriber:
         if w.view is not None:
             w.view.apply(update)
         self._counts["events"] += n_events
-        await self._notify(update)
+        if self.on_update is not None or self._iter_queue is not None:
+            await self._notify(update)
 
     async def _notify(self, update: Update) -> None:
         if self.on_update is not None:

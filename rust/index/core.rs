@@ -23,7 +23,7 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Holders, Removed, Slab, MAX_MEDIA, MAX_WORKERS};
-use super::parse::{Batch, Event, Stored};
+use super::parse::{eq_bytes, Batch, Event, Stored};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
 
@@ -287,9 +287,9 @@ impl Core {
             return;
         };
         for ev in events {
-            let (range, medium) = match ev {
-                Event::Stored(s) => (&s.hashes, s.medium),
-                Event::Removed { hashes, medium } => (hashes, *medium),
+            let (range, medium, parent) = match ev {
+                Event::Stored(s) => (&s.hashes, s.medium, s.parent),
+                Event::Removed { hashes, medium } => (hashes, *medium, None),
                 Event::Cleared => continue,
             };
             let Some(m) = self.find_medium(medium) else {
@@ -298,6 +298,10 @@ impl Core {
             let Some(slot) = worker.slots.iter().find(|s| s.medium == m) else {
                 continue;
             };
+            // The parent's index hash is looked up first thing when the event is applied.
+            if let Some(p) = parent {
+                std::hint::black_box(slot.engine.get(&p));
+            }
             for e in &hashes[range.clone()] {
                 if let Some(k) = slot.engine.get(e) {
                     std::hint::black_box(self.blocks.get(k));
@@ -358,7 +362,10 @@ impl Core {
     fn find_medium(&self, medium: Option<&str>) -> Option<u8> {
         self.media
             .iter()
-            .position(|m| m.as_deref() == medium)
+            .position(|m| match (m.as_deref(), medium) {
+                (Some(a), Some(b)) => eq_bytes(a.as_bytes(), b.as_bytes()),
+                (a, b) => a.is_none() && b.is_none(),
+            })
             .map(|i| i as u8)
     }
 

@@ -215,9 +215,22 @@ impl<'a> Parser<'a> {
 
     fn tagged(&mut self) -> Option<Event<'a>> {
         let mut f = Fields::default();
+        let mut next = 0;
         for _ in 0..self.r.map_len()? {
-            // Keys only need to equal known ASCII names; unknown ones are skipped with their value.
-            match field(self.r.raw_str()?) {
+            // Writers put the fields in declaration order: the next one expected is compared as
+            // encoded (str header and name) in one go. Any other key is read and matched by
+            // name; keys only need to equal known ASCII names, unknown ones are skipped with
+            // their value.
+            let (b, p) = (self.r.b, self.r.p);
+            let field = match KEY_ORDER.get(next) {
+                Some(&(key, field)) if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) => {
+                    self.r.p += key.len();
+                    next += 1;
+                    field
+                }
+                _ => field(self.r.raw_str()?),
+            };
+            match field {
                 Field::Type => f.kind = Some(self.r.raw_str()?),
                 Field::BlockHashes => f.hashes = Some(self.hashes()?),
                 Field::Parent => f.parent = self.opt_hash()?,
@@ -271,7 +284,8 @@ impl<'a> Parser<'a> {
         if self.r.nil() {
             return Some(None);
         }
-        std::str::from_utf8(self.r.str()?).ok().map(Some)
+        // One UTF-8 check (Reader::str would check it, then from_utf8 again).
+        std::str::from_utf8(self.r.raw_str()?).ok().map(Some)
     }
 
     fn hash(&mut self) -> Option<u64> {
@@ -311,41 +325,19 @@ impl<'a> Parser<'a> {
             return None;
         }
         // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
-        // uint32 for a vocabulary past 65536), so they are decoded without a branch on the
-        // width: one 8-byte big-endian load, then shift and mask by the marker byte.
+        // uint32 for a vocabulary past 65536), and the next token's position depends on this
+        // one's width: a serial chain. `fast_tokens` keeps the loads off that chain; what it
+        // leaves (a payload's last bytes, a width msgspec does not write) is decoded one by one.
         let b = self.r.b;
-        let mut p = self.r.p;
         let tokens = &mut self.out.tokens;
         tokens.resize(start + n, 0);
+        let out = &mut tokens[start..];
+        let (done, mut p) = fast_tokens(b, self.r.p, out);
         let mut bad = false;
-        for slot in &mut tokens[start..] {
-            let t = match b.get(p..p + 8) {
-                Some(word) => {
-                    let word = u64::from_be_bytes(word.try_into().unwrap());
-                    let m = (word >> 56) as u32;
-                    // The next token's position is on the critical path: its width is computed,
-                    // not looked up (fixint 1, uint8/16/32 = 0xcc..0xce: 1 + 1, 2, 4).
-                    if m < 0x80 {
-                        p += 1;
-                        Some(m)
-                    } else if (0xcc..=0xce).contains(&m) {
-                        let bytes = 1u32 << (m - 0xcc);
-                        p += 1 + bytes as usize;
-                        Some(((word >> (56 - 8 * bytes)) & TOKEN_MASK[m as usize]) as u32)
-                    } else {
-                        self.r.p = p;
-                        let t = other_token(&mut self.r)?;
-                        p = self.r.p;
-                        t
-                    }
-                }
-                None => {
-                    self.r.p = p;
-                    let t = other_token(&mut self.r)?;
-                    p = self.r.p;
-                    t
-                }
-            };
+        for slot in &mut out[done..] {
+            self.r.p = p;
+            let t = other_token(&mut self.r)?;
+            p = self.r.p;
             bad |= t.is_none();
             *slot = t.unwrap_or(0);
         }
@@ -419,6 +411,7 @@ impl<'a> Parser<'a> {
     }
 }
 
+#[derive(Clone, Copy)]
 enum Field {
     Type,
     BlockHashes,
@@ -430,6 +423,20 @@ enum Field {
     ExtraKeys,
     Other,
 }
+
+/// vLLM's event fields as msgspec writes them, fixstr header and name, in declaration order
+/// (BlockStored's; a BlockRemoved's medium comes early and takes the general path).
+const KEY_ORDER: [(&[u8], Field); 9] = [
+    (b"\xa4type", Field::Type),
+    (b"\xacblock_hashes", Field::BlockHashes),
+    (b"\xb1parent_block_hash", Field::Parent),
+    (b"\xa9token_ids", Field::TokenIds),
+    (b"\xaablock_size", Field::BlockSize),
+    (b"\xa7lora_id", Field::Other),
+    (b"\xa6medium", Field::Medium),
+    (b"\xa9lora_name", Field::LoraName),
+    (b"\xaaextra_keys", Field::ExtraKeys),
+];
 
 /// An event field by name: one comparison per key (the key's length and first byte pick the
 /// candidate), not one per known name.
@@ -446,10 +453,31 @@ fn field(key: &[u8]) -> Field {
         (6, _) => (b"medium", Field::Medium),
         _ => return Field::Other,
     };
-    if key == want {
+    if eq_bytes(key, want) {
         f
     } else {
         Field::Other
+    }
+}
+
+/// Byte-string equality for the short names a payload repeats per event (field names, kinds,
+/// media): a few overlapping word compares instead of a call to memcmp.
+#[inline(always)]
+pub fn eq_bytes(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let w8 = |s: &[u8], i: usize| u64::from_le_bytes(s[i..i + 8].try_into().unwrap());
+    let w4 = |s: &[u8], i: usize| u32::from_le_bytes(s[i..i + 4].try_into().unwrap());
+    match n {
+        0..=3 => a.iter().zip(b).all(|(x, y)| x == y),
+        4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
+        8..=24 => {
+            let mid = 8.min(n - 8);
+            w8(a, 0) == w8(b, 0) && w8(a, mid) == w8(b, mid) && w8(a, n - 8) == w8(b, n - 8)
+        }
+        _ => a == b,
     }
 }
 
@@ -477,14 +505,63 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// The value mask of a token id by its marker: uint8/16/32 at 0xcc..0xce.
-const TOKEN_MASK: [u64; 256] = {
-    let mut t = [0u64; 256];
-    t[0xcc] = 0xff;
-    t[0xcd] = 0xffff;
-    t[0xce] = 0xffff_ffff;
-    t
-};
+/// Decodes token ids from `b[p..]` into `out` while they are fixints or uint8/16/32 and 16
+/// bytes can be read; returns how many and the position after them.
+///
+/// A token is at most 5 bytes, so one 16-byte little-endian load holds the next three: the
+/// marker is the window's low byte, the value the big-endian bytes after it, and moving to the
+/// next token is a shift of the window (register arithmetic, no load on the chain from one
+/// token's position to the next).
+#[inline]
+fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
+    let mut i = 0;
+    while out.len() - i >= 3 {
+        let Some(window) = b.get(p..p + 16) else { break };
+        let mut v = u128::from_le_bytes(window.try_into().unwrap());
+        let mut used = 0;
+        let mut ok = true;
+        for slot in &mut out[i..i + 3] {
+            let (t, width, valid) = one_token(v);
+            *slot = t;
+            ok &= valid;
+            used += width as usize;
+            v >>= 8 * width;
+        }
+        if !ok {
+            break; // the slow loop redoes these three
+        }
+        i += 3;
+        p += used;
+    }
+    while i < out.len() {
+        let Some(window) = b.get(p..p + 16) else { break };
+        let (t, width, valid) = one_token(u128::from_le_bytes(window.try_into().unwrap()));
+        if !valid {
+            break;
+        }
+        out[i] = t;
+        i += 1;
+        p += width as usize;
+    }
+    (i, p)
+}
+
+/// The token at the low end of `v`: (value, width in bytes, whether it is one of the fast
+/// forms). Branch-free: widths mix at random in a payload. The width (on the chain to the next
+/// token) comes from the marker's low two bits and a constant: uint8/16/32 (0xcc..0xce) are
+/// 2, 3 and 5 bytes, a fixint 1.
+#[inline(always)]
+fn one_token(v: u128) -> (u32, u32, bool) {
+    const UINT_WIDTHS: u32 = 0x05_03_02;
+    let m = v as u8 as u32;
+    let fix = m < 0x80;
+    let valid = fix | (m.wrapping_sub(0xcc) < 3);
+    let uint_width = (UINT_WIDTHS >> (8 * (m & 3))) & 0xff;
+    let width = if fix { 1 } else { uint_width };
+    // The bytes after the marker, big-endian: the value is the top (width - 1) of the next four.
+    let after = ((v >> 8) as u32).swap_bytes() >> ((40 - 8 * uint_width) & 31);
+    (if fix { m } else { after }, width, valid)
+}
 
 /// A token id at the payload's very end, or in a width msgspec does not write for one (or out
 /// of range: `Some(None)`).
@@ -671,6 +748,65 @@ mod tests {
             assert!(parse(bad, detect(bad), &mut scratch).is_none(), "{bad:?}");
         }
         assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch).is_some());
+    }
+
+    /// Token ids of every width and signedness a writer may use, at every distance from the
+    /// payload's end: the fast decoder (three per load) and the one-by-one reader agree.
+    #[test]
+    fn token_ids_decode_in_every_width() {
+        let values: [u64; 12] = [0, 1, 127, 128, 255, 256, 65535, 65536, 150_000, u32::MAX as u64, 1 << 32, 5];
+        let mut seed = 0x9e37_79b9_u64;
+        for case in 0..400 {
+            let n = case % 23;
+            let mut body = Vec::new();
+            let mut want = Vec::new();
+            for _ in 0..n {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let v = values[(seed >> 33) as usize % values.len()];
+                // Mostly what msgspec writes; sometimes a wider or signed marker, or a negative.
+                match (seed >> 20) % 10 {
+                    0 => body.extend_from_slice(&[&[0xcf][..], &v.to_be_bytes()].concat()),
+                    1 => body.extend_from_slice(&[&[0xd3][..], &(v as i64).to_be_bytes()].concat()),
+                    2 => {
+                        body.push(0xff); // fixint -1
+                        want.push(None);
+                        continue;
+                    }
+                    _ if v < 128 => body.push(v as u8),
+                    _ if v < 256 => body.extend_from_slice(&[0xcc, v as u8]),
+                    _ if v < 65536 => body.extend_from_slice(&[&[0xcd][..], &(v as u16).to_be_bytes()].concat()),
+                    _ if v <= u32::MAX as u64 => body.extend_from_slice(&[&[0xce][..], &(v as u32).to_be_bytes()].concat()),
+                    _ => body.extend_from_slice(&[&[0xcf][..], &v.to_be_bytes()].concat()),
+                }
+                want.push(u32::try_from(v).ok());
+            }
+            let mut bytes = vec![0xdc, 0, n as u8];
+            bytes.extend_from_slice(&body);
+            let mut p = Parser::new(&bytes, false);
+            let range = p.tokens().expect("valid array");
+            assert_eq!(p.r.p, bytes.len(), "case {case}");
+            let got: Vec<u32> = p.out.tokens[range].to_vec();
+            let expect: Vec<u32> = want.iter().map(|t| t.unwrap_or(0)).collect();
+            assert_eq!(got, expect, "case {case}: {bytes:x?}");
+            assert_eq!(p.bad_tokens, want.iter().any(Option::is_none), "case {case}");
+        }
+    }
+
+    #[test]
+    fn short_byte_strings_compare_exactly() {
+        let names: [&[u8]; 9] = [b"", b"a", b"GPU", b"type", b"medium", b"token_ids", b"block_hashes",
+            b"parent_block_hash", b"a_name_longer_than_twenty_four_bytes"];
+        for a in names {
+            for b in names {
+                assert_eq!(eq_bytes(a, b), a == b);
+            }
+            let mut c = a.to_vec();
+            for i in 0..c.len() {
+                c[i] ^= 1;
+                assert!(!eq_bytes(a, &c), "{a:?} vs a change at {i}");
+                c[i] ^= 1;
+            }
+        }
     }
 
     #[test]
