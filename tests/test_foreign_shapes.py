@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import msgspec
 import pytest
 
+from engine_shapes import SglBlockRemoved, SglBlockStored
 from kvbridge import events
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -209,34 +210,14 @@ def test_sglang_oldest_two_element_batch():
     assert events.decode_batch(payload) == KVEventBatch(5.0, [BlockStored([H1], None, TOKENS, 4, 9, None, None)])
 
 
-class SglMapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class SglMapStored(SglMapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
-    cache_salt: Optional[str] = None
-    session_id: Optional[str] = None
-
-
-class SglMapRemoved(SglMapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
 @pytest.mark.parametrize("format, codec", [("msgpack", msgspec.msgpack), ("json", msgspec.json)])
 def test_sglang_map_events(format, codec):
     batch = SglBatch(
         6.0,
         [
-            SglMapStored([H1], None, TOKENS, 4, None),  # medium omitted, no lora_name at all
-            SglMapStored([H2], H1, TOKENS, 4, 2, "GPU", cache_salt="s", session_id="sess"),
-            SglMapRemoved([H1]),
+            SglBlockStored([H1], None, TOKENS, 4, None),  # medium omitted, no lora_name at all
+            SglBlockStored([H2], H1, TOKENS, 4, 2, "GPU", cache_salt="s", session_id="sess"),
+            SglBlockRemoved([H1]),
         ],
         0,
     )

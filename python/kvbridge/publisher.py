@@ -321,7 +321,7 @@ class KvEventPublisher:
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         self._max_payload = self._nc.max_payload
-        self._max_bytes = min(self._max_bytes, self._max_payload - 4096)
+        self._max_bytes = min(self._max_bytes, self.max_payload)
         try:
             await self._check_worker_id_free()
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
