@@ -176,7 +176,8 @@ async def test_replicated_stream_survives_losing_its_leader(js_cluster, caplog):
     assert stats["stream_consumer_resets"] >= 1, stats  # the consumer died with its node at least once
 
     # The stream holds every message of every worker exactly once.
-    by = seqs_by_incarnation(await stream_messages(cluster.urls, "CLJ", "clj.events.>"))
+    # One node is down: a JetStream API call may land in a meta-leader election, so try again.
+    by = seqs_by_incarnation(await patiently(lambda: stream_messages(cluster.urls, "CLJ", "clj.events.>")))
     for p, s in zip(pubs, pstats):
         assert sorted(by[(p.config.worker_id, p.epoch)]) == list(range(s["last_seq"] + 1))
 

@@ -95,14 +95,17 @@ def views_equal(sub: KvEventSubscriber, expected: dict) -> bool:
     )
 
 
-async def stream_messages(url: str, stream: str, subject: str) -> list[tuple[str, dict, int]]:
+async def stream_messages(url: str | list[str], stream: str, subject: str) -> list[tuple[str, dict, int]]:
     """Everything the stream holds on ``subject``: (subject, headers, stream seq), in stream order."""
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream, subjects_filter=subject)
         want = sum((info.state.subjects or {}).values())
-        psub = await js.pull_subscribe(subject, stream=stream, config=api.ConsumerConfig(ack_policy=api.AckPolicy.NONE))
+        # One replica in memory: the count must not depend on placing a replicated consumer while
+        # a cluster node is down.
+        cc = api.ConsumerConfig(ack_policy=api.AckPolicy.NONE, num_replicas=1, mem_storage=True)
+        psub = await js.pull_subscribe(subject, stream=stream, config=cc)
         out: list[tuple[str, dict, int]] = []
         while len(out) < want:
             for m in await psub.fetch(min(500, want - len(out)), timeout=5):
