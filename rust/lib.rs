@@ -4,7 +4,7 @@ mod cpython;
 mod encode;
 mod hash;
 mod index;
-mod natshdr;
+mod natsproto;
 mod pool;
 mod scan;
 mod wake;
@@ -18,6 +18,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wake::register(m)?;
     pool::register(m)?;
     index::register(m)?;
-    natshdr::register(m)?;
+    natsproto::register(m)?;
     Ok(())
 }

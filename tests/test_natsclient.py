@@ -1,14 +1,16 @@
-"""kvbridge's nats-py client (``kvbridge.natsclient``) parses received header blocks natively; it
-must give exactly the dict nats-py's own ``Client._process_headers`` gives, for any block."""
+"""kvbridge's nats-py client (``kvbridge.natsclient``) cuts message frames and parses header
+blocks natively; it must hand on exactly what nats-py's own ``Parser.parse`` and
+``Client._process_headers`` do, for any input."""
 
 import asyncio
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
+from nats.protocol.parser import Parser as NatsParser
 
 from kvbridge import _native
-from kvbridge.natsclient import Client
+from kvbridge.natsclient import Client, Parser
 from kvbridge.server import NatsServer
 
 # Bytes that decide how a header line is read: separators, whitespace Python's bytes.strip() and
@@ -72,3 +74,85 @@ async def test_headers_arrive_through_a_real_server():
             assert msg.headers == {"Kv-Seq": "3", "Name": "café"}
         finally:
             await nc.close()
+
+
+# -- message frames ------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """The client side of a parser: records every call, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def _process_msg(self, sid, subject, reply, payload, headers):
+        self.calls.append(("msg", sid, subject, reply, payload, headers))
+
+    async def _process_ping(self):
+        self.calls.append(("ping",))
+
+    async def _process_pong(self):
+        self.calls.append(("pong",))
+
+    async def _process_info(self, info):
+        self.calls.append(("info", info))
+
+    async def _process_err(self, err):
+        self.calls.append(("err", err))
+
+
+def _fed(parser_class, chunks: list[bytes]):
+    """Every call ``parser_class`` makes for a stream read in ``chunks``, and the exception type it
+    stops with (None). (How a frame still arriving is held between reads is each parser's own.)"""
+
+    async def run():
+        nc = _Recorder()
+        ps = parser_class(nc)
+        try:
+            for chunk in chunks:
+                await ps.parse(chunk)
+            error = None
+        except Exception as exc:
+            error = type(exc)
+        return nc.calls, error
+
+    return asyncio.run(run())
+
+
+_HDR = b"NATS/1.0\r\nKv-Seq: 7\r\n\r\n"
+_OPS = st.one_of(
+    st.builds(lambda subj, sid, reply, data: b"MSG %s %d %s%d\r\n%s\r\n" % (subj, sid, reply, len(data), data),
+              st.sampled_from([b"kv.events.m.w1", b"a", b"\xc3\xa9.x"]), st.integers(0, 10**6),
+              st.sampled_from([b"", b"_INBOX.abc ", b"123 "]), st.binary(max_size=40)),
+    st.builds(lambda sid, reply, hdr, data: b"HMSG s.t %d %s%d %d\r\n%s%s\r\n" % (sid, reply, len(hdr),
+                                                                                   len(hdr) + len(data), hdr, data),
+              st.integers(0, 99), st.sampled_from([b"", b"r.1 "]), st.sampled_from([b"", _HDR, b"NATS/1.0 503\r\n\r\n"]),
+              st.binary(max_size=40)),
+    st.sampled_from([b"PING\r\n", b"PONG\r\n", b"+OK\r\n", b'INFO {"max_payload": 5}\r\n', b"-ERR 'x'\r\n",
+                     b"MSG  a 1 2\r\nhi\r\n", b"MSG a\t1 2\r\nhi\r\n", b"MSG a 1 2 \r\nhi\r\n", b"MSG a x 2\r\nhi\r\n",
+                     b"HMSG a 1 5 2\r\nhi\r\n", b"MSG a 1 2\r\nhiXY", b"BOGUS\r\n"]),  # fmt: skip
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_OPS, max_size=12).map(b"".join), st.lists(st.integers(1, 80), max_size=12))
+@example(b"MSG a 1 5\r\nhello\r\nPING\r\nHMSG b 2 r 12 14\r\nNATS/1.0\r\n\r\nhi\r\n", [3, 30, 1])
+def test_frames_reach_the_client_as_nats_py_cuts_them(stream, cuts):
+    chunks, at = [], 0
+    for n in cuts:
+        chunks.append(stream[at : at + n])
+        at += n
+    chunks.append(stream[at:])
+    assert _fed(Parser, chunks) == _fed(NatsParser, chunks)
+
+
+def test_many_frames_in_one_read_take_the_native_cut():
+    frames = [b"HMSG kv.events.m.w%d %d %d %d\r\n%s%s\r\n" % (i, i, len(_HDR), len(_HDR) + 3, _HDR, b"abc") for i in range(50)]
+    buf = bytearray(b"".join(frames) + b"PING\r\nMSG a 1 2\r\nh")
+    got, used, partial = _native.scan_nats_msgs(buf)
+    assert used == sum(map(len, frames)) and not partial  # PING next: nats-py's
+    assert got == [(i, b"kv.events.m.w%d" % i, b"", b"abc", _HDR) for i in range(50)]
+    assert _native.scan_nats_msgs(buf, max_frames=2)[1:] == (sum(map(len, frames[:2])), False)
+    assert _native.scan_nats_msgs(bytearray(b"PING\r\n")) == ([], 0, False)
+    assert _native.scan_nats_msgs(bytearray(frames[0] + b"MSG a 1 2\r\nh")) == (got[:1], len(frames[0]), True)
+    assert isinstance(Client()._ps, Parser)

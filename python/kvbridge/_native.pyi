@@ -22,6 +22,7 @@ __all__ = [
     "KVCacheManager",
     "Index",
     "parse_nats_headers",
+    "scan_nats_msgs",
 ]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
@@ -150,11 +151,19 @@ def scan_batch_msgpack(
     payload: bytes
 ) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
 
-# --- NATS header blocks (rust/natshdr.rs; used by kvbridge.natsclient) -------------------------
+# --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.natsclient) -----------------------
 
 #: The dict nats-py 2.16's Client._process_headers makes of an all-ASCII header block without an
 #: inline status ({} where it makes None); None for any other block (nats-py parses those).
 def parse_nats_headers(block: bytes) -> dict[str, str] | None: ...
+
+#: The complete MSG/HMSG frames (in the server's form) at the head of a read buffer, at most
+#: max_frames, each as nats-py's parser passes it to Client._process_msg: (sid, subject, reply,
+#: payload, headers or None); the number of bytes they take; and whether what follows is the
+#: start of a frame still arriving (True) rather than something for nats-py's parser.
+def scan_nats_msgs(
+    buf: bytearray, max_frames: int = 4096
+) -> tuple[list[tuple[int, bytes, bytes, bytes, bytes | None]], int, bool]: ...
 
 # --- publisher wake-up (rust/wake.rs) -------------------------------------------------------------
 
