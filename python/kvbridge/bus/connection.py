@@ -20,7 +20,7 @@ from nats.errors import AuthorizationError
 
 from kvbridge.config import Config
 from kvbridge.errors import Error
-from kvbridge.natsclient import Client as _KvClient
+from kvbridge.bus.natsclient import Client as _KvClient
 
 __all__ = [
     "AuthenticationError",

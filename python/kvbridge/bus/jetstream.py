@@ -88,7 +88,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from kvbridge.config import Config, ConfigError
 from kvbridge.errors import Error
-from kvbridge.outbox import Outbox
+from kvbridge.bus.outbox import Outbox
 
 __all__ = ["JetStreamAcks", "JetStreamError", "StreamReader", "ensure_stream", "stream_subjects", "subscribe_stream"]
 

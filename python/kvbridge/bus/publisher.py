@@ -46,9 +46,9 @@ from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
-from kvbridge.outbox import Outbox
-from kvbridge.events import (
+from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
+from kvbridge.bus.outbox import Outbox
+from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -56,7 +56,7 @@ from kvbridge.events import (
     encode_batch,
     slice_event,
 )
-from kvbridge.subjects import (
+from kvbridge.wire.subjects import (
     CONTENT_TYPES,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
@@ -327,7 +327,7 @@ class KvEventPublisher:
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
             await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
             if self.config.jetstream:
-                from kvbridge.jetstream import JetStreamAcks
+                from kvbridge.bus.jetstream import JetStreamAcks
 
                 self._js = JetStreamAcks(
                     self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle,

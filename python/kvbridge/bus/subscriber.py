@@ -46,11 +46,11 @@ from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import Permissions, connect
-from kvbridge.sequencer import Sequencer, Verdict
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
-from kvbridge.events import Event, LoadReport, decode_load_report
-from kvbridge.subjects import (
+from kvbridge.bus.connection import Permissions, connect
+from kvbridge.bus.sequencer import Sequencer, Verdict
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.wire.events import Event, LoadReport, decode_load_report
+from kvbridge.wire.subjects import (
     FORMATS,
     Format,
     HDR_CONTENT_TYPE,
@@ -375,7 +375,7 @@ class KvEventSubscriber:
         self._nc = await connect(self.config, error_cb=self._permissions.on_error)
         try:
             if self.config.jetstream:
-                from kvbridge.jetstream import subscribe_stream
+                from kvbridge.bus.jetstream import subscribe_stream
 
                 self._stream_reader = await subscribe_stream(
                     self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions

@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
-from kvbridge.hashing import BlockHasher
-from kvbridge.pool import Block
+from kvbridge.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
+from kvbridge.wire.hashing import BlockHasher
+from kvbridge.engine.pool import Block
 
 if TYPE_CHECKING:
     from kvbridge._native import Algorithm

@@ -29,9 +29,9 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
-from kvbridge.connection import ConnectError
+from kvbridge.bus.connection import ConnectError
 from kvbridge.errors import Error
-from kvbridge.relay import Relay
+from kvbridge.engine.relay import Relay
 
 __all__ = [
     "Discovery",

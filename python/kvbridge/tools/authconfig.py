@@ -28,7 +28,7 @@ import re
 import secrets
 from typing import Iterable, NamedTuple, Sequence
 
-from kvbridge.subjects import WorkerSubjects, load_subject, sanitize_token
+from kvbridge.wire.subjects import WorkerSubjects, load_subject, sanitize_token
 
 __all__ = ["Principal", "authorization_block", "inbox_prefix", "principals"]
 
