@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 
 from kvbridge import _native
-from kvbridge.natsclient import Client
-from kvbridge.server import NatsServer
+from kvbridge.bus.natsclient import Client
+from kvbridge.tools.server import NatsServer
 
 # Bytes that decide how a header line is read: separators, whitespace Python's bytes.strip() and
 # str.isspace() disagree on (\x1c-\x1f), CR and LF alone, non-ASCII, and ordinary name characters.
