@@ -9,7 +9,8 @@ import pytest
 
 import kvbridge
 
-# The old path users type (vLLM's plugin value, kvbridge.vllm.logger_factory, the docs) -> its home.
+# The old path users type (an older install's vLLM plugin value, kvbridge.vllm.logger_factory in users'
+# code, the docs and issues) -> its home.
 STABLE = {
     "kvbridge.vllm": "kvbridge.engine.vllm",
     "kvbridge.router": "kvbridge.routing.router",

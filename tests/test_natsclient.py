@@ -1,4 +1,4 @@
-"""kvbridge's nats-py client (``kvbridge.natsclient``) parses received header blocks natively; it
+"""kvbridge's nats-py client (``kvbridge.bus.natsclient``) parses received header blocks natively; it
 must give exactly the dict nats-py's own ``Client._process_headers`` gives, for any block."""
 
 import asyncio
