@@ -41,7 +41,7 @@ the engine's seq:
 
 Everything runs on one asyncio loop, the publisher's: the view changes and the batch is handed
 over in one step under ``publisher.lock``, so a snapshot always matches a seq (the threading
-contract of :mod:`kvbridge.publisher`).
+contract of :mod:`kvbridge.bus.publisher`).
 """
 
 from __future__ import annotations

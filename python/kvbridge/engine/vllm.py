@@ -2,7 +2,7 @@
 
 In vLLM 0.33 block events never reach a stat logger: each engine-core process (one per
 data-parallel rank) publishes them on its own ZMQ PUB socket (``--kv-events-config``). So the
-logger here hosts one :class:`kvbridge.relay.Relay` per engine rank it manages, and publishes the
+logger here hosts one :class:`kvbridge.engine.relay.Relay` per engine rank it manages, and publishes the
 engines' load from ``record()``.
 
 * **Plugin**: ``pip install kvbridge`` into vLLM's environment registers :class:`KvBridgeStatLogger`

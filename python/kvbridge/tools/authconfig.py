@@ -19,7 +19,7 @@ router ``R``
     the stream if it is missing (whoever creates it sets its replicas), read its info, create and
     delete its own ephemeral consumers, answer flow control.
 
-Names are sanitised exactly as subjects are (:func:`kvbridge.subjects.sanitize_token`).
+Names are sanitised exactly as subjects are (:func:`kvbridge.wire.subjects.sanitize_token`).
 """
 
 from __future__ import annotations
