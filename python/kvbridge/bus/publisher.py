@@ -26,7 +26,7 @@ replay (served from the ring) or a snapshot. An idle publisher sends an empty ba
 ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
 
 JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
-stream has not acknowledged; see :mod:`kvbridge.jetstream`. Its hooks here are marked ``_js``.
+stream has not acknowledged; see :mod:`kvbridge.bus.jetstream`. Its hooks here are marked ``_js``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class KvEventPublisher:
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
         self._sender: asyncio.Task | None = None
-        self._js: Any = None  # kvbridge.jetstream.JetStreamAcks in JetStream mode
+        self._js: Any = None  # kvbridge.bus.jetstream.JetStreamAcks in JetStream mode
         self._closing = False
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
@@ -299,7 +299,7 @@ class KvEventPublisher:
                 self._dropped_events += len(old.batch.events if old.__class__ is _Own else old[1])
 
     def attach(self, manager: Any) -> None:
-        """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
+        """Serve snapshots from ``manager`` (a :class:`kvbridge.engine.pool.KVCacheManager` or anything with
         ``take_events()`` and ``snapshot()``), and let ``step()`` publish its events."""
         with self.lock:
             self._manager = manager
@@ -577,7 +577,7 @@ class KvEventPublisher:
                         self.config.worker_id, n, total, why)  # fmt: skip
 
     def _skip_seq(self) -> None:
-        """Leave a hole in the seq (see kvbridge.outbox: the ring restarts after it)."""
+        """Leave a hole in the seq (see kvbridge.bus.outbox: the ring restarts after it)."""
         self._outbox.skip()
 
     def _headers(self, seq: int) -> dict[str, str]:
