@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from kvbridge import BackgroundPublisher, BlockRemoved, BlockStored, Config, KVEventBatch, encode_batch
-from kvbridge.server import NatsServer
+from kvbridge.tools.server import NatsServer
 
 BLOCK_SIZE = 16
 # Full speed: the engine keeps up to about this many events handed over and not yet drained (in

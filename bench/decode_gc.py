@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from bridge import bridge_payloads, vllm_steps  # noqa: E402
 
-from kvbridge.events import decode_batch  # noqa: E402
+from kvbridge.wire.events import decode_batch  # noqa: E402
 
 
 def paused(payload: bytes) -> object:

@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from kvbridge import _native
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
 BLOCK_SIZE = 16
 VOCAB = 151_936  # Qwen2's vocabulary: token ids straddle the uint16/uint32 boundary like real ones

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import kvbridge
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber
-from kvbridge.pool import KVCacheManager
-from kvbridge.server import NatsCluster, NatsServer
+from kvbridge.engine.pool import KVCacheManager
+from kvbridge.tools.server import NatsCluster, NatsServer
 
 MODEL = "fleet"
 BLOCK_SIZE = 16

@@ -21,8 +21,8 @@ import time
 import nats
 
 from kvbridge import BlockStored, Config, KvEventPublisher, encode_batch
-from kvbridge.events import KVEventBatch
-from kvbridge.server import NatsServer
+from kvbridge.wire.events import KVEventBatch
+from kvbridge.tools.server import NatsServer
 
 
 def cpu_s() -> float:

@@ -212,8 +212,8 @@ def _publisher_main(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
 async def _publisher(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
     import nats
 
-    from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_HEARTBEAT, HDR_MSG_ID, HDR_REPLY, HDR_SEQ
-    from kvbridge.subjects import REPLY_UNAVAILABLE
+    from kvbridge.wire.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_HEARTBEAT, HDR_MSG_ID, HDR_REPLY, HDR_SEQ
+    from kvbridge.wire.subjects import REPLY_UNAVAILABLE
 
     def headers(w: int, seq: int) -> dict[str, str]:
         """What kvbridge's publisher sends with every event message (KvEventPublisher._headers)."""
@@ -282,7 +282,7 @@ class _RawSubscriber:
 
 async def nats_ingest(payloads: list[tuple[int, bytes]], n_blocks: int, raw: bool = False, backlog: bool = False) -> dict:
     from kvbridge import Config, KvEventSubscriber
-    from kvbridge.server import NatsServer
+    from kvbridge.tools.server import NatsServer
 
     with NatsServer() as server:
         idx = Index(BS)

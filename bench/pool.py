@@ -34,9 +34,9 @@ import random
 import time
 from collections import deque
 
-from kvbridge._reference_pool import PyKVCacheManager
-from kvbridge.pool import NativeKVCacheManager
-from kvbridge.events import BlockRemoved, BlockStored
+from kvbridge.engine._reference_pool import PyKVCacheManager
+from kvbridge.engine.pool import NativeKVCacheManager
+from kvbridge.wire.events import BlockRemoved, BlockStored
 
 
 def build_conversations(args, rng):

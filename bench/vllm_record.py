@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace as NS
 
-import kvbridge.vllm as kv_vllm
+import kvbridge.engine.vllm as kv_vllm
 
 
 @dataclass

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from kvbridge.consumer import Update
+from kvbridge.bus.subscriber import Update
 
 
 def pool_hashes(manager: Any) -> set:
@@ -25,7 +25,7 @@ class Engine(threading.Thread):
     def __init__(self, publisher: Any, n_events: int, seed: int, *, num_blocks: int = 256, block_size: int = 4,
                  ops_per_step: int = 8, step_sleep: float = 0.0, manager: Any = None) -> None:
         super().__init__(name=f"engine-{seed}", daemon=True)
-        from kvbridge.pool import KVCacheManager
+        from kvbridge.engine.pool import KVCacheManager
 
         self.publisher = publisher
         self.manager = manager or KVCacheManager(num_blocks, block_size)

@@ -34,7 +34,7 @@ def load_vectors(vectors_dir):
 @pytest.fixture(scope="session")
 def nats_server():
     """One nats-server (with JetStream) shared by the ordinary bridge tests."""
-    from kvbridge.server import NatsServer
+    from kvbridge.tools.server import NatsServer
 
     with NatsServer(jetstream=True) as server:
         yield server
@@ -43,7 +43,7 @@ def nats_server():
 @pytest.fixture
 def own_nats_server():
     """A private nats-server for tests that kill or restart it."""
-    from kvbridge.server import NatsServer
+    from kvbridge.tools.server import NatsServer
 
     with NatsServer() as server:
         yield server
@@ -52,7 +52,7 @@ def own_nats_server():
 @pytest.fixture
 def own_js_server():
     """A private nats-server with JetStream (temp store dir, kept across restart()) to kill."""
-    from kvbridge.server import NatsServer
+    from kvbridge.tools.server import NatsServer
 
     with NatsServer(jetstream=True) as server:
         yield server

@@ -15,7 +15,7 @@ from typing import Literal
 
 from hypothesis import strategies as st
 
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 Wire = Literal["any", "msgpack", "json"]
 

@@ -14,9 +14,9 @@ import pytest
 
 from bridge_support import Engine, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber
-from kvbridge.authconfig import authorization_block, principals
-from kvbridge.connection import PermissionDeniedError, WorkerIdInUseError
-from kvbridge.server import NatsServer
+from kvbridge.tools.authconfig import authorization_block, principals
+from kvbridge.bus.connection import PermissionDeniedError, WorkerIdInUseError
+from kvbridge.tools.server import NatsServer
 
 pytestmark = pytest.mark.timeout(90)
 MODEL = "Mx.1"  # sanitised to Mx_1 in subjects and user permissions alike (and mixed case)
@@ -125,7 +125,7 @@ def test_cli_prints_a_block_nats_server_accepts(tmp_path):
     conf = tmp_path / "gen.conf"
     conf.write_text(text)
     # nats-server's own config check (-t) accepts it.
-    from kvbridge.server import find_nats_server
+    from kvbridge.tools.server import find_nats_server
 
     check = subprocess.run([find_nats_server(), "-c", str(conf), "-t"], capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stderr

@@ -23,7 +23,7 @@ from kvbridge import (
     KvEventSubscriber,
     decode_batch,
 )
-from kvbridge.server import NatsServer
+from kvbridge.tools.server import NatsServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ import pytest
 
 from bridge_support import Engine, Recorder, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber, encode_batch
-from kvbridge.events import BlockStored, KVEventBatch
+from kvbridge.wire.events import BlockStored, KVEventBatch
 
 MODEL = "test-model"
 

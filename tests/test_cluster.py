@@ -21,8 +21,8 @@ import pytest
 
 from bridge_support import Engine, Recorder, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber
-from kvbridge.jetstream import JetStreamError
-from kvbridge.server import NatsCluster
+from kvbridge.bus.jetstream import JetStreamError
+from kvbridge.tools.server import NatsCluster
 from test_jetstream import seqs_by_incarnation, stream_messages
 
 pytestmark = pytest.mark.timeout(120)

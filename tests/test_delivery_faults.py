@@ -27,10 +27,10 @@ from kvbridge import (
     WorkerIdInUseError,
     decode_batch,
 )
-from kvbridge.events import BlockRemoved, BlockStored, KVEventBatch
-from kvbridge.pool import KVCacheManager
-from kvbridge.server import NatsServer
-from kvbridge.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_REPLY, HDR_SEQ, REPLY_END
+from kvbridge.wire.events import BlockRemoved, BlockStored, KVEventBatch
+from kvbridge.engine.pool import KVCacheManager
+from kvbridge.tools.server import NatsServer
+from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_REPLY, HDR_SEQ, REPLY_END
 
 MODEL = "m"
 

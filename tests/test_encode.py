@@ -14,7 +14,7 @@ from event_strategies import batches
 from hypothesis import given, settings
 
 from kvbridge import _native, events
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 reference = msgspec.msgpack.Encoder().encode
 native = _native.encode_batch_msgpack

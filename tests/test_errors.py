@@ -5,9 +5,9 @@ import pytest
 
 import kvbridge
 from kvbridge import Config, ConfigError
-from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
-from kvbridge.discover import DiscoveryError
-from kvbridge.server import NatsServerError
+from kvbridge.bus.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
+from kvbridge.engine.discover import DiscoveryError
+from kvbridge.tools.server import NatsServerError
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_resolve_checks_options_like_a_new_config():
 
 
 def test_publisher_subscriber_and_relay_take_config_and_options_alike(monkeypatch):
-    from kvbridge.relay import Relay
+    from kvbridge.engine.relay import Relay
 
     monkeypatch.setenv("KVBRIDGE_MODEL", "from-env")
     base = Config(model="given", worker_id="w0")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge import events
-from kvbridge.events import (
+from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -17,7 +17,7 @@ import pytest
 
 from engine_shapes import SglBlockRemoved, SglBlockStored
 from kvbridge import events
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 H1, H2, PARENT = 2**63 + 5, 17, 2**64 - 1
 TOKENS = [1, 2, 300, 70000]
@@ -244,7 +244,7 @@ def test_reencoding_a_foreign_batch_gives_vllm_033_bytes():
 def test_the_map_form_copy_of_block_stored_keeps_every_field():
     # SGLang's map events decode through a copy with every field optional: a field added to
     # BlockStored and forgotten there would be dropped from those events without a word.
-    from kvbridge.events import BlockRemoved, BlockStored, _MapBlockRemoved, _MapBlockStored
+    from kvbridge.wire.events import BlockRemoved, BlockStored, _MapBlockRemoved, _MapBlockStored
 
     assert set(BlockStored.__struct_fields__) <= set(_MapBlockStored.__struct_fields__)
     assert set(BlockRemoved.__struct_fields__) <= set(_MapBlockRemoved.__struct_fields__)

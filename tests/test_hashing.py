@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvbridge
-import kvbridge.hashing
+import kvbridge.wire.hashing
 from kvbridge import ALGORITHMS, BlockHasher, hash_blocks
 
 VLLM_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -186,7 +186,7 @@ def test_partial_block_ignored():
 def test_exports():
     assert set(ALGORITHMS) == {"xxh3", "dynamo", "dynamo_seq", *VLLM_ALGOS}
     assert kvbridge.hash_blocks is hash_blocks
-    assert kvbridge.hashing.BlockHasher is BlockHasher
+    assert kvbridge.wire.hashing.BlockHasher is BlockHasher
 
 
 # --- incremental hashing ------------------------------------------------------------------------

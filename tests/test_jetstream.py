@@ -25,7 +25,7 @@ from kvbridge import (
     KvEventPublisher,
     KvEventSubscriber,
 )
-from kvbridge.jetstream import JetStreamError
+from kvbridge.bus.jetstream import JetStreamError
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "m"

@@ -1,4 +1,4 @@
-"""kvbridge's nats-py client (``kvbridge.natsclient``) cuts message frames and parses header
+"""kvbridge's nats-py client (``kvbridge.bus.natsclient``) cuts message frames and parses header
 blocks natively; it must hand on exactly what nats-py's own ``Parser.parse`` and
 ``Client._process_headers`` do, for any input."""
 
@@ -10,8 +10,8 @@ from nats.aio.client import Client as NatsClient
 from nats.protocol.parser import Parser as NatsParser
 
 from kvbridge import _native
-from kvbridge.natsclient import Client, Parser
-from kvbridge.server import NatsServer
+from kvbridge.bus.natsclient import Client, Parser
+from kvbridge.tools.server import NatsServer
 
 # Bytes that decide how a header line is read: separators, whitespace Python's bytes.strip() and
 # str.isspace() disagree on (\x1c-\x1f), CR and LF alone, non-ASCII, and ordinary name characters.

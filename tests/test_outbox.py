@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvbridge.outbox import Outbox
+from kvbridge.bus.outbox import Outbox
 
 
 def test_seqs_are_given_in_order_and_held_contiguously():

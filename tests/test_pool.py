@@ -7,9 +7,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvbridge
 from kvbridge import KVCacheManager
-from kvbridge._reference_pool import BlockPool, PyKVCacheManager
-from kvbridge.pool import NativeKVCacheManager
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvbridge.engine._reference_pool import BlockPool, PyKVCacheManager
+from kvbridge.engine.pool import NativeKVCacheManager
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 
 def chain(tokens, block_size, lora_name=None, **kw):

@@ -32,11 +32,11 @@ from engine_shapes import (
 )
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, Config, KvEventSubscriber, decode_batch
 from kvbridge.config import ConfigError
-from kvbridge.cli import build_parser
-from kvbridge.consumer import WorkerView
-from kvbridge.relay import Relay, RelayView, engine_endpoint
-from kvbridge.server import NatsServer
-from kvbridge.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_MSG_ID, HDR_SEQ
+from kvbridge.tools.cli import build_parser
+from kvbridge.bus.subscriber import WorkerView
+from kvbridge.engine.relay import Relay, RelayView, engine_endpoint
+from kvbridge.tools.server import NatsServer
+from kvbridge.wire.subjects import HDR_CONTENT_TYPE, HDR_EPOCH, HDR_MSG_ID, HDR_SEQ
 
 END = b"\xff" * 8
 WAIT = 45.0  # upper bound of every wait (generous for a loaded CI box); none is a timing assertion

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from kvbridge import BlockStored, Index, KVEventBatch
-from kvbridge.router import NoWorkersError, Router, softmax_probabilities
+from kvbridge.routing.router import NoWorkersError, Router, softmax_probabilities
 
 BS = 4
 PROMPT = list(range(100, 116))  # 4 full blocks
@@ -182,8 +182,8 @@ def test_clear_errors():
 
 
 def test_loads_from_the_workers_load_reports(index):
-    from kvbridge.events import LoadReport
-    from kvbridge.router import report_loads
+    from kvbridge.wire.events import LoadReport
+    from kvbridge.routing.router import report_loads
 
     class Reports:  # what KvEventSubscriber.loads holds: (model, worker) -> (latest report, age in s)
         loads = {

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from event_strategies import batches
 from kvbridge import _native
-from kvbridge.consumer import _ops_of
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
+from kvbridge.bus.subscriber import _ops_of
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
 
 
 def _check_agrees(payload: bytes) -> bool:

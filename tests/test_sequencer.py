@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.sequencer import MAX_PARKED, Sequencer, Verdict
+from kvbridge.bus.sequencer import MAX_PARKED, Sequencer, Verdict
 
 D, DUP, CONF, START, FIRST, CHANGE, PARK, GAP = (
     Verdict.DELIVER, Verdict.DUPLICATE, Verdict.CONFLICT, Verdict.STREAM_START, Verdict.FIRST_CONTACT,

@@ -16,9 +16,9 @@ from prometheus_client import REGISTRY, generate_latest
 
 from bridge_support import pool_hashes, prefix_scores
 from kvbridge import Config, Index, KvEventPublisher, hash_blocks
-from kvbridge.pool import KVCacheManager
-from kvbridge.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
-from kvbridge.subjects import query_subject
+from kvbridge.engine.pool import KVCacheManager
+from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
+from kvbridge.wire.subjects import query_subject
 
 
 BS = 16

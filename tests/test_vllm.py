@@ -30,12 +30,12 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-import kvbridge.vllm as kv_vllm
+import kvbridge.engine.vllm as kv_vllm
 from bridge_support import wait_until
 from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
-from kvbridge.discover import Discovery
-from kvbridge.events import LoadReport, decode_load_report
-from kvbridge.subjects import HDR_SEQ, sanitize_token
+from kvbridge.engine.discover import Discovery
+from kvbridge.wire.events import LoadReport, decode_load_report
+from kvbridge.wire.subjects import HDR_SEQ, sanitize_token
 from test_relay import WAIT, FakeEngine, nats_sub  # noqa: F401  (nats_sub is a fixture)
 
 HOST = sanitize_token(socket.gethostname())
@@ -183,7 +183,8 @@ def fake_vllm(tmp_path) -> str:
 def test_import_kvbridge_never_imports_vllm(tmp_path):
     path = fake_vllm(tmp_path)  # importable, so only not importing it keeps it out
     proc = run_python("""
-        import sys, kvbridge, kvbridge.cli, kvbridge.discover, kvbridge.relay, kvbridge.consumer
+        import sys, kvbridge, kvbridge.tools.cli, kvbridge.engine.discover, kvbridge.engine.relay, kvbridge.bus.subscriber
+        import kvbridge.events, kvbridge.router, kvbridge.server
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """, [path])  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -193,7 +194,7 @@ def test_import_kvbridge_never_imports_vllm(tmp_path):
 def test_with_vllm_present_the_loggers_are_vllms_subclasses(tmp_path):
     proc = run_python("""
         from vllm.v1.metrics.loggers import AggregateStatLoggerBase, StatLoggerBase
-        from kvbridge.vllm import KvBridgeStatLogger, logger_factory
+        from kvbridge.vllm import KvBridgeStatLogger, logger_factory  # the stable path users type
         cls = logger_factory(servers=["nats://127.0.0.1:1"])
         # vLLM's load_stat_logger_plugin_factories and StatLoggerManager checks
         print(issubclass(KvBridgeStatLogger, StatLoggerBase), issubclass(KvBridgeStatLogger, AggregateStatLoggerBase),
@@ -205,7 +206,7 @@ def test_with_vllm_present_the_loggers_are_vllms_subclasses(tmp_path):
 
 def test_without_vllm_the_stand_in_has_vllms_interface():
     base = kv_vllm._AggregateBase
-    assert base.__module__ == "kvbridge.vllm"  # vLLM is not installed here
+    assert base.__module__ == "kvbridge.engine.vllm"  # vLLM is not installed here
     assert {"record", "log_engine_initialized", "log", "record_sleep_state", "record_admission_rejection"} <= set(dir(base))
     with pytest.raises(TypeError):
         base(vllm_config=None, engine_indexes=[0])  # abstract, as vLLM's
@@ -341,7 +342,7 @@ async def test_subscriber_adds_counters_across_api_servers(nats_server):
     async with KvEventSubscriber(servers=[nats_server.url], model="multi") as sub:
         nc = await nats.connect(nats_server.url)
         try:
-            from kvbridge.events import encode_load_report
+            from kvbridge.wire.events import encode_load_report
 
             for api, (usage, q) in enumerate([(0.1, 10), (0.3, 5)]):
                 r = LoadReport(ts=1.0 + api, kv_cache_usage=usage, prefix_cache_queries=q, interval_s=60, api_rank=api)
@@ -568,7 +569,7 @@ async def test_plugin_and_logger_factory_in_one_engine_share_one_relay_per_rank(
 
 
 def test_watch_load_columns():
-    from kvbridge.cli import load_columns
+    from kvbridge.tools.cli import load_columns
 
     report = LoadReport(ts=1.0, kv_cache_usage=0.421, running=3, waiting=2, prefix_cache_queries=200,
                         prefix_cache_hits=50)  # fmt: skip

@@ -8,7 +8,7 @@ import asyncio
 import sys
 
 from kvbridge import KvEventPublisher
-from kvbridge.pool import KVCacheManager
+from kvbridge.engine.pool import KVCacheManager
 
 
 async def main() -> None:

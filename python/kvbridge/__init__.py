@@ -1,11 +1,16 @@
-"""kvbridge: an LLM engine's KV-cache block events, loss-free on NATS."""
+"""kvbridge: an LLM engine's KV-cache block events, loss-free on NATS.
+
+The package is laid out by role: ``wire`` (the bytes and hashes vLLM defines), ``bus`` (NATS:
+connection, outbox, publisher, sequencer, subscriber, JetStream), ``engine`` (the block pool and the
+attachments to a running engine: relay, vLLM plugin), ``routing`` (router, index service; the Index
+itself is native) and ``tools`` (CLI, demo, local nats-server). ``config``, ``errors`` and
+``metrics`` serve every room. The names below are the public API.
+"""
 
 from kvbridge._native import Index, __version__
 from kvbridge.config import Config, ConfigError
-from kvbridge.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
-from kvbridge.consumer import KvEventSubscriber, Update, WorkerView
 from kvbridge.errors import Error
-from kvbridge.events import (
+from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -14,12 +19,14 @@ from kvbridge.events import (
     decode_batch,
     encode_batch,
 )
-from kvbridge.hashing import ALGORITHMS, BlockHasher, hash_blocks
-from kvbridge.jetstream import JetStreamError
-from kvbridge.pool import KVCacheManager
-from kvbridge.publisher import BackgroundPublisher, KvEventPublisher
-from kvbridge.router import Router
-from kvbridge.service import IndexClient, IndexService
+from kvbridge.wire.hashing import ALGORITHMS, BlockHasher, hash_blocks
+from kvbridge.bus.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
+from kvbridge.bus.jetstream import JetStreamError
+from kvbridge.bus.publisher import BackgroundPublisher, KvEventPublisher
+from kvbridge.bus.subscriber import KvEventSubscriber, Update, WorkerView
+from kvbridge.engine.pool import KVCacheManager
+from kvbridge.routing.router import Router
+from kvbridge.routing.service import IndexClient, IndexService
 
 __all__ = [
     "ALGORITHMS",

@@ -1,5 +1,5 @@
 import sys
 
-from kvbridge.cli import main
+from kvbridge.tools.cli import main
 
 sys.exit(main())

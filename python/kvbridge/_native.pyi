@@ -25,7 +25,7 @@ __all__ = [
     "scan_nats_msgs",
 ]
 
-# --- chained block hashing (rust/hash.rs; documented in kvbridge.hashing) ---------------------
+# --- chained block hashing (rust/hash.rs; documented in kvbridge.wire.hashing) --------------------
 
 Algorithm: TypeAlias = Literal[
     "xxh3", "dynamo", "dynamo_seq", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"
@@ -142,7 +142,7 @@ def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
 def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
     """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""
 
-# --- hash-only batch reading (rust/scan.rs; used by kvbridge.consumer) -------------------------
+# --- hash-only batch reading (rust/scan.rs; used by kvbridge.bus.subscriber) ----------------------
 
 #: (ts, data_parallel_rank, n_events, n_blocks, [(kind, hashes), ...]) with kind 0 = stored,
 #: 1 = removed, 2 = all cleared, consecutive events of one kind merged; None when the payload is
@@ -151,7 +151,7 @@ def scan_batch_msgpack(
     payload: bytes
 ) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
 
-# --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.natsclient) -----------------------
+# --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.bus.natsclient) -------------------
 
 #: The dict nats-py 2.16's Client._process_headers makes of an all-ASCII header block without an
 #: inline status ({} where it makes None); None for any other block (nats-py parses those).
@@ -174,14 +174,14 @@ def timerfd_new() -> int: ...
 #: Fire every interval_ns (0 disarms); False on error.
 def timerfd_every(fd: int, interval_ns: int) -> bool: ...
 
-# --- block pool (rust/pool.rs; used through kvbridge.pool.NativeKVCacheManager) -------------------
+# --- block pool (rust/pool.rs; used through kvbridge.engine.pool.NativeKVCacheManager) ------------
 
 from typing import Any, Hashable
 from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 @disjoint_base
 class KVCacheManager:
-    """The request level of the prefix-caching block pool; kvbridge.pool documents it.
+    """The request level of the prefix-caching block pool; kvbridge.engine.pool documents it.
     One mutex serialises every method; none releases the GIL except to hash >= 64k tokens."""
 
     def __new__(

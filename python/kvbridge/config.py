@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from kvbridge.errors import Error
-from kvbridge.subjects import CONTENT_TYPES, Format, sanitize_token
+from kvbridge.wire.subjects import CONTENT_TYPES, Format, sanitize_token
 
 __all__ = ["Config", "ConfigError"]
 

@@ -82,7 +82,7 @@ RELAY_METRICS = {
 }
 
 
-# The index service (kvbridge.service). A "histogram" stat is ``(cumulative buckets [(le, count)],
+# The index service (kvbridge.routing.service). A "histogram" stat is ``(cumulative buckets [(le, count)],
 # sum)``, built at scrape time from plain counters.
 INDEX_METRICS = {
     "queries": ("kvbridge_index_queries", "Overlap queries answered (errors included)", "counter"),

@@ -20,7 +20,7 @@ from nats.errors import AuthorizationError
 
 from kvbridge.config import Config
 from kvbridge.errors import Error
-from kvbridge.natsclient import Client as _KvClient
+from kvbridge.bus.natsclient import Client as _KvClient
 
 __all__ = [
     "AuthenticationError",
@@ -134,7 +134,7 @@ async def connect(
     opts = config.connect_options()
     policy = {k: opts[k] for k in ("allow_reconnect", "max_reconnect_attempts", "reconnect_time_wait")}
     opts.update(allow_reconnect=True, max_reconnect_attempts=1, reconnect_time_wait=0)
-    nc = _KvClient()  # nats-py's, with native header parsing (kvbridge.natsclient)
+    nc = _KvClient()  # nats-py's, with native header parsing (kvbridge.bus.natsclient)
     # A server that accepts TCP but never answers (or a wrong TLS setup) must not hang start-up.
     deadline = config.connect_timeout_s * (2 * len(config.servers)) + 1.0
     servers = ", ".join(config.servers)

@@ -88,7 +88,7 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from kvbridge.config import Config, ConfigError
 from kvbridge.errors import Error
-from kvbridge.outbox import Outbox
+from kvbridge.bus.outbox import Outbox
 
 __all__ = ["JetStreamAcks", "JetStreamError", "StreamReader", "ensure_stream", "stream_subjects", "subscribe_stream"]
 
@@ -139,7 +139,7 @@ async def ensure_stream(nc: Any, config: Config, *, update: bool = True, patienc
     config says (a mismatch is logged): publishers configured differently must not scale a shared
     stream up and down against each other. JetStream not answering for a while is what a cluster
     electing a leader looks like: tried again for up to ``patience`` seconds -- unless
-    ``permissions`` (:class:`kvbridge.connection.Permissions`) shows that the server refused the
+    ``permissions`` (:class:`kvbridge.bus.connection.Permissions`) shows that the server refused the
     request itself, which also looks like no answer: then PermissionDeniedError names the subject."""
     if config.stream_duplicate_window_s > config.stream_max_age_s:
         raise ConfigError(
@@ -255,7 +255,7 @@ def _same(seconds: float | None, want: float) -> bool:
 
 class JetStreamAcks:
     """The JetStream half of a :class:`kvbridge.KvEventPublisher`: stream set-up, the ack window,
-    re-sends. It drives the publisher's :class:`kvbridge.outbox.Outbox` through its public
+    re-sends. It drives the publisher's :class:`kvbridge.bus.outbox.Outbox` through its public
     methods only: ``send(seq, reply)`` sends a held message and moves the cursor (the
     publisher's, which also owns headers and counters), ``wake()`` wakes the publisher's send
     loop, ``settle()`` numbers queued hand-offs and says whether any are left."""

@@ -26,7 +26,7 @@ replay (served from the ring) or a snapshot. An idle publisher sends an empty ba
 ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
 
 JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
-stream has not acknowledged; see :mod:`kvbridge.jetstream`. Its hooks here are marked ``_js``.
+stream has not acknowledged; see :mod:`kvbridge.bus.jetstream`. Its hooks here are marked ``_js``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
-from kvbridge.outbox import Outbox
-from kvbridge.events import (
+from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
+from kvbridge.bus.outbox import Outbox
+from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -56,7 +56,7 @@ from kvbridge.events import (
     encode_batch,
     slice_event,
 )
-from kvbridge.subjects import (
+from kvbridge.wire.subjects import (
     CONTENT_TYPES,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
@@ -187,7 +187,7 @@ class KvEventPublisher:
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
         self._sender: asyncio.Task | None = None
-        self._js: Any = None  # kvbridge.jetstream.JetStreamAcks in JetStream mode
+        self._js: Any = None  # kvbridge.bus.jetstream.JetStreamAcks in JetStream mode
         self._closing = False
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
@@ -299,7 +299,7 @@ class KvEventPublisher:
                 self._dropped_events += len(old.batch.events if old.__class__ is _Own else old[1])
 
     def attach(self, manager: Any) -> None:
-        """Serve snapshots from ``manager`` (a :class:`kvbridge.pool.KVCacheManager` or anything with
+        """Serve snapshots from ``manager`` (a :class:`kvbridge.engine.pool.KVCacheManager` or anything with
         ``take_events()`` and ``snapshot()``), and let ``step()`` publish its events."""
         with self.lock:
             self._manager = manager
@@ -327,7 +327,7 @@ class KvEventPublisher:
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
             await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
             if self.config.jetstream:
-                from kvbridge.jetstream import JetStreamAcks
+                from kvbridge.bus.jetstream import JetStreamAcks
 
                 self._js = JetStreamAcks(
                     self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle,
@@ -577,7 +577,7 @@ class KvEventPublisher:
                         self.config.worker_id, n, total, why)  # fmt: skip
 
     def _skip_seq(self) -> None:
-        """Leave a hole in the seq (see kvbridge.outbox: the ring restarts after it)."""
+        """Leave a hole in the seq (see kvbridge.bus.outbox: the ring restarts after it)."""
         self._outbox.skip()
 
     def _headers(self, seq: int) -> dict[str, str]:

@@ -46,11 +46,11 @@ from nats.errors import NoRespondersError
 
 from kvbridge import _native, metrics
 from kvbridge.config import Config
-from kvbridge.connection import Permissions, connect
-from kvbridge.sequencer import Sequencer, Verdict
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
-from kvbridge.events import Event, LoadReport, decode_load_report
-from kvbridge.subjects import (
+from kvbridge.bus.connection import Permissions, connect
+from kvbridge.bus.sequencer import Sequencer, Verdict
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.wire.events import Event, LoadReport, decode_load_report
+from kvbridge.wire.subjects import (
     FORMATS,
     Format,
     HDR_CONTENT_TYPE,
@@ -342,7 +342,7 @@ class KvEventSubscriber:
         if not isinstance(queue_size, int) or isinstance(queue_size, bool) or queue_size < 1:
             raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
         self._queue_size = queue_size
-        #: JetStream mode (``config.jetstream``): where in the stream to begin; see kvbridge.jetstream.
+        #: JetStream mode (``config.jetstream``): where in the stream to begin; see kvbridge.bus.jetstream.
         self.stream_start = stream_start
         # The async iterator's side: a bounded queue that deliveries never wait on (module doc).
         self._iter_queue: deque[Update] | None = None
@@ -356,7 +356,7 @@ class KvEventSubscriber:
         self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
         self._nc: Any = None
         self._expiry: asyncio.Task | None = None
-        self._stream_reader: Any = None  # kvbridge.jetstream.StreamReader in JetStream mode
+        self._stream_reader: Any = None  # kvbridge.bus.jetstream.StreamReader in JetStream mode
         self._closed = False
         self._permissions = Permissions(f"subscriber {self.subject}")
         self._counts = dict.fromkeys(
@@ -375,7 +375,7 @@ class KvEventSubscriber:
         self._nc = await connect(self.config, error_cb=self._permissions.on_error)
         try:
             if self.config.jetstream:
-                from kvbridge.jetstream import subscribe_stream
+                from kvbridge.bus.jetstream import subscribe_stream
 
                 self._stream_reader = await subscribe_stream(
                     self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions

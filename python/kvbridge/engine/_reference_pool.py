@@ -1,8 +1,8 @@
-"""The executable spec of :mod:`kvbridge.pool`: a prefix-caching block pool in plain Python.
+"""The executable spec of :mod:`kvbridge.engine.pool`: a prefix-caching block pool in plain Python.
 
 ``BlockPool`` is the block level (free queue in eviction order, ref counts, hash -> cached block
 map, eviction, reset) and ``PyKVCacheManager`` the request level over it. They follow the rules
-written in :mod:`kvbridge.pool`'s docstring, and the native ``KVCacheManager`` is checked against
+written in :mod:`kvbridge.engine.pool`'s docstring, and the native ``KVCacheManager`` is checked against
 them step by step in tests/test_pool.py. Nothing here is on a hot path: it is the oracle, read it
 to learn what the native manager does. (The free queue is a linked list through the blocks, as
 in vLLM.) Not thread-safe below the manager, whose public methods share one lock.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from kvbridge.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
-from kvbridge.hashing import BlockHasher
-from kvbridge.pool import Block
+from kvbridge.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
+from kvbridge.wire.hashing import BlockHasher
+from kvbridge.engine.pool import Block
 
 if TYPE_CHECKING:
     from kvbridge._native import Algorithm
@@ -29,7 +29,7 @@ _VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
 class BlockPool:
     """Blocks, their free queue in eviction order, and the hash -> cached block map.
 
-    ``algo``/``seed`` choose the chained hash (see ``kvbridge.hashing``); ``medium`` is put in
+    ``algo``/``seed`` choose the chained hash (see ``kvbridge.wire.hashing``); ``medium`` is put in
     every event. Not thread-safe: callers serialise (``KVCacheManager`` does). Methods taking
     blocks take each block at most once per call.
     """

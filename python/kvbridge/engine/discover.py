@@ -1,7 +1,7 @@
 """Relays for many engine ranks: a set kept running in the background, and discovery of the ranks
 from a vLLM API server's ``GET /kv_event_sources``.
 
-:class:`RelaySet` runs one :class:`kvbridge.relay.Relay` per engine PUB endpoint on the caller's
+:class:`RelaySet` runs one :class:`kvbridge.engine.relay.Relay` per engine PUB endpoint on the caller's
 asyncio loop. A relay that cannot start (NATS down, the broker refusing) is retried in the
 background with a growing pause, so whoever hosts the set -- the vLLM stat logger in
 :mod:`kvbridge.vllm`, or ``kvbridge relay --discover`` -- never waits for NATS; failures are
@@ -29,9 +29,9 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
-from kvbridge.connection import ConnectError
+from kvbridge.bus.connection import ConnectError
 from kvbridge.errors import Error
-from kvbridge.relay import Relay
+from kvbridge.engine.relay import Relay
 
 __all__ = [
     "Discovery",

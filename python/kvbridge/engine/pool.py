@@ -12,7 +12,7 @@ answers the pool's queries (``num_free_blocks``, ``num_cached_blocks``, ``usage`
 ``cached_block_hashes()``, ``free_block_ids()``, ``blocks`` as read-only copies). ``lora_id``
 must be an int or None.
 
-The executable spec is plain Python, in ``kvbridge._reference_pool`` (``BlockPool`` and
+The executable spec is plain Python, in ``kvbridge.engine._reference_pool`` (``BlockPool`` and
 ``PyKVCacheManager``, as tiktoken keeps ``_educational``): the native manager is checked against
 it step by step (tests/test_pool.py), and the rules below are the spec's.
 

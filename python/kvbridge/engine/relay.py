@@ -41,7 +41,7 @@ the engine's seq:
 
 Everything runs on one asyncio loop, the publisher's: the view changes and the batch is handed
 over in one step under ``publisher.lock``, so a snapshot always matches a seq (the threading
-contract of :mod:`kvbridge.publisher`).
+contract of :mod:`kvbridge.bus.publisher`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import zmq.asyncio
 
 from kvbridge import metrics
 from kvbridge.config import Config, ConfigError
-from kvbridge.events import (
+from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -64,7 +64,7 @@ from kvbridge.events import (
     merge_runs,
     slice_event,
 )
-from kvbridge.publisher import KvEventPublisher
+from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
 

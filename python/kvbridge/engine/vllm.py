@@ -2,7 +2,7 @@
 
 In vLLM 0.33 block events never reach a stat logger: each engine-core process (one per
 data-parallel rank) publishes them on its own ZMQ PUB socket (``--kv-events-config``). So the
-logger here hosts one :class:`kvbridge.relay.Relay` per engine rank it manages, and publishes the
+logger here hosts one :class:`kvbridge.engine.relay.Relay` per engine rank it manages, and publishes the
 engines' load from ``record()``.
 
 * **Plugin**: ``pip install kvbridge`` into vLLM's environment registers :class:`KvBridgeStatLogger`
@@ -61,12 +61,12 @@ from typing import Any
 import msgspec
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
-from kvbridge.connection import connect
-from kvbridge.discover import RateLimitedLog, RelaySet, RelaySpec, close_quietly, start_retrying, worker_name
-from kvbridge.events import DecodeError, KVEventBatch, LoadReport, decode_batch, encode_load_report
-from kvbridge.publisher import KvEventPublisher
-from kvbridge.relay import RelayView, engine_endpoint
-from kvbridge.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
+from kvbridge.bus.connection import connect
+from kvbridge.engine.discover import RateLimitedLog, RelaySet, RelaySpec, close_quietly, start_retrying, worker_name
+from kvbridge.wire.events import DecodeError, KVEventBatch, LoadReport, decode_batch, encode_load_report
+from kvbridge.bus.publisher import KvEventPublisher
+from kvbridge.engine.relay import RelayView, engine_endpoint
+from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
 
 __all__ = ["KvBridgeStatLogger", "Plan", "logger_factory", "plan", "shutdown"]
 

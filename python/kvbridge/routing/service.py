@@ -29,9 +29,9 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from kvbridge import metrics
 from kvbridge.config import Config
-from kvbridge.connection import connect
-from kvbridge.consumer import KvEventSubscriber
-from kvbridge.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, query_subject
+from kvbridge.bus.connection import connect
+from kvbridge.bus.subscriber import KvEventSubscriber
+from kvbridge.wire.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, query_subject
 
 __all__ = ["IndexClient", "IndexQuery", "IndexQueryError", "IndexService", "IndexUnavailableError"]
 

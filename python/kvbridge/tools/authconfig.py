@@ -19,7 +19,7 @@ router ``R``
     the stream if it is missing (whoever creates it sets its replicas), read its info, create and
     delete its own ephemeral consumers, answer flow control.
 
-Names are sanitised exactly as subjects are (:func:`kvbridge.subjects.sanitize_token`).
+Names are sanitised exactly as subjects are (:func:`kvbridge.wire.subjects.sanitize_token`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import re
 import secrets
 from typing import Iterable, NamedTuple, Sequence
 
-from kvbridge.subjects import WorkerSubjects, load_subject, sanitize_token
+from kvbridge.wire.subjects import WorkerSubjects, load_subject, sanitize_token
 
 __all__ = ["Principal", "authorization_block", "inbox_prefix", "principals"]
 

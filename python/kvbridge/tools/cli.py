@@ -19,7 +19,7 @@ import msgspec
 
 from kvbridge.config import Config, ConfigError
 from kvbridge.errors import Error
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["main"]
 
@@ -87,7 +87,7 @@ def json_line(u: Any, loads: dict) -> str:
 
 
 async def _watch(args: argparse.Namespace) -> int:
-    from kvbridge.consumer import KvEventSubscriber
+    from kvbridge.bus.subscriber import KvEventSubscriber
 
     seen = 0
     done = asyncio.Event()
@@ -129,7 +129,7 @@ async def _watch(args: argparse.Namespace) -> int:
 async def _discover(args: argparse.Namespace) -> int:
     import logging
 
-    from kvbridge.discover import Discovery
+    from kvbridge.engine.discover import Discovery
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -150,7 +150,7 @@ async def _discover(args: argparse.Namespace) -> int:
 
 
 async def _relay(args: argparse.Namespace) -> int:
-    from kvbridge.relay import Relay
+    from kvbridge.engine.relay import Relay
 
     if args.discover:
         return await _discover(args)
@@ -187,7 +187,7 @@ async def _relay(args: argparse.Namespace) -> int:
 
 
 async def _index(args: argparse.Namespace) -> int:
-    from kvbridge.service import IndexService
+    from kvbridge.routing.service import IndexService
 
     extra = {k: v for k, v in (("model", args.model), ("metrics_port", args.metrics_port)) if v is not None}
     service = IndexService(
@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _auth_config(args: argparse.Namespace) -> int:
-    from kvbridge.authconfig import authorization_block
+    from kvbridge.tools.authconfig import authorization_block
 
     split = lambda s: [x for x in s.split(",") if x.strip()]  # noqa: E731
     try:
@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_index(args))
         if args.command == "auth-config":
             return _auth_config(args)
-        from kvbridge.demo import run_demo
+        from kvbridge.tools.demo import run_demo
 
         return asyncio.run(run_demo(args))
     except ConfigError as exc:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 from kvbridge import Index
 from kvbridge.config import Config
-from kvbridge.consumer import KvEventSubscriber, Update
-from kvbridge.hashing import hash_blocks
-from kvbridge.pool import KVCacheManager
-from kvbridge.publisher import KvEventPublisher
-from kvbridge.router import Router
-from kvbridge.server import NatsCluster, NatsServer
+from kvbridge.bus.subscriber import KvEventSubscriber, Update
+from kvbridge.wire.hashing import hash_blocks
+from kvbridge.engine.pool import KVCacheManager
+from kvbridge.bus.publisher import KvEventPublisher
+from kvbridge.routing.router import Router
+from kvbridge.tools.server import NatsCluster, NatsServer
 
 VOCAB = 151_936
 MODEL = "demo-model"

@@ -21,7 +21,7 @@ import msgspec
 
 from kvbridge import _native
 from kvbridge.errors import Error
-from kvbridge.subjects import Format
+from kvbridge.wire.subjects import Format
 
 __all__ = [
     "AllBlocksCleared",
