@@ -18,7 +18,7 @@ use sha2::digest::generic_array::GenericArray;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64_with_seed};
 
 use super::cbor;
-use super::pickle::Pickler;
+use super::pickle::{self, Pickler};
 use super::value::{Id, Value};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -102,18 +102,33 @@ const SHA256_IV: [u32; 8] = [
 /// own block buffer cost a fifth of the hash.
 fn sha256_in_place(data: &mut Vec<u8>) -> [u8; 32] {
     let len = data.len();
+    data.resize(len + SHA256_PAD_ROOM, 0);
+    let digest = sha256_padded(data, len);
+    data.truncate(len);
+    digest
+}
+
+/// The most bytes SHA-256's padding adds to a message (0x80, zeros, 8-byte length).
+const SHA256_PAD_ROOM: usize = 72;
+
+/// SHA-256 of `buf[..len]`, padded in place: `buf` must hold `len + SHA256_PAD_ROOM` bytes.
+#[inline(always)]
+fn sha256_padded(buf: &mut [u8], len: usize) -> [u8; 32] {
     let padded = (len + 9).div_ceil(64) * 64;
-    data.resize(padded, 0);
-    data[len] = 0x80;
-    data[padded - 8..].copy_from_slice(&(len as u64 * 8).to_be_bytes());
+    // A fixed-size fill is a few vector stores; the zeros needed end before len + 64.
+    buf[len..len + 64].fill(0);
+    buf[len] = 0x80;
+    buf[padded - 8..padded].copy_from_slice(&(len as u64 * 8).to_be_bytes());
     // SAFETY: GenericArray<u8, U64> is repr(transparent) over 64 u8 in repr(C) structs: size 64,
     // align 1, so `padded` bytes are exactly padded / 64 such blocks.
     let blocks = unsafe {
-        std::slice::from_raw_parts(data.as_ptr().cast::<GenericArray<u8, U64>>(), padded / 64)
+        std::slice::from_raw_parts(
+            buf[..padded].as_ptr().cast::<GenericArray<u8, U64>>(),
+            padded / 64,
+        )
     };
     let mut state = SHA256_IV;
     sha2::compress256(&mut state, blocks);
-    data.truncate(len);
     let mut out = [0u8; 32];
     for (chunk, word) in out.chunks_exact_mut(4).zip(state) {
         chunk.copy_from_slice(&word.to_be_bytes());
@@ -242,15 +257,21 @@ impl Chain {
                 None if tokens.is_empty() => return,
                 None => self.none_hash(),
             };
+            let plain = self.algo == Algo::Sha256 && pickle::plain_fits(self.block_size);
             for (i, block) in blocks {
-                self.scratch.clear();
-                let id = if i == 0 { parent_id } else { 0 };
-                self.encoder
-                    .block(&mut self.scratch, parent.as_bytes(), block, extra(i), id);
-                parent = self.algo.digest(&mut self.scratch);
+                parent = match extra(i) {
+                    None if plain => self.plain_digest(&parent, block),
+                    e => {
+                        self.scratch.clear();
+                        let id = if i == 0 { parent_id } else { 0 };
+                        self.encoder
+                            .block(&mut self.scratch, parent.as_bytes(), block, e, id);
+                        self.algo.digest(&mut self.scratch)
+                    }
+                };
                 out.push(parent);
-                self.parent = Some(parent);
             }
+            self.parent = Some(parent);
         } else {
             let mut parent = self.parent.map(|p| p.event_hash());
             for (i, block) in blocks {
@@ -260,6 +281,19 @@ impl Chain {
             }
             self.parent = parent.map(Digest::from_u64);
         }
+    }
+
+    /// The sha256 digest of a block without extra keys, pickled by `pickle::plain_block` into a
+    /// buffer that already has room for SHA-256's padding.
+    #[inline(always)]
+    fn plain_digest(&mut self, parent: &Digest, block: &[u32]) -> Digest {
+        let room = pickle::plain_room(block.len()) + SHA256_PAD_ROOM;
+        if self.scratch.len() < room {
+            self.scratch.resize(room, 0);
+        }
+        let parent: &[u8; 32] = parent.as_bytes().try_into().expect("a sha256 digest");
+        let len = pickle::plain_block(&mut self.scratch, parent, block);
+        Digest::new(&sha256_padded(&mut self.scratch, len))
     }
 
     #[inline(always)]
