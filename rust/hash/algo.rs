@@ -13,12 +13,11 @@
 //!   H((parent or NONE_HASH, tuple(tokens), extra_keys)) over pickle protocol 5 or canonical CBOR,
 //!   H = SHA-256 or XXH3-128 (big-endian digest).
 
-use sha2::digest::consts::U64;
-use sha2::digest::generic_array::GenericArray;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64_with_seed};
 
 use super::cbor;
 use super::pickle::{self, Pickler};
+use super::sha256;
 use super::value::{Id, Value};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -86,54 +85,11 @@ impl Algo {
     /// vLLM's hash function over the serialised bytes in `data`, which it may pad in place.
     fn digest(self, data: &mut Vec<u8>) -> Digest {
         match self {
-            Algo::Sha256 | Algo::Sha256Cbor => Digest::new(&sha256_in_place(data)),
+            Algo::Sha256 | Algo::Sha256Cbor => Digest::new(&sha256::in_place(data)),
             Algo::Xxhash | Algo::XxhashCbor => Digest::new(&xxh3_128(data).to_be_bytes()),
             _ => unreachable!("{} does not serialise blocks", self.name()),
         }
     }
-}
-
-const SHA256_IV: [u32; 8] = [
-    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
-];
-
-/// SHA-256 with the padding appended to the message itself and every block compressed in one
-/// call. A block's pickle is 2-3 SHA blocks long, and the streaming hasher's copying into its
-/// own block buffer cost a fifth of the hash.
-fn sha256_in_place(data: &mut Vec<u8>) -> [u8; 32] {
-    let len = data.len();
-    data.resize(len + SHA256_PAD_ROOM, 0);
-    let digest = sha256_padded(data, len);
-    data.truncate(len);
-    digest
-}
-
-/// The most bytes SHA-256's padding adds to a message (0x80, zeros, 8-byte length).
-const SHA256_PAD_ROOM: usize = 72;
-
-/// SHA-256 of `buf[..len]`, padded in place: `buf` must hold `len + SHA256_PAD_ROOM` bytes.
-#[inline(always)]
-fn sha256_padded(buf: &mut [u8], len: usize) -> [u8; 32] {
-    let padded = (len + 9).div_ceil(64) * 64;
-    // A fixed-size fill is a few vector stores; the zeros needed end before len + 64.
-    buf[len..len + 64].fill(0);
-    buf[len] = 0x80;
-    buf[padded - 8..padded].copy_from_slice(&(len as u64 * 8).to_be_bytes());
-    // SAFETY: GenericArray<u8, U64> is repr(transparent) over 64 u8 in repr(C) structs: size 64,
-    // align 1, so `padded` bytes are exactly padded / 64 such blocks.
-    let blocks = unsafe {
-        std::slice::from_raw_parts(
-            buf[..padded].as_ptr().cast::<GenericArray<u8, U64>>(),
-            padded / 64,
-        )
-    };
-    let mut state = SHA256_IV;
-    sha2::compress256(&mut state, blocks);
-    let mut out = [0u8; 32];
-    for (chunk, word) in out.chunks_exact_mut(4).zip(state) {
-        chunk.copy_from_slice(&word.to_be_bytes());
-    }
-    out
 }
 
 /// Dynamo's request salt: lora name and cache namespace (empty means absent) added to the seed.
@@ -257,19 +213,18 @@ impl Chain {
                 None if tokens.is_empty() => return,
                 None => self.none_hash(),
             };
-            let plain = self.algo == Algo::Sha256 && pickle::plain_fits(self.block_size);
-            for (i, block) in blocks {
-                parent = match extra(i) {
-                    None if plain => self.plain_digest(&parent, block),
-                    e => {
-                        self.scratch.clear();
-                        let id = if i == 0 { parent_id } else { 0 };
-                        self.encoder
-                            .block(&mut self.scratch, parent.as_bytes(), block, e, id);
-                        self.algo.digest(&mut self.scratch)
-                    }
-                };
-                out.push(parent);
+            if extras.is_none() && self.algo == Algo::Sha256 && pickle::plain_fits(self.block_size)
+            {
+                parent = self.sha256_plain(tokens, parent, out);
+            } else {
+                for (i, block) in blocks {
+                    self.scratch.clear();
+                    let id = if i == 0 { parent_id } else { 0 };
+                    self.encoder
+                        .block(&mut self.scratch, parent.as_bytes(), block, extra(i), id);
+                    parent = self.algo.digest(&mut self.scratch);
+                    out.push(parent);
+                }
             }
             self.parent = Some(parent);
         } else {
@@ -283,17 +238,26 @@ impl Chain {
         }
     }
 
-    /// The sha256 digest of a block without extra keys, pickled by `pickle::plain_block` into a
-    /// buffer that already has room for SHA-256's padding.
-    #[inline(always)]
-    fn plain_digest(&mut self, parent: &Digest, block: &[u32]) -> Digest {
-        let room = pickle::plain_room(block.len()) + SHA256_PAD_ROOM;
-        if self.scratch.len() < room {
-            self.scratch.resize(room, 0);
+    /// vLLM's sha256 chain over blocks without extra keys: each block's pickle written by
+    /// `pickle::plain_block` and padded in place, then hashed by `sha256::chain`.
+    fn sha256_plain(&mut self, tokens: &[u32], parent: Digest, out: &mut Vec<Digest>) -> Digest {
+        let bs = self.block_size;
+        let stride = pickle::plain_room(bs) + sha256::PAD_ROOM;
+        if self.scratch.len() < 2 * stride {
+            self.scratch.resize(2 * stride, 0);
         }
-        let parent: &[u8; 32] = parent.as_bytes().try_into().expect("a sha256 digest");
-        let len = pickle::plain_block(&mut self.scratch, parent, block);
-        Digest::new(&sha256_padded(&mut self.scratch, len))
+        let prepare = |k: usize, buf: &mut [u8]| {
+            let len = pickle::plain_block(buf, &tokens[k * bs..(k + 1) * bs]);
+            sha256::pad(buf, len)
+        };
+        let parent_bytes: &[u8; 32] = parent.as_bytes().try_into().expect("a sha256 digest");
+        let mut last = parent;
+        let n = tokens.len() / bs;
+        sha256::chain(&mut self.scratch, stride, n, parent_bytes, prepare, |d| {
+            last = Digest::new(d);
+            out.push(last);
+        });
+        last
     }
 
     #[inline(always)]

@@ -305,16 +305,17 @@ pub fn plain_fits(n: usize) -> bool {
 /// The hot case of `Pickler::block`, byte for byte: a 32-byte parent, no extra keys, a token
 /// count where `plain_fits`. Such a pickle has one fixed shape (no frame boundary, no memo
 /// hit), so it is written straight to the start of `buf` (`plain_room` bytes at least) without
-/// the pickler's bookkeeping. Returns its length.
+/// the pickler's bookkeeping. Returns its length. Everything but the parent is written: its 32
+/// bytes go at `PLAIN_PARENT`, written by the caller when known (a chain knows a block's parent
+/// only once the block before is hashed, and can pickle the rest meanwhile).
 #[inline(always)]
-pub fn plain_block(buf: &mut [u8], parent: &[u8; 32], tokens: &[u32]) -> usize {
+pub fn plain_block(buf: &mut [u8], tokens: &[u32]) -> usize {
     debug_assert!(plain_fits(tokens.len()));
     let room = plain_room(tokens.len());
     let buf = &mut buf[..room];
     buf[..2].copy_from_slice(&PROTO_5);
     buf[2] = FRAME;
     buf[11..PLAIN_PARENT].copy_from_slice(&[SHORT_BINBYTES, 32]);
-    buf[PLAIN_PARENT..PLAIN_PARENT + 32].copy_from_slice(parent);
     buf[PLAIN_PARENT + 32..PLAIN_HEAD].copy_from_slice(&[MEMOIZE, MARK]);
     let end = PLAIN_HEAD + tokenbytes::write(&mut buf[PLAIN_HEAD..], tokens, tokenbytes::pickle);
     buf[end..end + PLAIN_TAIL.len()].copy_from_slice(&PLAIN_TAIL);
@@ -402,7 +403,8 @@ mod tests {
             let mut want = Vec::new();
             pickler.block(&mut want, &parent, 0, &tokens, None);
             let mut buf = vec![0xa5; plain_room(n)];
-            let len = plain_block(&mut buf, &parent, &tokens);
+            let len = plain_block(&mut buf, &tokens);
+            buf[PLAIN_PARENT..PLAIN_PARENT + 32].copy_from_slice(&parent);
             assert_eq!(buf[..len], want[..], "{n} tokens");
         }
         assert!(!plain_fits(3) && !plain_fits(10_000));
