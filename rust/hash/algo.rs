@@ -238,22 +238,22 @@ impl Chain {
         }
     }
 
-    /// vLLM's sha256 chain over blocks without extra keys: each block's pickle written by
-    /// `pickle::plain_block` and padded in place, then hashed by `sha256::chain`.
+    /// vLLM's sha256 chain over blocks without extra keys: each block pickled by
+    /// `pickle::PlainBlock` and hashed by `sha256::chain`.
     fn sha256_plain(&mut self, tokens: &[u32], parent: Digest, out: &mut Vec<Digest>) -> Digest {
         let bs = self.block_size;
         let stride = pickle::plain_room(bs) + sha256::PAD_ROOM;
         if self.scratch.len() < 2 * stride {
             self.scratch.resize(2 * stride, 0);
         }
-        let prepare = |k: usize, buf: &mut [u8]| {
-            let len = pickle::plain_block(buf, &tokens[k * bs..(k + 1) * bs]);
-            sha256::pad(buf, len)
-        };
         let parent_bytes: &[u8; 32] = parent.as_bytes().try_into().expect("a sha256 digest");
         let mut last = parent;
+        let blocks = PlainBlocks {
+            tokens,
+            block_size: bs,
+        };
         let n = tokens.len() / bs;
-        sha256::chain(&mut self.scratch, stride, n, parent_bytes, prepare, |d| {
+        sha256::chain(&mut self.scratch, stride, n, parent_bytes, &blocks, |d| {
             last = Digest::new(d);
             out.push(last);
         });
@@ -298,6 +298,40 @@ impl Chain {
             .extend(block.iter().flat_map(|t| t.to_le_bytes()));
         self.scratch.extend(mm.iter().flat_map(|h| h.to_le_bytes()));
         xxh3_64_with_seed(&self.scratch, self.seed)
+    }
+}
+
+/// The pickles of consecutive blocks without extra keys, one token per `step`.
+struct PlainBlocks<'a> {
+    tokens: &'a [u32],
+    block_size: usize,
+}
+
+impl<'a> sha256::Messages for PlainBlocks<'a> {
+    type Cursor = (pickle::PlainBlock, std::slice::Iter<'a, u32>);
+
+    #[inline(always)]
+    fn start(&self, k: usize, buf: &mut [u8]) -> Self::Cursor {
+        let bs = self.block_size;
+        (
+            pickle::PlainBlock::start(buf, bs),
+            self.tokens[k * bs..(k + 1) * bs].iter(),
+        )
+    }
+
+    #[inline(always)]
+    fn step(&self, (pickle, rest): &mut Self::Cursor, buf: &mut [u8]) {
+        if let Some(&t) = rest.next() {
+            pickle.token(buf, t);
+        }
+    }
+
+    #[inline(always)]
+    fn finish(&self, (mut pickle, rest): Self::Cursor, buf: &mut [u8]) -> usize {
+        for &t in rest {
+            pickle.token(buf, t);
+        }
+        pickle.finish(buf)
     }
 }
 

@@ -62,49 +62,72 @@ pub fn digest_bytes(state: &[u32; 8]) -> [u8; 32] {
     out
 }
 
+/// The messages `chain` hashes, written in steps so that the writing of one can run among the
+/// compression rounds of the one before: `start`, then `step` any number of times, then
+/// `finish`, which does whatever the steps left. All but the parent's 32 bytes at
+/// `PLAIN_PARENT`, which `chain` fills in; `chain` also pads.
+pub trait Messages {
+    type Cursor;
+    /// Begins message `k` in `buf`, which has `stride` bytes (room for the padding included).
+    fn start(&self, k: usize, buf: &mut [u8]) -> Self::Cursor;
+    /// A small piece of the writing (a few instructions); nothing once only `finish` is left.
+    fn step(&self, cursor: &mut Self::Cursor, buf: &mut [u8]);
+    /// Completes the message; returns its length.
+    fn finish(&self, cursor: Self::Cursor, buf: &mut [u8]) -> usize;
+}
+
 /// vLLM's sha256 chain over `n` messages that differ from one another only in the 32 bytes
-/// at `PLAIN_PARENT`, each the digest of the one before (`parent` for the first).
-/// `prepare(k, buf)` writes message k into `buf` (`stride` bytes) with everything but the
-/// parent, padded, and returns its padded length; `emit` receives each digest in order.
-/// `scratch` holds two messages.
+/// at `PLAIN_PARENT`, each the digest of the one before (`parent` for the first). `emit`
+/// receives each digest in order. `scratch` holds two messages of `stride` bytes.
 ///
 /// Software-pipelined: only the parent waits for the message before, so message k + 1 is
-/// prepared in the other half of `scratch` before message k is compressed, and the core runs the
-/// preparation while the compression's dependent SHA instructions wait on each other.
-pub fn chain(
+/// written in the other half of `scratch` while message k is compressed, and the core runs the
+/// writing while the compression's dependent SHA instructions wait on each other.
+pub fn chain<M: Messages>(
     scratch: &mut [u8],
     stride: usize,
     n: usize,
     parent: &[u8; 32],
-    prepare: impl FnMut(usize, &mut [u8]) -> usize,
+    messages: &M,
     emit: impl FnMut(&[u8; 32]),
 ) {
     #[cfg(target_arch = "x86_64")]
     if shani::available() {
         // SAFETY: the CPU has the features shani::chain is compiled for.
-        return unsafe { shani::chain(scratch, stride, n, parent, prepare, emit) };
+        return unsafe { shani::chain(scratch, stride, n, parent, messages, emit) };
     }
-    portable_chain(scratch, stride, n, parent, prepare, emit)
+    portable_chain(scratch, stride, n, parent, messages, emit)
+}
+
+/// Message `k` written whole and padded; returns the padded length.
+fn write<M: Messages>(messages: &M, k: usize, buf: &mut [u8]) -> usize {
+    let cursor = messages.start(k, buf);
+    let len = messages.finish(cursor, buf);
+    pad(buf, len)
 }
 
 /// `chain` through `sha2::compress256`, the parent copied into each message in memory.
-fn portable_chain(
+fn portable_chain<M: Messages>(
     scratch: &mut [u8],
     stride: usize,
     n: usize,
     parent: &[u8; 32],
-    mut prepare: impl FnMut(usize, &mut [u8]) -> usize,
+    messages: &M,
     mut emit: impl FnMut(&[u8; 32]),
 ) {
     if n == 0 {
         return;
     }
     let (mut now, mut ahead) = scratch[..2 * stride].split_at_mut(stride);
-    let mut padded = prepare(0, now);
+    let mut padded = write(messages, 0, now);
     let mut digest = *parent;
     for k in 0..n {
         now[PLAIN_PARENT..PLAIN_PARENT + 32].copy_from_slice(&digest);
-        let next = if k + 1 < n { prepare(k + 1, ahead) } else { 0 };
+        let next = if k + 1 < n {
+            write(messages, k + 1, ahead)
+        } else {
+            0
+        };
         digest = digest_bytes(&compress_padded(&now[..padded]));
         emit(&digest);
         padded = next;
@@ -116,12 +139,14 @@ fn portable_chain(
 /// (MIT/Apache-2.0). The state stays in registers from one message to the next: a message's
 /// first 64 bytes are merged with the parent digest in registers rather than through memory,
 /// where a 16-byte load overlapping part of a just-written parent would wait for the store to
-/// reach the cache, on the critical path of every block.
+/// reach the cache, on the critical path of every block. The next message is written one
+/// `step` after each four rounds, so the core sees that work interleaved with the rounds: as
+/// one run before them it waited behind the SHA instructions queued ahead of it.
 #[cfg(target_arch = "x86_64")]
 mod shani {
     use std::arch::x86_64::*;
 
-    use super::{IV, PLAIN_PARENT};
+    use super::{pad, Messages, IV, PLAIN_PARENT};
 
     const K32: [u32; 64] = [
         0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
@@ -166,24 +191,38 @@ mod shani {
         *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(t1, 0x0E));
     }
 
-    /// One 64-byte block given as its four message vectors (big-endian words).
+    /// One 64-byte block given as its four message vectors (big-endian words), with `tick`
+    /// called after every four rounds.
     #[inline(always)]
-    unsafe fn block(abef: &mut __m128i, cdgh: &mut __m128i, w: [__m128i; 4]) {
+    unsafe fn block(
+        abef: &mut __m128i,
+        cdgh: &mut __m128i,
+        w: [__m128i; 4],
+        tick: &mut impl FnMut(),
+    ) {
         let (abef_save, cdgh_save) = (*abef, *cdgh);
         let [mut w0, mut w1, mut w2, mut w3] = w;
         rounds4(abef, cdgh, w0, 0);
+        tick();
         rounds4(abef, cdgh, w1, 1);
+        tick();
         rounds4(abef, cdgh, w2, 2);
+        tick();
         rounds4(abef, cdgh, w3, 3);
+        tick();
         for i in (4..16).step_by(4) {
             w0 = schedule(w0, w1, w2, w3);
             rounds4(abef, cdgh, w0, i);
+            tick();
             w1 = schedule(w1, w2, w3, w0);
             rounds4(abef, cdgh, w1, i + 1);
+            tick();
             w2 = schedule(w2, w3, w0, w1);
             rounds4(abef, cdgh, w2, i + 2);
+            tick();
             w3 = schedule(w3, w0, w1, w2);
             rounds4(abef, cdgh, w3, i + 3);
+            tick();
         }
         *abef = _mm_add_epi32(*abef, abef_save);
         *cdgh = _mm_add_epi32(*cdgh, cdgh_save);
@@ -195,15 +234,14 @@ mod shani {
         [0, 1, 2, 3].map(|i| bswap32(_mm_loadu_si128(p.add(i))))
     }
 
-    /// SAFETY: the CPU must have sha, ssse3 and sse4.1; `prepare` must return a padded length
-    /// (a multiple of 64, at least 64) within `stride`.
+    /// SAFETY: the CPU must have sha, ssse3 and sse4.1.
     #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
-    pub unsafe fn chain(
+    pub unsafe fn chain<M: Messages>(
         scratch: &mut [u8],
         stride: usize,
         n: usize,
         parent: &[u8; 32],
-        mut prepare: impl FnMut(usize, &mut [u8]) -> usize,
+        messages: &M,
         mut emit: impl FnMut(&[u8; 32]),
     ) {
         const _: () = assert!(
@@ -219,18 +257,25 @@ mod shani {
         let cdab = _mm_shuffle_epi32(dcba, 0xB1);
         let abef_iv = _mm_alignr_epi8(cdab, efgh, 8);
         let cdgh_iv = _mm_blend_epi16(efgh, cdab, 0xF0);
-        // Bytes 0..13 of a message's first 16 are the pickle's own, the rest the parent's.
+        // Bytes 0..13 of a message's first 16 are the message's own, the rest the parent's.
         let head = _mm_set_epi32(0xff, -1, -1, -1);
 
         let (mut now, mut ahead) = scratch[..2 * stride].split_at_mut(stride);
-        let mut padded = prepare(0, now);
+        let mut padded = super::write(messages, 0, now);
         // The digest as big-endian bytes in two vectors.
         let mut p0 = _mm_loadu_si128(parent.as_ptr().cast());
         let mut p1 = _mm_loadu_si128(parent.as_ptr().add(16).cast());
         for k in 0..n {
-            let next = if k + 1 < n { prepare(k + 1, ahead) } else { 0 };
+            // The message's blocks are read through `m` while `tick` writes the next message
+            // into `ahead`, the other half of `scratch`.
             assert!(padded >= 64 && padded <= now.len() && padded % 64 == 0);
             let m = now.as_ptr().cast::<__m128i>();
+            let mut cursor = (k + 1 < n).then(|| messages.start(k + 1, ahead));
+            let mut tick = || {
+                if let Some(c) = cursor.as_mut() {
+                    messages.step(c, ahead);
+                }
+            };
             let first = [
                 _mm_or_si128(
                     _mm_and_si128(_mm_loadu_si128(m), head),
@@ -244,9 +289,14 @@ mod shani {
                 _mm_loadu_si128(m.add(3)),
             ];
             let (mut abef, mut cdgh) = (abef_iv, cdgh_iv);
-            block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)));
+            block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)), &mut tick);
             for at in (64..padded).step_by(64) {
-                block(&mut abef, &mut cdgh, load_block(now.as_ptr().add(at)));
+                block(
+                    &mut abef,
+                    &mut cdgh,
+                    load_block(m.cast::<u8>().add(at)),
+                    &mut tick,
+                );
             }
             let feba = _mm_shuffle_epi32(abef, 0x1B);
             let dchg = _mm_shuffle_epi32(cdgh, 0xB1);
@@ -256,7 +306,13 @@ mod shani {
             _mm_storeu_si128(digest.as_mut_ptr().cast(), p0);
             _mm_storeu_si128(digest.as_mut_ptr().add(16).cast(), p1);
             emit(&digest);
-            padded = next;
+            padded = match cursor {
+                Some(c) => {
+                    let len = messages.finish(c, ahead);
+                    pad(ahead, len)
+                }
+                None => 0,
+            };
             std::mem::swap(&mut now, &mut ahead);
         }
     }
@@ -271,32 +327,49 @@ mod tests {
     /// through `in_place`: all three agree.
     #[test]
     fn chain_matches_one_by_one() {
-        let lens: Vec<usize> = (0..40).map(|k| 47 + (k * 37) % 200).collect();
-        let body = |k: usize, i: usize| (k * 31 + i * 7) as u8;
-        let stride = 256 + PAD_ROOM;
-        let prepare = |k: usize, buf: &mut [u8]| {
-            for (i, b) in buf[..lens[k]].iter_mut().enumerate() {
-                *b = body(k, i);
+        /// Message k: `lens[k]` bytes of a pattern, written one byte per step.
+        struct Pattern(Vec<usize>);
+        impl Messages for Pattern {
+            type Cursor = (usize, usize);
+            fn start(&self, k: usize, _: &mut [u8]) -> (usize, usize) {
+                (k, 0)
             }
-            pad(buf, lens[k])
-        };
+            fn step(&self, (k, i): &mut (usize, usize), buf: &mut [u8]) {
+                if *i < self.0[*k] {
+                    buf[*i] = byte(*k, *i);
+                    *i += 1;
+                }
+            }
+            fn finish(&self, mut cursor: (usize, usize), buf: &mut [u8]) -> usize {
+                while cursor.1 < self.0[cursor.0] {
+                    self.step(&mut cursor, buf);
+                }
+                cursor.1
+            }
+        }
+        fn byte(k: usize, i: usize) -> u8 {
+            (k * 31 + i * 7) as u8
+        }
+        let lens: Vec<usize> = (0..40).map(|k| 47 + (k * 37) % 200).collect();
         let parent: [u8; 32] = std::array::from_fn(|i| i as u8);
         let mut want = Vec::new();
         let mut digest = parent;
         for (k, &len) in lens.iter().enumerate() {
-            let mut msg: Vec<u8> = (0..len).map(|i| body(k, i)).collect();
+            let mut msg: Vec<u8> = (0..len).map(|i| byte(k, i)).collect();
             msg[PLAIN_PARENT..PLAIN_PARENT + 32].copy_from_slice(&digest);
             digest = in_place(&mut msg);
             want.push(digest);
         }
+        let stride = 256 + PAD_ROOM;
+        let messages = Pattern(lens);
         let mut scratch = vec![0u8; 2 * stride];
         let mut got = Vec::new();
-        chain(&mut scratch, stride, lens.len(), &parent, prepare, |d| {
+        chain(&mut scratch, stride, want.len(), &parent, &messages, |d| {
             got.push(*d)
         });
         assert_eq!(got, want);
         let mut portable = Vec::new();
-        portable_chain(&mut scratch, stride, lens.len(), &parent, prepare, |d| {
+        portable_chain(&mut scratch, stride, want.len(), &parent, &messages, |d| {
             portable.push(*d)
         });
         assert_eq!(portable, want);

@@ -12,34 +12,27 @@ pub const MAX_TOKEN_BYTES: usize = 7;
 pub fn extend(buf: &mut Vec<u8>, tokens: &[u32], encode: impl Fn(u32) -> (u64, usize)) {
     // The slack of 8 lets every token store a whole u64.
     buf.reserve(tokens.len() * MAX_TOKEN_BYTES + 8);
-    // SAFETY: the reservation covers `store`'s reach; set_len only covers bytes it wrote.
+    // SAFETY: each store writes 8 bytes at most len + n*MAX_TOKEN_BYTES + 1 bytes in, inside the
+    // reservation; set_len only covers bytes that were written.
     unsafe {
-        let used = store(buf.as_mut_ptr().add(buf.len()), tokens, encode);
-        buf.set_len(buf.len() + used);
+        let start = buf.as_mut_ptr();
+        let mut at = buf.len();
+        for &t in tokens {
+            let (word, n) = encode(t);
+            start.add(at).cast::<u64>().write_unaligned(word.to_le());
+            at += n;
+        }
+        buf.set_len(at);
     }
 }
 
-/// Writes `encode(t)` for every token at the start of `buf` and returns the bytes used. `buf`
-/// must have 8 bytes of slack past the longest encoding (`tokens.len() * MAX_TOKEN_BYTES + 8`).
+/// Writes `encode(t)` at `buf[at..]` and returns where the next token goes. `buf` must have
+/// room for a whole u64 at `at`.
 #[inline(always)]
-pub fn write(buf: &mut [u8], tokens: &[u32], encode: impl Fn(u32) -> (u64, usize)) -> usize {
-    assert!(buf.len() >= tokens.len() * MAX_TOKEN_BYTES + 8);
-    // SAFETY: `buf` covers `store`'s reach, by the assertion.
-    unsafe { store(buf.as_mut_ptr(), tokens, encode) }
-}
-
-/// Stores every token's 8-byte word at `dst` + the bytes used so far; returns the bytes used.
-/// SAFETY: `dst` must be writable for `tokens.len() * MAX_TOKEN_BYTES + 8` bytes (the store for
-/// token k lands at most k * MAX_TOKEN_BYTES bytes in).
-#[inline(always)]
-unsafe fn store(dst: *mut u8, tokens: &[u32], encode: impl Fn(u32) -> (u64, usize)) -> usize {
-    let mut at = 0;
-    for &t in tokens {
-        let (word, n) = encode(t);
-        dst.add(at).cast::<u64>().write_unaligned(word.to_le());
-        at += n;
-    }
-    at
+pub fn put(buf: &mut [u8], at: usize, t: u32, encode: impl Fn(u32) -> (u64, usize)) -> usize {
+    let (word, n) = encode(t);
+    buf[at..at + 8].copy_from_slice(&word.to_le_bytes());
+    at + n
 }
 
 /// pickle: BININT1 (K), BININT2 (M), BININT (J) or, above i32, LONG1 with 5 bytes.
