@@ -194,7 +194,8 @@ def main() -> None:
     rows.append(("xxh3 chain, numpy int64 -> list[int]", t["i64"], t["one"], "XXH3 one-shot, same bytes", None, 1e9))
     rows.append(("xxh3 chain, numpy uint32 -> out= uint64 array", t["u32_out"], t["one"], "XXH3 one-shot, same bytes", None, 1e9))
 
-    targets = {"sha256": 10.0, "sha256_cbor": 20.0, "xxhash": None, "xxhash_cbor": None}
+    # sha256 (pickle) is held to its SHA-256 ceiling below rather than to a multiple of vLLM.
+    targets = {"sha256": None, "sha256_cbor": 20.0, "xxhash": None, "xxhash_cbor": None}
     for algo, fn in VLLM_FNS.items():
         assert vllm_request_hashes(fn, tokens[:bs * 8], bs) == hash_blocks(tokens[:bs * 8], bs, algo=algo, as_bytes=True)
         t = best_times({

@@ -1,6 +1,8 @@
-//! SHA-256 for vLLM's chain: the message padded in place in the caller's buffer and compressed
-//! in one `sha2::compress256` call (the streaming hasher's copying into its own block buffer
-//! cost a fifth of the hash of a 2-3 block pickle).
+//! SHA-256 for vLLM's chain, in the caller's buffers: one message padded in place and
+//! compressed in one `sha2::compress256` call (the streaming hasher's copying into its own
+//! block buffer cost a fifth of the hash of a 2-3 block pickle), and `chain`, a run of block
+//! pickles each holding the digest of the one before, hashed close to the speed of SHA-256
+//! over one long message (bench/hashing.py's ceiling row).
 
 use sha2::digest::consts::U64;
 use sha2::digest::generic_array::GenericArray;
