@@ -307,31 +307,34 @@ struct PlainBlocks<'a> {
     block_size: usize,
 }
 
+struct PlainCursor<'a> {
+    pickle: pickle::PlainBlock,
+    rest: std::slice::Iter<'a, u32>,
+    len: Option<usize>,
+}
+
 impl<'a> sha256::Messages for PlainBlocks<'a> {
-    type Cursor = (pickle::PlainBlock, std::slice::Iter<'a, u32>);
+    type Cursor = PlainCursor<'a>;
 
     #[inline(always)]
-    fn start(&self, k: usize, buf: &mut [u8]) -> Self::Cursor {
+    fn start(&self, k: usize, buf: &mut [u8]) -> PlainCursor<'a> {
         let bs = self.block_size;
-        (
-            pickle::PlainBlock::start(buf, bs),
-            self.tokens[k * bs..(k + 1) * bs].iter(),
-        )
-    }
-
-    #[inline(always)]
-    fn step(&self, (pickle, rest): &mut Self::Cursor, buf: &mut [u8]) {
-        if let Some(&t) = rest.next() {
-            pickle.token(buf, t);
+        PlainCursor {
+            pickle: pickle::PlainBlock::start(buf, bs),
+            rest: self.tokens[k * bs..(k + 1) * bs].iter(),
+            len: None,
         }
     }
 
     #[inline(always)]
-    fn finish(&self, (mut pickle, rest): Self::Cursor, buf: &mut [u8]) -> usize {
-        for &t in rest {
-            pickle.token(buf, t);
+    fn step(&self, c: &mut PlainCursor<'a>, buf: &mut [u8]) -> Option<usize> {
+        if c.len.is_none() {
+            match c.rest.next() {
+                Some(&t) => c.pickle.token(buf, t),
+                None => c.len = Some(c.pickle.finish(buf)),
+            }
         }
-        pickle.finish(buf)
+        c.len
     }
 }
 

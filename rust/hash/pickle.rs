@@ -334,7 +334,7 @@ impl PlainBlock {
 
     /// Writes the bytes after the tokens and the frame length; returns the pickle's length.
     #[inline(always)]
-    pub fn finish(self, buf: &mut [u8]) -> usize {
+    pub fn finish(&self, buf: &mut [u8]) -> usize {
         let len = self.at + PLAIN_TAIL.len();
         buf[self.at..len].copy_from_slice(&PLAIN_TAIL);
         buf[3..11].copy_from_slice(&((len - 2 - FRAME_HEADER) as u64).to_le_bytes());

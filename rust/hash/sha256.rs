@@ -65,17 +65,16 @@ pub fn digest_bytes(state: &[u32; 8]) -> [u8; 32] {
 }
 
 /// The messages `chain` hashes, written in steps so that the writing of one can run among the
-/// compression rounds of the one before: `start`, then `step` any number of times, then
-/// `finish`, which does whatever the steps left. All but the parent's 32 bytes at
-/// `PLAIN_PARENT`, which `chain` fills in; `chain` also pads.
+/// compression rounds of the one before: `start`, then `step` until it returns the length.
+/// Everything but the parent's 32 bytes at `PLAIN_PARENT`, which `chain` fills in; `chain`
+/// also pads.
 pub trait Messages {
     type Cursor;
     /// Begins message `k` in `buf`, which has `stride` bytes (room for the padding included).
     fn start(&self, k: usize, buf: &mut [u8]) -> Self::Cursor;
-    /// A small piece of the writing (a few instructions); nothing once only `finish` is left.
-    fn step(&self, cursor: &mut Self::Cursor, buf: &mut [u8]);
-    /// Completes the message; returns its length.
-    fn finish(&self, cursor: Self::Cursor, buf: &mut [u8]) -> usize;
+    /// A small piece of the writing (a few instructions); the message's length once it is
+    /// complete.
+    fn step(&self, cursor: &mut Self::Cursor, buf: &mut [u8]) -> Option<usize>;
 }
 
 /// vLLM's sha256 chain over `n` messages that differ from one another only in the 32 bytes
@@ -103,9 +102,12 @@ pub fn chain<M: Messages>(
 
 /// Message `k` written whole and padded; returns the padded length.
 fn write<M: Messages>(messages: &M, k: usize, buf: &mut [u8]) -> usize {
-    let cursor = messages.start(k, buf);
-    let len = messages.finish(cursor, buf);
-    pad(buf, len)
+    let mut cursor = messages.start(k, buf);
+    loop {
+        if let Some(len) = messages.step(&mut cursor, buf) {
+            return pad(buf, len);
+        }
+    }
 }
 
 /// `chain` through `sha2::compress256`, the parent copied into each message in memory.
@@ -143,7 +145,9 @@ fn portable_chain<M: Messages>(
 /// where a 16-byte load overlapping part of a just-written parent would wait for the store to
 /// reach the cache, on the critical path of every block. The next message is written one
 /// `step` after each four rounds, so the core sees that work interleaved with the rounds: as
-/// one run before them it waited behind the SHA instructions queued ahead of it.
+/// one run before them it waited behind the SHA instructions queued ahead of it. Finishing it
+/// there too (not after the rounds) keeps its last stores, which the next message's first
+/// loads read, out of that critical path as well.
 #[cfg(target_arch = "x86_64")]
 mod shani {
     use std::arch::x86_64::*;
@@ -193,38 +197,38 @@ mod shani {
         *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(t1, 0x0E));
     }
 
-    /// One 64-byte block given as its four message vectors (big-endian words), with `tick`
-    /// called after every four rounds.
+    /// One 64-byte block given as its four message vectors (big-endian words), with a step
+    /// of `writer` after every four rounds.
     #[inline(always)]
-    unsafe fn block(
+    unsafe fn block<M: Messages>(
         abef: &mut __m128i,
         cdgh: &mut __m128i,
         w: [__m128i; 4],
-        tick: &mut impl FnMut(),
+        writer: &mut Writer<'_, M>,
     ) {
         let (abef_save, cdgh_save) = (*abef, *cdgh);
         let [mut w0, mut w1, mut w2, mut w3] = w;
         rounds4(abef, cdgh, w0, 0);
-        tick();
+        writer.tick();
         rounds4(abef, cdgh, w1, 1);
-        tick();
+        writer.tick();
         rounds4(abef, cdgh, w2, 2);
-        tick();
+        writer.tick();
         rounds4(abef, cdgh, w3, 3);
-        tick();
+        writer.tick();
         for i in (4..16).step_by(4) {
             w0 = schedule(w0, w1, w2, w3);
             rounds4(abef, cdgh, w0, i);
-            tick();
+            writer.tick();
             w1 = schedule(w1, w2, w3, w0);
             rounds4(abef, cdgh, w1, i + 1);
-            tick();
+            writer.tick();
             w2 = schedule(w2, w3, w0, w1);
             rounds4(abef, cdgh, w2, i + 2);
-            tick();
+            writer.tick();
             w3 = schedule(w3, w0, w1, w2);
             rounds4(abef, cdgh, w3, i + 3);
-            tick();
+            writer.tick();
         }
         *abef = _mm_add_epi32(*abef, abef_save);
         *cdgh = _mm_add_epi32(*cdgh, cdgh_save);
@@ -234,6 +238,45 @@ mod shani {
     unsafe fn load_block(bytes: *const u8) -> [__m128i; 4] {
         let p = bytes.cast::<__m128i>();
         [0, 1, 2, 3].map(|i| bswap32(_mm_loadu_si128(p.add(i))))
+    }
+
+    /// Writes the message after the one being compressed, a step at a time.
+    struct Writer<'b, M: Messages> {
+        messages: &'b M,
+        buf: &'b mut [u8],
+        next: Next<M::Cursor>,
+    }
+
+    enum Next<C> {
+        Writing(C),
+        Padded(usize),
+        Last,
+    }
+
+    impl<M: Messages> Writer<'_, M> {
+        /// One step of the writing, and the padding once it is complete. A method rather than
+        /// a closure: a closure called this often was compiled out of line, and the SHA state
+        /// went through the stack around every call.
+        #[inline(always)]
+        fn tick(&mut self) {
+            if let Next::Writing(c) = &mut self.next {
+                if let Some(len) = self.messages.step(c, self.buf) {
+                    self.next = Next::Padded(pad(self.buf, len));
+                }
+            }
+        }
+
+        /// The padded length of the message written (0 after the last message).
+        #[inline(always)]
+        fn finish(mut self) -> usize {
+            loop {
+                match self.next {
+                    Next::Writing(_) => self.tick(),
+                    Next::Padded(padded) => return padded,
+                    Next::Last => return 0,
+                }
+            }
+        }
     }
 
     /// SAFETY: the CPU must have sha, ssse3 and sse4.1.
@@ -268,15 +311,18 @@ mod shani {
         let mut p0 = _mm_loadu_si128(parent.as_ptr().cast());
         let mut p1 = _mm_loadu_si128(parent.as_ptr().add(16).cast());
         for k in 0..n {
-            // The message's blocks are read through `m` while `tick` writes the next message
+            // The message's blocks are read through `m` while `writer` writes the next message
             // into `ahead`, the other half of `scratch`.
             assert!(padded >= 64 && padded <= now.len() && padded % 64 == 0);
             let m = now.as_ptr().cast::<__m128i>();
-            let mut cursor = (k + 1 < n).then(|| messages.start(k + 1, ahead));
-            let mut tick = || {
-                if let Some(c) = cursor.as_mut() {
-                    messages.step(c, ahead);
-                }
+            let next = match k + 1 < n {
+                true => Next::Writing(messages.start(k + 1, ahead)),
+                false => Next::Last,
+            };
+            let mut writer = Writer {
+                messages,
+                buf: &mut *ahead,
+                next,
             };
             let first = [
                 _mm_or_si128(
@@ -291,13 +337,13 @@ mod shani {
                 _mm_loadu_si128(m.add(3)),
             ];
             let (mut abef, mut cdgh) = (abef_iv, cdgh_iv);
-            block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)), &mut tick);
+            block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)), &mut writer);
             for at in (64..padded).step_by(64) {
                 block(
                     &mut abef,
                     &mut cdgh,
                     load_block(m.cast::<u8>().add(at)),
-                    &mut tick,
+                    &mut writer,
                 );
             }
             let feba = _mm_shuffle_epi32(abef, 0x1B);
@@ -308,13 +354,7 @@ mod shani {
             _mm_storeu_si128(digest.as_mut_ptr().cast(), p0);
             _mm_storeu_si128(digest.as_mut_ptr().add(16).cast(), p1);
             emit(&digest);
-            padded = match cursor {
-                Some(c) => {
-                    let len = messages.finish(c, ahead);
-                    pad(ahead, len)
-                }
-                None => 0,
-            };
+            padded = writer.finish();
             std::mem::swap(&mut now, &mut ahead);
         }
     }
@@ -336,17 +376,13 @@ mod tests {
             fn start(&self, k: usize, _: &mut [u8]) -> (usize, usize) {
                 (k, 0)
             }
-            fn step(&self, (k, i): &mut (usize, usize), buf: &mut [u8]) {
-                if *i < self.0[*k] {
-                    buf[*i] = byte(*k, *i);
-                    *i += 1;
+            fn step(&self, (k, i): &mut (usize, usize), buf: &mut [u8]) -> Option<usize> {
+                if *i == self.0[*k] {
+                    return Some(*i);
                 }
-            }
-            fn finish(&self, mut cursor: (usize, usize), buf: &mut [u8]) -> usize {
-                while cursor.1 < self.0[cursor.0] {
-                    self.step(&mut cursor, buf);
-                }
-                cursor.1
+                buf[*i] = byte(*k, *i);
+                *i += 1;
+                None
             }
         }
         fn byte(k: usize, i: usize) -> u8 {
