@@ -62,10 +62,7 @@ pub unsafe fn small_int(layout: Layout, obj: *mut ffi::PyObject) -> (bool, u32) 
     let (small, has_digit) = match layout {
         Layout::SignedSize => ((word as usize) <= 1, word != 0),
         // Digit count <= 1, sign not negative; bit 2 (3.14's immortal small ints) is ignored.
-        Layout::TaggedValue => (
-            (word as usize) < 16 && (word & 3) != 2,
-            (word as usize) >> 3 != 0,
-        ),
+        Layout::TaggedValue => ((word as usize) < 16 && (word & 3) != 2, (word as usize) >> 3 != 0),
         Layout::Api => (false, false),
     };
     // Zero may have no digit allocated: read a static zero instead.
@@ -140,11 +137,7 @@ pub unsafe fn read_u32_prefix(
 /// first group of eight holding anything else (the caller takes those item by item). Returns how
 /// many items it took.
 #[inline(always)]
-unsafe fn read_small_ints(
-    layout: Layout,
-    items: &[*mut ffi::PyObject],
-    out: &mut Vec<u32>,
-) -> usize {
+unsafe fn read_small_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) -> usize {
     const GROUP: usize = 8;
     // Read in place of an item that is not an int (whose memory may end before the fields
     // an int has): an object-sized zero, never a valid token, as `ok` records.
@@ -158,11 +151,7 @@ unsafe fn read_small_ints(
         let mut ok = true;
         for (j, &p) in group.iter().enumerate() {
             let is_int = ffi::Py_TYPE(p) == long_type;
-            let int = if is_int {
-                p
-            } else {
-                NOT_AN_INT.as_ptr() as *mut ffi::PyObject
-            };
+            let int = if is_int { p } else { NOT_AN_INT.as_ptr() as *mut ffi::PyObject };
             let (small, value) = small_int(layout, int);
             ok &= is_int & small;
             *dst.add(done + j) = value;

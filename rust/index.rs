@@ -95,11 +95,7 @@ impl Index {
             .to_str()?;
         let format = match format.filter(|f| !f.is_none()) {
             None => None,
-            Some(f) => match f
-                .cast::<PyString>()
-                .map_err(|_| type_error("format", "str", f))?
-                .to_str()?
-            {
+            Some(f) => match f.cast::<PyString>().map_err(|_| type_error("format", "str", f))?.to_str()? {
                 "msgpack" => Some(Format::Msgpack),
                 "json" => Some(Format::Json),
                 other => {
@@ -114,11 +110,7 @@ impl Index {
             b.as_bytes()
         } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
             // Copied: another thread may change a mutable buffer while the GIL is released.
-            owned = data
-                .py()
-                .get_type::<PyBytes>()
-                .call1((data,))?
-                .cast_into::<PyBytes>()?;
+            owned = data.py().get_type::<PyBytes>().call1((data,))?.cast_into::<PyBytes>()?;
             owned.as_bytes()
         } else if data.is_instance(kv_event_batch(py)?)? {
             // Already decoded: its exact msgpack bytes take the same path as a payload.
@@ -197,14 +189,13 @@ impl Index {
             }
         };
         let mut found = Vec::new();
-        let names: Vec<(u32, Arc<str>, u32)> =
-            self.read(py, keys.len() >= DETACH_MIN_TOKENS / 16, |core| {
-                core.find_matches(&keys, medium, &mut found);
-                found
-                    .iter()
-                    .map(|&(w, n)| (w, core.name(w).clone(), n))
-                    .collect()
-            });
+        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, keys.len() >= DETACH_MIN_TOKENS / 16, |core| {
+            core.find_matches(&keys, medium, &mut found);
+            found
+                .iter()
+                .map(|&(w, n)| (w, core.name(w).clone(), n))
+                .collect()
+        });
         let out = PyDict::new(py);
         let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
         for (w, name, n) in names {
@@ -292,8 +283,7 @@ impl Index {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let (blocks, workers) =
-            self.read(py, false, |core| (core.len(), core.worker_names().len()));
+        let (blocks, workers) = self.read(py, false, |core| (core.len(), core.worker_names().len()));
         format!(
             "Index(block_size={}, key='{}', blocks={blocks}, workers={workers})",
             self.block_size,
@@ -305,12 +295,7 @@ impl Index {
 impl Index {
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
     /// otherwise with the GIL released (waiting for the lock included).
-    fn write<R: Send>(
-        &self,
-        py: Python<'_>,
-        long: bool,
-        f: impl FnOnce(&mut Core) -> R + Send,
-    ) -> R {
+    fn write<R: Send>(&self, py: Python<'_>, long: bool, f: impl FnOnce(&mut Core) -> R + Send) -> R {
         if !long {
             match self.core.try_write() {
                 Ok(mut g) => return f(&mut g),
@@ -416,11 +401,7 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             };
             out.push(v);
         } else {
-            return Err(type_error(
-                &format!("block_hashes[{i}]"),
-                "int or bytes",
-                &item,
-            ));
+            return Err(type_error(&format!("block_hashes[{i}]"), "int or bytes", &item));
         }
     }
     Ok(out)
@@ -430,11 +411,7 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
 /// None, bool, int, str, bytes, and tuples or lists (both arrays) of these.
 fn keys_from_py(obj: &Bound<'_, PyAny>, n_blocks: usize) -> PyResult<Vec<Option<Value>>> {
     if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
-        return Err(type_error(
-            "extra_keys",
-            "a list with one entry per full block",
-            obj,
-        ));
+        return Err(type_error("extra_keys", "a list with one entry per full block", obj));
     }
     let len = obj.len()?;
     if len != n_blocks {
@@ -500,10 +477,6 @@ fn key_value(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Value
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Value::Tuple(items, 0))
     } else {
-        Err(type_error(
-            path,
-            "None, bool, int, str, bytes or a tuple of these",
-            obj,
-        ))
+        Err(type_error(path, "None, bool, int, str, bytes or a tuple of these", obj))
     }
 }

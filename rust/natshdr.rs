@@ -105,12 +105,7 @@ mod tests {
     fn pairs(b: &[u8]) -> Option<Vec<(String, String)>> {
         header_pairs(b).map(|v| {
             v.into_iter()
-                .map(|(k, v)| {
-                    (
-                        String::from_utf8(k.to_vec()).unwrap(),
-                        String::from_utf8(v.to_vec()).unwrap(),
-                    )
-                })
+                .map(|(k, v)| (String::from_utf8(k.to_vec()).unwrap(), String::from_utf8(v.to_vec()).unwrap()))
                 .collect()
         })
     }
@@ -119,14 +114,7 @@ mod tests {
     fn plain_headers_and_the_odd_lines_nats_py_skips() {
         let got = pairs(b"NATS/1.0\r\nKv-Seq: 5\r\n  Kv-Epoch :\tab \r\nno colon\r\nbad key: x\r\n\x1cx: y\r\n:empty\r\n\r\n");
         let want = [("Kv-Seq", "5"), ("Kv-Epoch", "ab"), ("", "empty")];
-        assert_eq!(
-            got,
-            Some(
-                want.iter()
-                    .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .collect()
-            )
-        );
+        assert_eq!(got, Some(want.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()));
         assert_eq!(pairs(b"NATS/1.0\r\n"), Some(vec![]));
         assert_eq!(pairs(b"NATS/1.0 503\r\n\r\n"), None);
         assert_eq!(pairs(b"NATS/1.0\r\nK: \xc3\xa9\r\n\r\n"), None);

@@ -150,18 +150,11 @@ impl Core {
     }
 
     pub fn worker_names(&self) -> Vec<Arc<str>> {
-        self.workers
-            .iter()
-            .flatten()
-            .map(|w| w.name.clone())
-            .collect()
+        self.workers.iter().flatten().map(|w| w.name.clone()).collect()
     }
 
     pub fn name(&self, id: u32) -> &Arc<str> {
-        &self.workers[id as usize]
-            .as_ref()
-            .expect("live worker")
-            .name
+        &self.workers[id as usize].as_ref().expect("live worker").name
     }
 
     /// Per worker holding the first block: how many leading blocks of `keys` it holds (in
@@ -331,8 +324,7 @@ impl Core {
         while self.workers.last().is_some_and(Option::is_none) {
             self.workers.pop();
         }
-        self.free_ids
-            .retain(|&id| (id as usize) < self.workers.len());
+        self.free_ids.retain(|&id| (id as usize) < self.workers.len());
         if (w as usize) < self.workers.len() {
             self.free_ids.push(w);
         }
@@ -636,13 +628,7 @@ fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: En
     slot.held += 1;
 }
 
-fn drop_holder(
-    blocks: &mut Map<Holders>,
-    slab: &mut Slab,
-    slot: &mut Slot,
-    e: Entry,
-    k: u64,
-) -> bool {
+fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
     let found = remove_entry(blocks, slab, e, k);
     if found {
         slot.held -= 1;
@@ -661,10 +647,7 @@ fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry
 
 /// Tokens mode: one engine hash of `slot` standing for `k` is gone.
 fn drop_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    if let Some(d) = (!slot.dups.is_empty())
-        .then(|| slot.dups.get_mut(&k))
-        .flatten()
-    {
+    if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
         *d -= 1;
         if *d == 0 {
             slot.dups.remove(&k);
@@ -708,19 +691,9 @@ mod tests {
         let ev = stored(&[10, 11, 12], None, &[1, 2, 3, 4, 5, 6], "GPU");
         apply_json(&mut core, "a", &format!("[0, [{ev}]]"));
         apply_json(&mut core, "b", &format!("[0, [{ev}]]"));
-        assert_eq!(
-            scores(&core, &[10, 11, 12]),
-            vec![("a".into(), 3), ("b".into(), 3)]
-        );
-        apply_json(
-            &mut core,
-            "a",
-            r#"[0, [{"type": "BlockRemoved", "block_hashes": [11, 99], "medium": "GPU"}]]"#,
-        );
-        assert_eq!(
-            scores(&core, &[10, 11, 12]),
-            vec![("a".into(), 1), ("b".into(), 3)]
-        );
+        assert_eq!(scores(&core, &[10, 11, 12]), vec![("a".into(), 3), ("b".into(), 3)]);
+        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [11, 99], "medium": "GPU"}]]"#);
+        assert_eq!(scores(&core, &[10, 11, 12]), vec![("a".into(), 1), ("b".into(), 3)]);
         assert_eq!(scores(&core, &[12]), vec![("a".into(), 1), ("b".into(), 1)]);
         assert_eq!(core.stats.unknown_removes, 1);
         apply_json(&mut core, "b", r#"[0, [{"type": "AllBlocksCleared"}]]"#);
@@ -732,21 +705,9 @@ mod tests {
     fn tokens_mode_chains_through_the_workers_parent_and_keeps_duplicates() {
         let mut core = Core::new(2, Mode::Tokens);
         // Two workers, different engine hashes, same tokens: the same index blocks.
-        apply_json(
-            &mut core,
-            "a",
-            &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")),
-        );
-        apply_json(
-            &mut core,
-            "b",
-            &format!("[0, [{}]]", stored(&[70], None, &[5, 6], "GPU")),
-        );
-        apply_json(
-            &mut core,
-            "b",
-            &format!("[0, [{}]]", stored(&[80], Some(70), &[7, 8], "CPU")),
-        );
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")));
+        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[70], None, &[5, 6], "GPU")));
+        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[80], Some(70), &[7, 8], "CPU")));
         assert_eq!(core.len(), 2);
         let mut chain = Chain::new(Algo::Xxh3, 2, 0, None, None, None);
         let mut d = Vec::new();
@@ -754,29 +715,13 @@ mod tests {
         let keys: Vec<u64> = d.iter().map(|x| x.event_hash()).collect();
         assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2)]);
         // A second engine hash for the same content: removing one keeps the block.
-        apply_json(
-            &mut core,
-            "a",
-            &format!("[0, [{}]]", stored(&[3], Some(1), &[7, 8], "GPU")),
-        );
-        apply_json(
-            &mut core,
-            "a",
-            r#"[0, [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}]]"#,
-        );
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[3], Some(1), &[7, 8], "GPU")));
+        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}]]"#);
         assert_eq!(scores(&core, &keys)[0], ("a".into(), 2));
-        apply_json(
-            &mut core,
-            "a",
-            r#"[0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}]]"#,
-        );
+        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}]]"#);
         assert_eq!(scores(&core, &keys)[0], ("a".into(), 1));
         // Unknown parent: counted, skipped.
-        apply_json(
-            &mut core,
-            "a",
-            &format!("[0, [{}]]", stored(&[9], Some(12345), &[1, 1], "GPU")),
-        );
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[9], Some(12345), &[1, 1], "GPU")));
         assert_eq!(core.stats.unknown_parents, 1);
         core.remove_worker("b");
         assert_eq!(scores(&core, &keys), vec![("a".into(), 1)]);
@@ -790,11 +735,7 @@ mod tests {
             let n = 1 + (w as usize % 3);
             let hashes: Vec<u64> = (0..n as u64).collect();
             let tokens: Vec<u32> = (0..2 * n as u32).collect();
-            apply_json(
-                &mut core,
-                &format!("w{w}"),
-                &format!("[0, [{}]]", stored(&hashes, None, &tokens, "GPU")),
-            );
+            apply_json(&mut core, &format!("w{w}"), &format!("[0, [{}]]", stored(&hashes, None, &tokens, "GPU")));
         }
         let mut out = Vec::new();
         core.find_matches(&[0, 1, 2], None, &mut out);

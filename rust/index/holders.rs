@@ -399,10 +399,7 @@ mod tests {
         assert_eq!(sorted(&h, &slab), want);
         let mut out = vec![0u64; 4];
         h.workers_into(&slab, Some(1), &mut out);
-        let got: Vec<u32> = (0..256)
-            .filter(|&w| out[w / 64] & (1 << (w % 64)) != 0)
-            .map(|w| w as u32)
-            .collect();
+        let got: Vec<u32> = (0..256).filter(|&w| out[w / 64] & (1 << (w % 64)) != 0).map(|w| w as u32).collect();
         let odd: Vec<u32> = (0..70).filter(|w| w % 2 == 1).map(|w| w * 3).collect();
         assert_eq!(got, odd);
         for &e in &es[..69] {

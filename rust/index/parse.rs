@@ -72,10 +72,7 @@ impl Batch<'_> {
 
 impl Drop for Batch<'_> {
     fn drop(&mut self) {
-        let (mut h, mut t) = (
-            std::mem::take(&mut self.hashes),
-            std::mem::take(&mut self.tokens),
-        );
+        let (mut h, mut t) = (std::mem::take(&mut self.hashes), std::mem::take(&mut self.tokens));
         if h.capacity() <= KEEP_MAX_ITEMS && t.capacity() <= KEEP_MAX_ITEMS {
             h.clear();
             t.clear();
@@ -99,10 +96,7 @@ pub enum Format {
 
 /// JSON when the first non-whitespace byte opens an array or object; msgpack otherwise.
 pub fn detect(b: &[u8]) -> Format {
-    match b
-        .iter()
-        .find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
-    {
+    match b.iter().find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
         Some(b'[') | Some(b'{') => Format::Json,
         _ => Format::Msgpack,
     }
@@ -229,9 +223,7 @@ impl<'a> Parser<'a> {
             // their value.
             let (b, p) = (self.r.b, self.r.p);
             let field = match KEY_ORDER.get(next) {
-                Some(&(key, field))
-                    if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) =>
-                {
+                Some(&(key, field)) if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) => {
                     self.r.p += key.len();
                     next += 1;
                     field
@@ -524,9 +516,7 @@ impl<'a> Fields<'a> {
 fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
     let mut i = 0;
     while out.len() - i >= 3 {
-        let Some(window) = b.get(p..p + 16) else {
-            break;
-        };
+        let Some(window) = b.get(p..p + 16) else { break };
         let mut v = u128::from_le_bytes(window.try_into().unwrap());
         let mut used = 0;
         let mut ok = true;
@@ -544,9 +534,7 @@ fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
         p += used;
     }
     while i < out.len() {
-        let Some(window) = b.get(p..p + 16) else {
-            break;
-        };
+        let Some(window) = b.get(p..p + 16) else { break };
         let (t, width, valid) = one_token(u128::from_le_bytes(window.try_into().unwrap()));
         if !valid {
             break;
@@ -608,10 +596,7 @@ fn base64_reduced(s: &[u8]) -> Option<u64> {
     if !s.len().is_multiple_of(4) {
         return None;
     }
-    let body = s
-        .strip_suffix(b"==")
-        .or_else(|| s.strip_suffix(b"="))
-        .unwrap_or(s);
+    let body = s.strip_suffix(b"==").or_else(|| s.strip_suffix(b"=")).unwrap_or(s);
     let mut acc = 0u64;
     let (mut bits, mut buf) = (0u32, 0u32);
     for &c in body {
@@ -752,62 +737,31 @@ mod tests {
             }
             _ => panic!("not stored"),
         }
-        assert!(matches!(
-            b.events[1],
-            Event::Removed {
-                medium: Some("CPU"),
-                ..
-            }
-        ));
+        assert!(matches!(b.events[1], Event::Removed { medium: Some("CPU"), .. }));
         assert!(matches!(b.events[2], Event::Cleared));
     }
 
     #[test]
     fn rejects_garbage_and_trailing_bytes() {
         let mut scratch = Vec::new();
-        for bad in [
-            &b"[1.0, [], 0] x"[..],
-            b"{}",
-            b"\x92\xcb",
-            b"[1.0, [{\"type\": \"Nope\"}]]",
-        ] {
+        for bad in [&b"[1.0, [], 0] x"[..], b"{}", b"\x92\xcb", b"[1.0, [{\"type\": \"Nope\"}]]"] {
             assert!(parse(bad, detect(bad), &mut scratch).is_none(), "{bad:?}");
         }
-        assert!(parse(
-            b"\x92\xcb\0\0\0\0\0\0\0\0\x90",
-            Format::Msgpack,
-            &mut scratch
-        )
-        .is_some());
+        assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch).is_some());
     }
 
     /// Token ids of every width and signedness a writer may use, at every distance from the
     /// payload's end: the fast decoder (three per load) and the one-by-one reader agree.
     #[test]
     fn token_ids_decode_in_every_width() {
-        let values: [u64; 12] = [
-            0,
-            1,
-            127,
-            128,
-            255,
-            256,
-            65535,
-            65536,
-            150_000,
-            u32::MAX as u64,
-            1 << 32,
-            5,
-        ];
+        let values: [u64; 12] = [0, 1, 127, 128, 255, 256, 65535, 65536, 150_000, u32::MAX as u64, 1 << 32, 5];
         let mut seed = 0x9e37_79b9_u64;
         for case in 0..400 {
             let n = case % 23;
             let mut body = Vec::new();
             let mut want = Vec::new();
             for _ in 0..n {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 let v = values[(seed >> 33) as usize % values.len()];
                 // Mostly what msgspec writes; sometimes a wider or signed marker, or a negative.
                 match (seed >> 20) % 10 {
@@ -820,12 +774,8 @@ mod tests {
                     }
                     _ if v < 128 => body.push(v as u8),
                     _ if v < 256 => body.extend_from_slice(&[0xcc, v as u8]),
-                    _ if v < 65536 => {
-                        body.extend_from_slice(&[&[0xcd][..], &(v as u16).to_be_bytes()].concat())
-                    }
-                    _ if v <= u32::MAX as u64 => {
-                        body.extend_from_slice(&[&[0xce][..], &(v as u32).to_be_bytes()].concat())
-                    }
+                    _ if v < 65536 => body.extend_from_slice(&[&[0xcd][..], &(v as u16).to_be_bytes()].concat()),
+                    _ if v <= u32::MAX as u64 => body.extend_from_slice(&[&[0xce][..], &(v as u32).to_be_bytes()].concat()),
                     _ => body.extend_from_slice(&[&[0xcf][..], &v.to_be_bytes()].concat()),
                 }
                 want.push(u32::try_from(v).ok());
@@ -838,27 +788,14 @@ mod tests {
             let got: Vec<u32> = p.out.tokens[range].to_vec();
             let expect: Vec<u32> = want.iter().map(|t| t.unwrap_or(0)).collect();
             assert_eq!(got, expect, "case {case}: {bytes:x?}");
-            assert_eq!(
-                p.bad_tokens,
-                want.iter().any(Option::is_none),
-                "case {case}"
-            );
+            assert_eq!(p.bad_tokens, want.iter().any(Option::is_none), "case {case}");
         }
     }
 
     #[test]
     fn short_byte_strings_compare_exactly() {
-        let names: [&[u8]; 9] = [
-            b"",
-            b"a",
-            b"GPU",
-            b"type",
-            b"medium",
-            b"token_ids",
-            b"block_hashes",
-            b"parent_block_hash",
-            b"a_name_longer_than_twenty_four_bytes",
-        ];
+        let names: [&[u8]; 9] = [b"", b"a", b"GPU", b"type", b"medium", b"token_ids", b"block_hashes",
+            b"parent_block_hash", b"a_name_longer_than_twenty_four_bytes"];
         for a in names {
             for b in names {
                 assert_eq!(eq_bytes(a, b), a == b);
