@@ -8,6 +8,7 @@ mod cbor;
 mod output;
 mod pickle;
 mod scratch;
+mod sha256;
 mod tokenbytes;
 pub(crate) mod tokens;
 pub(crate) mod value;

@@ -13,12 +13,11 @@
 //!   H((parent or NONE_HASH, tuple(tokens), extra_keys)) over pickle protocol 5 or canonical CBOR,
 //!   H = SHA-256 or XXH3-128 (big-endian digest).
 
-use sha2::digest::consts::U64;
-use sha2::digest::generic_array::GenericArray;
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64_with_seed};
 
 use super::cbor;
-use super::pickle::Pickler;
+use super::pickle::{self, Pickler};
+use super::sha256;
 use super::value::{Id, Value};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -86,39 +85,11 @@ impl Algo {
     /// vLLM's hash function over the serialised bytes in `data`, which it may pad in place.
     fn digest(self, data: &mut Vec<u8>) -> Digest {
         match self {
-            Algo::Sha256 | Algo::Sha256Cbor => Digest::new(&sha256_in_place(data)),
+            Algo::Sha256 | Algo::Sha256Cbor => Digest::new(&sha256::in_place(data)),
             Algo::Xxhash | Algo::XxhashCbor => Digest::new(&xxh3_128(data).to_be_bytes()),
             _ => unreachable!("{} does not serialise blocks", self.name()),
         }
     }
-}
-
-const SHA256_IV: [u32; 8] = [
-    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
-];
-
-/// SHA-256 with the padding appended to the message itself and every block compressed in one
-/// call. A block's pickle is 2-3 SHA blocks long, and the streaming hasher's copying into its
-/// own block buffer cost a fifth of the hash.
-fn sha256_in_place(data: &mut Vec<u8>) -> [u8; 32] {
-    let len = data.len();
-    let padded = (len + 9).div_ceil(64) * 64;
-    data.resize(padded, 0);
-    data[len] = 0x80;
-    data[padded - 8..].copy_from_slice(&(len as u64 * 8).to_be_bytes());
-    // SAFETY: GenericArray<u8, U64> is repr(transparent) over 64 u8 in repr(C) structs: size 64,
-    // align 1, so `padded` bytes are exactly padded / 64 such blocks.
-    let blocks = unsafe {
-        std::slice::from_raw_parts(data.as_ptr().cast::<GenericArray<u8, U64>>(), padded / 64)
-    };
-    let mut state = SHA256_IV;
-    sha2::compress256(&mut state, blocks);
-    data.truncate(len);
-    let mut out = [0u8; 32];
-    for (chunk, word) in out.chunks_exact_mut(4).zip(state) {
-        chunk.copy_from_slice(&word.to_be_bytes());
-    }
-    out
 }
 
 /// Dynamo's request salt: lora name and cache namespace (empty means absent) added to the seed.
@@ -242,15 +213,20 @@ impl Chain {
                 None if tokens.is_empty() => return,
                 None => self.none_hash(),
             };
-            for (i, block) in blocks {
-                self.scratch.clear();
-                let id = if i == 0 { parent_id } else { 0 };
-                self.encoder
-                    .block(&mut self.scratch, parent.as_bytes(), block, extra(i), id);
-                parent = self.algo.digest(&mut self.scratch);
-                out.push(parent);
-                self.parent = Some(parent);
+            if extras.is_none() && self.algo == Algo::Sha256 && pickle::plain_fits(self.block_size)
+            {
+                parent = self.sha256_plain(tokens, parent, out);
+            } else {
+                for (i, block) in blocks {
+                    self.scratch.clear();
+                    let id = if i == 0 { parent_id } else { 0 };
+                    self.encoder
+                        .block(&mut self.scratch, parent.as_bytes(), block, extra(i), id);
+                    parent = self.algo.digest(&mut self.scratch);
+                    out.push(parent);
+                }
             }
+            self.parent = Some(parent);
         } else {
             let mut parent = self.parent.map(|p| p.event_hash());
             for (i, block) in blocks {
@@ -260,6 +236,28 @@ impl Chain {
             }
             self.parent = parent.map(Digest::from_u64);
         }
+    }
+
+    /// vLLM's sha256 chain over blocks without extra keys: each block pickled by
+    /// `pickle::PlainBlock` and hashed by `sha256::chain`.
+    fn sha256_plain(&mut self, tokens: &[u32], parent: Digest, out: &mut Vec<Digest>) -> Digest {
+        let bs = self.block_size;
+        let stride = pickle::plain_room(bs) + sha256::PAD_ROOM;
+        if self.scratch.len() < 2 * stride {
+            self.scratch.resize(2 * stride, 0);
+        }
+        let parent_bytes: &[u8; 32] = parent.as_bytes().try_into().expect("a sha256 digest");
+        let mut last = parent;
+        let blocks = PlainBlocks {
+            tokens,
+            block_size: bs,
+        };
+        let n = tokens.len() / bs;
+        sha256::chain(&mut self.scratch, stride, n, parent_bytes, &blocks, |d| {
+            last = Digest::new(d);
+            out.push(last);
+        });
+        last
     }
 
     #[inline(always)]
@@ -300,6 +298,43 @@ impl Chain {
             .extend(block.iter().flat_map(|t| t.to_le_bytes()));
         self.scratch.extend(mm.iter().flat_map(|h| h.to_le_bytes()));
         xxh3_64_with_seed(&self.scratch, self.seed)
+    }
+}
+
+/// The pickles of consecutive blocks without extra keys, one token per `step`.
+struct PlainBlocks<'a> {
+    tokens: &'a [u32],
+    block_size: usize,
+}
+
+struct PlainCursor<'a> {
+    pickle: pickle::PlainBlock,
+    rest: std::slice::Iter<'a, u32>,
+    len: Option<usize>,
+}
+
+impl<'a> sha256::Messages for PlainBlocks<'a> {
+    type Cursor = PlainCursor<'a>;
+
+    #[inline(always)]
+    fn start(&self, k: usize, buf: &mut [u8]) -> PlainCursor<'a> {
+        let bs = self.block_size;
+        PlainCursor {
+            pickle: pickle::PlainBlock::start(buf, bs),
+            rest: self.tokens[k * bs..(k + 1) * bs].iter(),
+            len: None,
+        }
+    }
+
+    #[inline(always)]
+    fn step(&self, c: &mut PlainCursor<'a>, buf: &mut [u8]) -> Option<usize> {
+        if c.len.is_none() {
+            match c.rest.next() {
+                Some(&t) => c.pickle.token(buf, t),
+                None => c.len = Some(c.pickle.finish(buf)),
+            }
+        }
+        c.len
     }
 }
 

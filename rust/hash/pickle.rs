@@ -284,6 +284,64 @@ impl Pickler {
     }
 }
 
+/// `PlainBlock`'s bytes before the tokens: PROTO 5, FRAME + length, the parent as
+/// SHORT_BINBYTES 32 + MEMOIZE, MARK. The parent sits at `PLAIN_PARENT`.
+const PLAIN_HEAD: usize = 47;
+pub const PLAIN_PARENT: usize = 13;
+/// After the tokens: TUPLE MEMOIZE, NONE, TUPLE3 MEMOIZE, STOP.
+const PLAIN_TAIL: [u8; 6] = [TUPLE, MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP];
+
+/// The room `PlainBlock` needs for `n` tokens: the longest pickle and 8 bytes of slack.
+pub fn plain_room(n: usize) -> usize {
+    PLAIN_HEAD + n * MAX_TOKEN_BYTES + PLAIN_TAIL.len() + 8
+}
+
+/// Whether `PlainBlock` writes what `Pickler::block` would for a block of `n` tokens: more
+/// than 3 (MARK form) and few enough that the one frame never reaches 64 KiB.
+pub fn plain_fits(n: usize) -> bool {
+    n > 3 && plain_room(n) < FRAME_SIZE_TARGET
+}
+
+/// The hot case of `Pickler::block`, byte for byte: a 32-byte parent, no extra keys, a token
+/// count where `plain_fits`. Such a pickle has one fixed shape (no frame boundary, no memo
+/// hit), so it is written straight into a buffer (`plain_room` bytes at least) without the
+/// pickler's bookkeeping, in steps (`start`, `token` for each token, `finish`) that a chain can
+/// spread among the compression rounds of the block before. Everything but the parent is
+/// written: its 32 bytes go at `PLAIN_PARENT`, written by the chain once the block before is
+/// hashed.
+pub struct PlainBlock {
+    /// Where the next byte goes.
+    at: usize,
+}
+
+impl PlainBlock {
+    /// Writes the bytes before the tokens; `buf` must hold `plain_room(n_tokens)` bytes.
+    #[inline(always)]
+    pub fn start(buf: &mut [u8], n_tokens: usize) -> PlainBlock {
+        debug_assert!(plain_fits(n_tokens));
+        assert!(buf.len() >= plain_room(n_tokens));
+        buf[..2].copy_from_slice(&PROTO_5);
+        buf[2] = FRAME;
+        buf[11..PLAIN_PARENT].copy_from_slice(&[SHORT_BINBYTES, 32]);
+        buf[PLAIN_PARENT + 32..PLAIN_HEAD].copy_from_slice(&[MEMOIZE, MARK]);
+        PlainBlock { at: PLAIN_HEAD }
+    }
+
+    #[inline(always)]
+    pub fn token(&mut self, buf: &mut [u8], t: u32) {
+        self.at = tokenbytes::put(buf, self.at, t, tokenbytes::pickle);
+    }
+
+    /// Writes the bytes after the tokens and the frame length; returns the pickle's length.
+    #[inline(always)]
+    pub fn finish(&self, buf: &mut [u8]) -> usize {
+        let len = self.at + PLAIN_TAIL.len();
+        buf[self.at..len].copy_from_slice(&PLAIN_TAIL);
+        buf[3..11].copy_from_slice(&((len - 2 - FRAME_HEADER) as u64).to_le_bytes());
+        len
+    }
+}
+
 /// The 1-, 4- or 8-byte length form of a str/bytes opcode.
 fn sized_header(short: u8, long: u8, huge: u8, len: usize) -> ([u8; 9], usize) {
     let mut head = [0u8; 9];
@@ -348,6 +406,30 @@ mod tests {
         let mut again = Vec::new();
         pickler.block(&mut again, &[1u8; 32], 0, &tokens, Some(&extra));
         assert_eq!(again, expected);
+    }
+
+    /// The fast path agrees with the pickler on every block length it takes and on tokens of
+    /// every encoding width (1, 2, 4 and 5 payload bytes).
+    #[test]
+    fn plain_block_matches_pickler() {
+        let widths = [7u32, 300, 70_000, 1 << 31, u32::MAX, 0, 255, 65_535, 65_536];
+        let parent: [u8; 32] = std::array::from_fn(|i| i as u8 * 7);
+        let mut pickler = Pickler::default();
+        for n in [4, 5, 16, 17, 64, 1000, 9000] {
+            assert!(plain_fits(n));
+            let tokens: Vec<u32> = (0..n).map(|i| widths[(i * 5 + n) % widths.len()]).collect();
+            let mut want = Vec::new();
+            pickler.block(&mut want, &parent, 0, &tokens, None);
+            let mut buf = vec![0xa5; plain_room(n)];
+            let mut pickle = PlainBlock::start(&mut buf, n);
+            for &t in &tokens {
+                pickle.token(&mut buf, t);
+            }
+            let len = pickle.finish(&mut buf);
+            buf[PLAIN_PARENT..PLAIN_PARENT + 32].copy_from_slice(&parent);
+            assert_eq!(buf[..len], want[..], "{n} tokens");
+        }
+        assert!(!plain_fits(3) && !plain_fits(10_000));
     }
 
     /// `pickle.dumps("vllm-none-hash", protocol=5)`: vLLM's default NONE_HASH seed.

@@ -26,6 +26,15 @@ pub fn extend(buf: &mut Vec<u8>, tokens: &[u32], encode: impl Fn(u32) -> (u64, u
     }
 }
 
+/// Writes `encode(t)` at `buf[at..]` and returns where the next token goes. `buf` must have
+/// room for a whole u64 at `at`.
+#[inline(always)]
+pub fn put(buf: &mut [u8], at: usize, t: u32, encode: impl Fn(u32) -> (u64, usize)) -> usize {
+    let (word, n) = encode(t);
+    buf[at..at + 8].copy_from_slice(&word.to_le_bytes());
+    at + n
+}
+
 /// pickle: BININT1 (K), BININT2 (M), BININT (J) or, above i32, LONG1 with 5 bytes.
 #[inline(always)]
 pub fn pickle(t: u32) -> (u64, usize) {
