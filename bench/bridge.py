@@ -431,7 +431,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workload", choices=("all", "vllm-steps", "1-block"), default="all")
-    ap.add_argument("--write", action="store_true", help="update the Bridge section of bench/RESULTS.md")
+    ap.add_argument("--write", action="store_true",
+                    help="replace the Bridge section of bench/RESULTS.md (not its hand-written 'reading the figures')")
     args = ap.parse_args()
     cfg = Config()
     workloads = {}
