@@ -373,14 +373,17 @@ async def nats_ingest(payloads: list[tuple[int, bytes]], n_blocks: int, raw: boo
                 assert conn.poll(120)
                 publish_s = conn.recv()
                 first = time.perf_counter()
+                cpu0 = time.process_time()
             deadline = time.monotonic() + 120
             while idx.stats["payloads"] < target and time.monotonic() < deadline:
                 n = idx.stats["payloads"]
                 now = time.perf_counter()
                 if first is None and n > base["payloads"]:
                     first = now
+                    cpu0 = time.process_time()
                 await asyncio.sleep(0.0005)
             last = time.perf_counter()
+            cpu1 = time.process_time()
             stats = idx.stats
             if not backlog:
                 publish_s = conn.recv() if await asyncio.to_thread(conn.poll, 30) else float("nan")
@@ -397,6 +400,8 @@ async def nats_ingest(payloads: list[tuple[int, bytes]], n_blocks: int, raw: boo
         "blocks": applied,
         "expected_blocks": n_blocks,
         "seconds": last - (first or last),
+        # This process's CPU over the same span (steal time excluded): ns per block event.
+        "cpu_ns": (cpu1 - cpu0) * 1e9 / max(applied, 1) if first is not None else float("nan"),
         "rate": applied / max(last - (first or last), 1e-9),
         "raw": raw,
         "backlog": backlog,
