@@ -16,6 +16,9 @@ STABLE = {
     "kvbridge.router": "kvbridge.routing.router",
     "kvbridge.server": "kvbridge.tools.server",
     "kvbridge.events": "kvbridge.wire.events",
+    "kvbridge.pool": "kvbridge.engine.pool",
+    "kvbridge.publisher": "kvbridge.bus.publisher",
+    "kvbridge.consumer": "kvbridge.bus.subscriber",
 }
 
 # kvbridge.__all__ as it was before the regroup, copied here so a change to it is a change here.
