@@ -1,4 +1,4 @@
-//! Reading the NATS protocol for kvbridge's nats-py client (python/kvbridge/natsclient.py), in
+//! Reading the NATS protocol for kvbridge's nats-py client (python/kvbridge/bus/natsclient.py), in
 //! one call where nats-py 2.16 runs a Python loop:
 //!
 //! - `scan_nats_msgs`: the complete `MSG`/`HMSG` frames at the head of the read buffer, cut

@@ -2,7 +2,7 @@
 //! every public method one call that holds the GIL throughout, so a request's hashing and all
 //! of its block bookkeeping cost one Python->native transition.
 //!
-//! The semantics are those of `PyKVCacheManager` in python/kvbridge/pool.py, the executable
+//! The semantics are those of `PyKVCacheManager` in python/kvbridge/engine/_reference_pool.py, the executable
 //! spec (its docstring states the rules; tests/test_pool.py runs both side by side, step by
 //! step). Hashing reuses the chains in `crate::hash`; token lists are read with the encoder's
 //! verified CPython fast path (`crate::cpython`), anything else with the hashing's

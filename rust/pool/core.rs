@@ -1,5 +1,5 @@
 //! The block pool on plain Rust data: free queue, ref counts, the hash -> cached block map and
-//! the event record. A line-by-line port of `BlockPool` in python/kvbridge/pool.py (the
+//! the event record. A line-by-line port of `BlockPool` in python/kvbridge/engine/_reference_pool.py (the
 //! executable spec; the state machine in tests/test_pool.py runs both side by side), so the
 //! comments there explain the rules; the ones here explain the representation.
 
@@ -474,7 +474,7 @@ mod tests {
             .collect()
     }
 
-    /// The free-queue order of the spec (python/kvbridge/pool.py `BlockPool`, same steps):
+    /// The free-queue order of the spec (python/kvbridge/engine/_reference_pool.py `BlockPool`, same steps):
     /// freeing walks a request backwards; cached blocks go to the tail (tail of the chain
     /// first, so it is evicted first), uncached ones to the head; taking evicts from the head.
     #[test]
