@@ -44,6 +44,7 @@ async def test_30s_broker_outage(own_nats_server):
 
 async def _outage(server, sub, pub, engine):
     await wait_until(lambda: engine.published > 5000, 30, "some events before the outage")
+    assert sub.connected_url == server.url and sub.stats["reconnects"] == 0
 
     samples = []
 
@@ -83,3 +84,4 @@ async def _outage(server, sub, pub, engine):
     assert max_rss - rss_before < 64
     assert stats["evicted_unsent"] > 0  # the outage outlasted the ring, and that was counted
     assert sub.stats["snapshots"] >= 2  # first contact + recovery after the range was gone
+    assert sub.stats["reconnects"] >= 1 and sub.connected_url == server.url

@@ -501,9 +501,16 @@ class KvEventSubscriber:
         s = dict(self._counts)
         s["workers"] = len(self._workers)
         s["permission_errors"] = self._permissions.count
+        s["reconnects"] = self._nc.stats["reconnects"] if self._nc is not None else 0
         if self._stream_reader is not None:
             s.update(self._stream_reader.stats)
         return s
+
+    @property
+    def connected_url(self) -> str | None:
+        """The NATS server this subscriber is connected to now (None while it is not)."""
+        url = self._nc.connected_url if self._nc is not None and self._nc.is_connected else None
+        return url.geturl() if url is not None else None
 
     def in_sync(self) -> bool:
         """True when no worker is resyncing (handy for tests and tools)."""

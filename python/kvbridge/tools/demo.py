@@ -22,6 +22,7 @@ import collections
 import os
 import random
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 from kvbridge import Index
@@ -444,7 +445,8 @@ class _ClusterBroker:
         self.cluster.close()
 
     def kill(self) -> None:
-        port = self.router._nc.connected_url.port if self.router is not None and self.router._nc else None
+        url = self.router.connected_url if self.router is not None else None
+        port = urllib.parse.urlsplit(url).port if url else None
         nodes = self.cluster.nodes
         self.killed = next((i for i, node in enumerate(nodes) if node.port == port), 0)
         self.cluster.kill(self.killed)
@@ -457,6 +459,6 @@ class _ClusterBroker:
 
     def report(self, workers: list[_Worker]) -> None:
         moves = [f"{w.name} {w.publisher.stats['reconnects']}" for w in workers]
-        router = self.router._nc.stats["reconnects"] if self.router is not None and self.router._nc else 0
+        router = self.router.stats["reconnects"] if self.router is not None else 0
         print(f"failovers (reconnects to another node of the {len(self.cluster.nodes)}-node cluster): "
               f"{', '.join(moves)}, router {router}")  # fmt: skip
