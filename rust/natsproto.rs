@@ -135,32 +135,50 @@ fn scan_nats_msgs<'py>(
     buf: &Bound<'py, PyByteArray>,
     max_frames: usize,
 ) -> PyResult<(Bound<'py, PyList>, usize, bool)> {
-    let out = PyList::empty(py);
-    // Safety: the GIL is held and nothing below runs Python code that could resize the bytearray.
-    let bytes = unsafe { buf.as_bytes() };
+    // The frames are found first, on the bytes as they are, with no Python call in between;
+    // making their objects then may run Python code (a collection's finalizers), so each copy
+    // reads the buffer afresh and checks it still holds the frame.
+    let mut frames = Vec::new();
     let mut used = 0;
     let mut partial = false;
-    while out.len() < max_frames {
-        let f = match head(&bytes[used..]) {
-            Head::Frame(f) => f,
-            Head::Partial => {
-                partial = true;
-                break;
+    {
+        // SAFETY: the GIL is held and nothing in this block calls into Python.
+        let bytes = unsafe { buf.as_bytes() };
+        while frames.len() < max_frames {
+            match head(&bytes[used..]) {
+                Head::Frame(f) => {
+                    let len = f.len;
+                    frames.push((used, f));
+                    used += len;
+                }
+                Head::Partial => {
+                    partial = true;
+                    break;
+                }
+                Head::Other => break,
             }
-            Head::Other => break,
-        };
-        let at = |r: &std::ops::Range<usize>| PyBytes::new(py, &bytes[used + r.start..used + r.end]);
+        }
+    }
+    let copy = |at: usize, r: &std::ops::Range<usize>| -> PyResult<Bound<'py, PyBytes>> {
+        // SAFETY: the GIL is held; the slice lives only for this copy, which calls no Python code.
+        let bytes = unsafe { buf.as_bytes() };
+        match bytes.get(at + r.start..at + r.end) {
+            Some(b) => Ok(PyBytes::new(py, b)),
+            None => Err(pyo3::exceptions::PyRuntimeError::new_err("read buffer changed while it was being cut")),
+        }
+    };
+    let out = PyList::empty(py);
+    for (at, f) in &frames {
         let headers = match &f.headers {
-            Some(r) => at(r).into_any(),
+            Some(r) => copy(*at, r)?.into_any(),
             None => py.None().into_bound(py),
         };
         let item = PyTuple::new(
             py,
-            [f.sid.into_pyobject(py)?.into_any(), at(&f.subject).into_any(), at(&f.reply).into_any(),
-             at(&f.payload).into_any(), headers],
+            [f.sid.into_pyobject(py)?.into_any(), copy(*at, &f.subject)?.into_any(), copy(*at, &f.reply)?.into_any(),
+             copy(*at, &f.payload)?.into_any(), headers],
         )?;
         out.append(item)?;
-        used += f.len;
     }
     Ok((out, used, partial))
 }
