@@ -173,22 +173,28 @@ def _apply_once(kind: str, path: str, conn) -> None:
     conn.send(time.perf_counter() - t0)
 
 
+def in_fresh_process(target, *args):
+    """What ``target(*args, conn)`` sends on ``conn``, run in a process of its own (spawned: it
+    shares nothing with this one). Not daemonic, so ``target`` may start processes of its own."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(*args, theirs))
+    proc.start()
+    try:
+        if not mine.poll(300):
+            raise RuntimeError(f"{target.__name__}{args} did not finish")
+        return mine.recv()
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+
+
 def apply_in_fresh_process(kind: str, path: str) -> float:
     """Seconds one index takes to apply the stream pickled at ``path``, in a process of its own:
     neither library's threads and memory, nor the bench's millions of objects, sit beside it
     (in one process they cost kvbridge 20-40% here, Dynamo's runtime threads most of it)."""
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_apply_once, args=(kind, path, theirs), daemon=True)
-    proc.start()
-    try:
-        if not mine.poll(300):
-            raise RuntimeError(f"{kind} apply did not finish")
-        return mine.recv()
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+    return in_fresh_process(_apply_once, kind, path)
 
 
 def _spin(stop, go) -> None:
@@ -421,18 +427,7 @@ def ingest_in_fresh_process(path: str, n_blocks: int, kw: dict) -> dict:
     """``nats_ingest`` of the payloads pickled at ``path``, the subscriber in a process of its own
     (as a router's would be: not beside the bench's millions of objects, whose full collections
     land inside a sub-second run)."""
-    ctx = mp.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_ingest_main, args=(path, n_blocks, kw, theirs))  # not daemonic: it starts the publisher
-    proc.start()
-    try:
-        if not mine.poll(300):
-            raise RuntimeError("ingest run did not finish")
-        return mine.recv()
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+    return in_fresh_process(_ingest_main, path, n_blocks, kw)
 
 
 # -- main --------------------------------------------------------------------------------------------
