@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import msgspec
 import pytest
 
-from engine_shapes import SglBlockRemoved, SglBlockStored
+from engine_shapes import SglBatch, SglBlockRemoved, SglBlockStored
 from kvbridge import events
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
@@ -139,12 +139,6 @@ def test_vllm_map_encoded_batch():
 
 
 # --- SGLang ---------------------------------------------------------------------------------
-
-
-class SglBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[Any]
-    attn_dp_rank: Optional[int] = None
 
 
 class SglEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
