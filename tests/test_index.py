@@ -419,6 +419,20 @@ def test_garbage_is_counted_and_never_raises(payload):
         assert n == len(batch.events)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_payload_cut_anywhere_is_malformed_and_applies_nothing(data):
+    # Token ids and hashes of every width, then the payload cut inside any of them: the index
+    # reads a payload whole or not at all.
+    batch = data.draw(batches("msgpack"))
+    payload = encode_batch(batch)
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    idx = Index(BS)
+    assert idx.apply("w", payload[:cut]) == 0
+    assert idx.stats["malformed_payloads"] == 1
+    assert (idx.workers, len(idx)) == ([], 0)
+
+
 def test_foreign_shapes_apply_like_their_decoded_batch():
     pos_stored = ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU", "ad"]
     pos_removed = ["BlockRemoved", [12], "GPU"]

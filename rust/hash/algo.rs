@@ -228,14 +228,27 @@ impl Chain {
             }
             self.parent = Some(parent);
         } else {
-            let mut parent = self.parent.map(|p| p.event_hash());
-            for (i, block) in blocks {
-                let h = self.next_word(block, extra(i), parent);
-                parent = Some(h);
-                out.push(Digest::from_u64(h));
-            }
-            self.parent = parent.map(Digest::from_u64);
+            self.run_words(tokens, extras, |h| out.push(Digest::from_u64(h)));
         }
+    }
+
+    /// `run` for the 64-bit algorithms (xxh3, dynamo, dynamo_seq), each block's hash handed to
+    /// `emit` as a word: the index keys by words and needs no `Digest` per block.
+    #[inline]
+    pub fn run_words(
+        &mut self,
+        tokens: &[u32],
+        extras: Option<&[Option<Value>]>,
+        mut emit: impl FnMut(u64),
+    ) {
+        debug_assert!(!self.algo.is_vllm());
+        let mut parent = self.parent.map(|p| p.event_hash());
+        for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
+            let h = self.next_word(block, extras.and_then(|e| e[i].as_ref()), parent);
+            parent = Some(h);
+            emit(h);
+        }
+        self.parent = parent.map(Digest::from_u64);
     }
 
     /// vLLM's sha256 chain over blocks without extra keys: each block pickled by

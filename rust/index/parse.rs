@@ -11,6 +11,7 @@
 //! cannot read.
 
 use std::cell::Cell;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -284,11 +285,23 @@ impl<'a> Parser<'a> {
         if self.r.nil() {
             return Some(None);
         }
-        // One UTF-8 check (Reader::str would check it, then from_utf8 again).
-        std::str::from_utf8(self.r.raw_str()?).ok().map(Some)
+        // One UTF-8 check (Reader::str would check it, then from_utf8 again); media and LoRA
+        // names are short ASCII, which needs no decoder.
+        let s = self.r.raw_str()?;
+        if s.is_ascii() {
+            // SAFETY: ASCII is UTF-8.
+            return Some(Some(unsafe { std::str::from_utf8_unchecked(s) }));
+        }
+        std::str::from_utf8(s).ok().map(Some)
     }
 
     fn hash(&mut self) -> Option<u64> {
+        // What every engine writes for a 64-bit hash past 2**63: a uint64.
+        let (b, p) = (self.r.b, self.r.p);
+        if let Some(&[0xcf, ref v @ ..]) = b.get(p..p + 9) {
+            self.r.p = p + 9;
+            return Some(u64::from_be_bytes(v.try_into().unwrap()));
+        }
         if self.json && matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
             return base64_reduced(self.r.str()?);
         }
@@ -310,6 +323,11 @@ impl<'a> Parser<'a> {
     fn hashes(&mut self) -> Option<Range<usize>> {
         let n = self.r.array_len()?;
         let start = self.out.hashes.len();
+        // Every hash takes at least a byte: a length beyond the payload is garbage.
+        if n > self.r.b.len() - self.r.p {
+            return None;
+        }
+        self.out.hashes.reserve(n);
         for _ in 0..n {
             let h = self.hash()?;
             self.out.hashes.push(h);
@@ -330,8 +348,10 @@ impl<'a> Parser<'a> {
         // leaves (a payload's last bytes, a width msgspec does not write) is decoded one by one.
         let b = self.r.b;
         let tokens = &mut self.out.tokens;
-        tokens.resize(start + n, 0);
-        let out = &mut tokens[start..];
+        tokens.reserve(n);
+        // Written in place without zeroing first (a memset of the payload's largest part): the
+        // length moves past them only once every one is written.
+        let out = &mut tokens.spare_capacity_mut()[..n];
         let (done, mut p) = fast_tokens(b, self.r.p, out);
         let mut bad = false;
         for slot in &mut out[done..] {
@@ -339,8 +359,10 @@ impl<'a> Parser<'a> {
             let t = other_token(&mut self.r)?;
             p = self.r.p;
             bad |= t.is_none();
-            *slot = t.unwrap_or(0);
+            slot.write(t.unwrap_or(0));
         }
+        // SAFETY: `fast_tokens` wrote out[..done] and the loop out[done..n].
+        unsafe { tokens.set_len(start + n) };
         self.r.p = p;
         self.bad_tokens |= bad;
         Some(start..self.out.tokens.len())
@@ -471,7 +493,9 @@ pub fn eq_bytes(a: &[u8], b: &[u8]) -> bool {
     let w8 = |s: &[u8], i: usize| u64::from_le_bytes(s[i..i + 8].try_into().unwrap());
     let w4 = |s: &[u8], i: usize| u32::from_le_bytes(s[i..i + 4].try_into().unwrap());
     match n {
-        0..=3 => a.iter().zip(b).all(|(x, y)| x == y),
+        0 => true,
+        // The first, middle and last bytes: every byte of a 1-3 byte string.
+        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
         4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
         8..=24 => {
             let mid = 8.min(n - 8);
@@ -513,7 +537,7 @@ impl<'a> Fields<'a> {
 /// next token is a shift of the window (register arithmetic, no load on the chain from one
 /// token's position to the next).
 #[inline]
-fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
+fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, usize) {
     let mut i = 0;
     while out.len() - i >= 3 {
         let Some(window) = b.get(p..p + 16) else { break };
@@ -522,7 +546,7 @@ fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
         let mut ok = true;
         for slot in &mut out[i..i + 3] {
             let (t, width, valid) = one_token(v);
-            *slot = t;
+            slot.write(t);
             ok &= valid;
             used += width as usize;
             v >>= 8 * width;
@@ -539,7 +563,7 @@ fn fast_tokens(b: &[u8], mut p: usize, out: &mut [u32]) -> (usize, usize) {
         if !valid {
             break;
         }
-        out[i] = t;
+        out[i].write(t);
         i += 1;
         p += width as usize;
     }
