@@ -179,3 +179,19 @@ async def test_malformed_messages_counted_and_skipped(nats_server):
     print(f"malformed: {sub.stats}")
     assert sub.stats["malformed"] == n
     await close_all(*pubs, sub)
+
+
+async def test_on_update_is_chosen_before_start(nats_server):
+    # Without one, messages are handled in the connection's read loop, where nothing is awaited.
+    sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="choose")).start()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            sub.on_update = Recorder()
+        sub.on_update = None
+        assert sub.on_update is None
+    finally:
+        await sub.close()
+    given = await KvEventSubscriber(cfg(nats_server, subject_prefix="choose"), on_update=Recorder()).start()
+    given.on_update = other = Recorder()  # one callback for another: nats-py's callback path takes both
+    assert given.on_update is other
+    await given.close()

@@ -76,11 +76,40 @@ async def test_headers_arrive_through_a_real_server():
             await nc.close()
 
 
+async def test_a_direct_subscription_gets_what_a_plain_one_gets():
+    with NatsServer() as server:
+        nc = Client()
+        await nc.connect(server.url)
+        try:
+            got = []
+            direct = await nc.subscribe_direct("t.d.*", lambda *m: got.append(m))
+            plain = await nc.subscribe("t.d.*")
+            sent = [("t.d.a", b"x", {"Kv-Seq": "3", "Kv-Epoch": "ab"}),  # the native header form
+                    ("t.d.b", b"", {"Name": "caf\u00e9"}),  # non-ASCII: nats-py's header parser
+                    ("t.d.c", b"y" * 70_000, None)]  # fmt: skip
+            for subject, data, headers in sent:
+                await nc.publish(subject, data, headers=headers)
+            want = []
+            for _ in sent:
+                m = await plain.next_msg(timeout=10)
+                want.append((m.subject, m.headers, m.data))
+            assert got == want == [(subject, headers, data) for subject, data, headers in sent]
+            assert nc.stats["in_msgs"] == 2 * len(sent)
+            await direct.unsubscribe()
+            await nc.publish("t.d.a", b"late")
+            assert (await plain.next_msg(timeout=10)).data == b"late"
+            assert len(got) == len(sent) and nc._direct == {}
+        finally:
+            await nc.close()
+
+
 # -- message frames ------------------------------------------------------------------------------
 
 
 class _Recorder:
     """The client side of a parser: records every call, in order."""
+
+    _direct: dict = {}  # no direct subscriptions (Client.subscribe_direct)
 
     def __init__(self):
         self.calls = []

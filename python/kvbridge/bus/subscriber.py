@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import msgspec
 from nats.errors import NoRespondersError
@@ -333,7 +333,9 @@ class KvEventSubscriber:
         self.config = config
         self.prefix = config.subject_prefix
         self.subject = subject or events_pattern(self.prefix, model, worker)
-        self.on_update = on_update
+        self._on_update = on_update
+        # Messages handled in the client's read loop (no on_update at start()).
+        self._direct = False
         self.index = index
         self.track_views = index is None if track_views is None else track_views
         # Scanning builds Python hash lists for views; an index reads the bytes itself.
@@ -367,6 +369,19 @@ class KvEventSubscriber:
         )  # fmt: skip
         metrics.register("subscriber", self)
 
+    @property
+    def on_update(self) -> Callable[[Update], Awaitable[None] | None] | None:
+        return self._on_update
+
+    @on_update.setter
+    def on_update(self, callback: Callable[[Update], Awaitable[None] | None] | None) -> None:
+        if callback is not None and self._direct:
+            raise RuntimeError(
+                "on_update must be given before start(): this subscriber started without one and handles "
+                "messages in the connection's read loop, where nothing is awaited"
+            )
+        self._on_update = callback
+
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> KvEventSubscriber:
@@ -380,6 +395,10 @@ class KvEventSubscriber:
                 self._stream_reader = await subscribe_stream(
                     self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions
                 )
+            elif self.on_update is None:
+                # Nothing to await per message: handled in the read loop (kvbridge.bus.natsclient).
+                await self._nc.subscribe_direct(self.subject, self._on_event_now)
+                self._direct = True
             else:
                 await self._nc.subscribe(
                     self.subject, cb=self._on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=512 * 1024 * 1024
@@ -555,24 +574,41 @@ class KvEventSubscriber:
     # -- live messages ----------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Any) -> None:
+        """nats-py's callback (and the stream reader's): used when there is an ``on_update`` to
+        await, and in JetStream mode."""
+        for update in self._on_event(msg.subject, msg.headers, msg.data):
+            await self._notify(update)
+
+    def _on_event_now(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+        """The client's read loop calls this itself when nothing needs awaiting (no ``on_update``):
+        no message object, queue or task per message (kvbridge.bus.natsclient)."""
+        try:
+            for update in self._on_event(subject, headers, data):
+                self._enqueue(update)
+        except Exception:  # never into the connection's read loop
+            log.exception("kvbridge subscriber: a message on %s could not be handled", subject)
+
+    def _on_event(self, subject: str, headers: dict[str, str] | None, data: bytes) -> Iterator[Update]:
+        """One live message: ordering, resync, and the updates it delivers, each applied (index,
+        views, counts) when the caller asks for the next one, i.e. after it has handed on the last."""
         counts = self._counts
         counts["messages"] += 1
-        counts["bytes"] += len(msg.data)
+        counts["bytes"] += len(data)
         try:
-            key = self._subject_keys.get(msg.subject) or self._subject_key(msg.subject)
-            epoch, seq, batch = _parse_event_msg(msg, self._raw_bodies)
+            key = self._subject_keys.get(subject) or self._subject_key(subject)
+            epoch, seq, batch = _parse_event_msg(headers, data, self._raw_bodies)
         except (_Malformed, DecodeError):
             counts["malformed"] += 1
             return
         w = self._workers.get(key)
         if w is None:
             w = self._workers[key] = _Worker(self.prefix, key[0], key[1], self.track_views)
-        w.heard(msg.headers.get(HDR_HEARTBEAT))
+        w.heard(headers.get(HDR_HEARTBEAT))
         verdict = w.seq.offer(epoch, seq, batch, syncing=w.syncing is not None, jetstream=self.config.jetstream)
         if verdict is Verdict.DELIVER:
-            await self._deliver(w, seq, batch, "live")
+            yield self._deliver(w, seq, batch, "live")
             if w.seq.parked:
-                await self._drain_parked(w)
+                yield from self._parked(w)
         elif verdict is Verdict.DUPLICATE:
             counts["duplicates"] += 1
         elif verdict is Verdict.GAP:
@@ -584,7 +620,7 @@ class KvEventSubscriber:
                 counts["epoch_changes"] += 1
             self._ensure_sync(w)
         elif verdict is Verdict.STREAM_START:
-            await self._begin_epoch_from_stream(w, epoch, batch)
+            yield from self._begin_epoch_from_stream(w, epoch, batch)
         elif verdict is Verdict.CONFLICT:
             counts["duplicates"] += 1
             self._epoch_conflict(w, epoch)
@@ -611,7 +647,7 @@ class KvEventSubscriber:
                 w.subjects.events, w.epoch, other, w.worker,
             )  # fmt: skip
 
-    async def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> None:
+    def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> Iterator[Update]:
         """JetStream hook: the stream holds this incarnation from its first message, and a new
         incarnation starts with an empty cache, so it is rebuilt from the stream: no snapshot."""
         if w.epoch is not None and not w.seq.need_snapshot:
@@ -621,26 +657,30 @@ class KvEventSubscriber:
             ts, rank = batch.ts, batch.rank
         except DecodeError:  # a raw body (index mode) the index will count as malformed
             ts, rank = time.time(), None
-        await self._deliver(w, -1, KVEventBatch(ts, [], rank), "stream", reset=True)
-        await self._deliver(w, 0, batch, "live")
-        await self._drain_parked(w)
+        yield self._deliver(w, -1, KVEventBatch(ts, [], rank), "stream", reset=True)
+        yield self._deliver(w, 0, batch, "live")
+        yield from self._parked(w)
 
-    async def _drain_parked(self, w: _Worker) -> None:
+    def _parked(self, w: _Worker) -> Iterator[Update]:
+        """Delivers the parked messages that are next in order."""
         ready, stale = w.seq.ready()
         self._counts["duplicates"] += stale
         for seq, batch in ready:
-            await self._deliver(w, seq, batch, "live")
+            yield self._deliver(w, seq, batch, "live")
 
-    async def _deliver(
-        self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False
-    ) -> None:
+    async def _drain_parked(self, w: _Worker) -> None:
+        for update in self._parked(w):
+            await self._notify(update)
+
+    def _deliver(self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False) -> Update:
+        """Applies one update to the index, the worker's view and the counts; handing it on to
+        ``on_update`` and the iterator is ``_notify``'s."""
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
         n_events = update.n_events if self.index is None else self._index_apply(w, update)
         if w.view is not None:
             w.view.apply(update)
         self._counts["events"] += n_events
-        if self.on_update is not None or self._iter_queue is not None:
-            await self._notify(update)
+        return update
 
     async def _notify(self, update: Update) -> None:
         if self.on_update is not None:
@@ -788,7 +828,7 @@ class KvEventSubscriber:
             return True
         for m in replies[:-1]:
             try:
-                epoch, seq, batch = _parse_event_msg(m, self._raw_bodies)
+                epoch, seq, batch = _parse_event_msg(m.headers, m.data, self._raw_bodies)
             except (_Malformed, DecodeError):
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
@@ -799,7 +839,7 @@ class KvEventSubscriber:
             if take is None:
                 return False  # the publisher skipped: ask again (it will say "gone")
             if take:
-                await self._deliver(w, seq, batch, "replay")
+                await self._notify(self._deliver(w, seq, batch, "replay"))
         # A parked message beyond what the worker had published when it answered was not sent by it.
         try:
             last = int(end.get(HDR_SEQ, "-1"))
@@ -820,7 +860,7 @@ class KvEventSubscriber:
             # No pool behind this publisher: nothing to rebuild from. Join the live stream where it is.
             at = w.seq.join_live(epoch)
             self._counts["snapshots"] += 1
-            await self._deliver(w, at, KVEventBatch(time.time(), []), "snapshot", reset=True)
+            await self._notify(self._deliver(w, at, KVEventBatch(time.time(), []), "snapshot", reset=True))
             return True
         try:
             seq = int(end[HDR_SEQ])
@@ -839,12 +879,11 @@ class KvEventSubscriber:
             return False
         w.seq.snapshot_taken(epoch, seq)
         self._counts["snapshots"] += 1
-        await self._deliver(w, seq, KVEventBatch(ts, events, rank), "snapshot", reset=True)
+        await self._notify(self._deliver(w, seq, KVEventBatch(ts, events, rank), "snapshot", reset=True))
         return True
 
 
-def _parse_event_msg(msg: Any, raw: bool = False) -> tuple[str, int, _Body]:
-    headers = msg.headers
+def _parse_event_msg(headers: dict[str, str] | None, data: bytes, raw: bool = False) -> tuple[str, int, _Body]:
     if not headers:
         raise _Malformed("no headers")
     epoch = headers.get(HDR_EPOCH)
@@ -861,7 +900,7 @@ def _parse_event_msg(msg: Any, raw: bool = False) -> tuple[str, int, _Body]:
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
         raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, _Body(msg.data, fmt, raw)
+    return epoch, seq, _Body(data, fmt, raw)
 
 
 _scan = _native.scan_batch_msgpack
