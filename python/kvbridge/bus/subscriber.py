@@ -303,7 +303,9 @@ class KvEventSubscriber:
     explicit ``subject`` pattern) and delivers :class:`Update` s per worker, in order, exactly once.
 
     Deliveries go to ``on_update(update)`` (sync or async) if given, and to ``async for update in
-    subscriber`` once iteration has begun. ``views`` holds a :class:`WorkerView` per
+    subscriber`` once iteration has begun. ``on_update`` is chosen before ``start()``: without one
+    nothing is ever awaited per message, and messages are handled in the connection's read loop
+    (no nats-py ``Msg``, queue or task each); with one, through nats-py's callback. ``views`` holds a :class:`WorkerView` per
     ``(model, worker)`` unless ``track_views=False``.
 
     ``index``: a :class:`kvbridge.Index` to keep up to date. Each delivered update's payload bytes
