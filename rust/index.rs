@@ -127,7 +127,7 @@ impl Index {
         let long = bytes.len() >= DETACH_MIN_BYTES;
         Ok(self.write(py, long, |core| {
             let mut scratch = Vec::new();
-            let n = match parse(bytes, format, &mut scratch) {
+            let n = match parse(bytes, format, &mut scratch, core.take_spare()) {
                 Some(batch) => core.apply(worker, batch),
                 None => {
                     core.malformed();

@@ -16,16 +16,16 @@
 //! which keeps an entry to the map's bytes): clearing or removing a worker there is one pass
 //! over all blocks. Both are rare (a cache reset, a restart, an expired worker).
 
-use std::collections::HashMap as StdMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Holders, Removed, Slab, MAX_MEDIA, MAX_WORKERS};
-use super::parse::{eq_bytes, Batch, Event, Stored};
+use super::parse::{eq_bytes, Batch, Event, Spare, Stored};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// The keys are hashes already, but not always good ones (tests use 1, 2, 3): one folded
 /// multiply spreads any u64 over both the bucket index and hashbrown's 7-bit tag.
@@ -60,6 +60,43 @@ impl Hasher for MixHasher {
 }
 
 type Map<V> = HashMap<u64, V, Mix>;
+
+/// Worker names (from subjects: anyone who may publish chooses them), looked up once per
+/// payload: xxh3 rather than std's SipHash, which took a tenth of a one-event payload's apply.
+/// Seeded at random per index, so names that collide cannot be prepared in advance.
+#[derive(Clone, Copy)]
+pub struct NameHash(u64);
+
+impl Default for NameHash {
+    fn default() -> Self {
+        NameHash(std::collections::hash_map::RandomState::new().hash_one(0u64))
+    }
+}
+
+pub struct NameHasher(u64);
+
+impl BuildHasher for NameHash {
+    type Hasher = NameHasher;
+    #[inline]
+    fn build_hasher(&self) -> NameHasher {
+        NameHasher(self.0)
+    }
+}
+
+impl Hasher for NameHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxh3_64_with_seed(bytes, self.0);
+    }
+    #[inline]
+    fn write_u8(&mut self, b: u8) {
+        self.0 ^= b as u64; // str's end marker
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Mode {
@@ -119,12 +156,13 @@ pub struct Core {
     blocks: Map<Holders>,
     slab: Slab,
     workers: Vec<Option<Worker>>,
-    ids: StdMap<Arc<str>, u32>,
+    ids: HashMap<Arc<str>, u32, NameHash>,
     free_ids: Vec<u32>,
     media: Vec<Option<Box<str>>>,
     pub stats: Stats,
     /// One stored event's index hashes (kept for its allocation).
     digests: Vec<u64>,
+    spare: Spare,
 }
 
 impl Core {
@@ -135,11 +173,12 @@ impl Core {
             blocks: Map::default(),
             slab: Slab::default(),
             workers: Vec::new(),
-            ids: StdMap::new(),
+            ids: HashMap::default(),
             free_ids: Vec::new(),
             media: Vec::new(),
             stats: Stats::default(),
             digests: Vec::new(),
+            spare: Spare::default(),
         }
     }
 
@@ -262,12 +301,12 @@ impl Core {
         };
         let n = batch.events.len();
         self.stats.events += n as u64;
-        let events = std::mem::take(&mut batch.events);
+        let mut events = std::mem::take(&mut batch.events);
         let (hashes, tokens) = (&batch.hashes, &batch.tokens);
         if self.mode == Mode::Tokens {
             self.touch(w, &events, hashes);
         }
-        for ev in events {
+        for ev in events.drain(..) {
             match ev {
                 Event::Stored(s) => self.stored(w, s, hashes, tokens),
                 Event::Removed { hashes: r, medium } => self.removed(w, &hashes[r], medium),
@@ -277,7 +316,14 @@ impl Core {
                 }
             }
         }
+        batch.events = events;
+        self.spare.keep(batch);
         n
+    }
+
+    /// The vectors for the next payload's batch (see `parse`).
+    pub fn take_spare(&mut self) -> Spare {
+        std::mem::take(&mut self.spare)
     }
 
     /// Reads, without changing anything, the table entries a payload's events will change:
@@ -664,7 +710,7 @@ mod tests {
 
     fn apply_json(core: &mut Core, worker: &str, json: &str) -> usize {
         let mut scratch = Vec::new();
-        let batch = parse(json.as_bytes(), Format::Json, &mut scratch).expect("valid");
+        let batch = parse(json.as_bytes(), Format::Json, &mut scratch, core.take_spare()).expect("valid");
         core.apply(worker, batch)
     }
 

@@ -10,7 +10,6 @@
 //! A payload either parses whole or not at all (`None`): the index applies none of a payload it
 //! cannot read.
 
-use std::cell::Cell;
 use std::mem::MaybeUninit;
 use std::ops::Range;
 
@@ -44,8 +43,7 @@ pub enum Event<'a> {
     Cleared,
 }
 
-/// A payload's events; their hashes and token ids live in two flat vectors, which go back to
-/// a per-thread spare when the batch is dropped (a payload's worth of malloc and free saved).
+/// A payload's events; their hashes and token ids live in two flat vectors.
 #[derive(Default)]
 pub struct Batch<'a> {
     pub events: Vec<Event<'a>>,
@@ -53,33 +51,31 @@ pub struct Batch<'a> {
     pub tokens: Vec<u32>,
 }
 
-thread_local! {
-    static SPARE: Cell<(Vec<u64>, Vec<u32>)> = const { Cell::new((Vec::new(), Vec::new())) };
+/// A batch's vectors, emptied, kept by the index from one payload to the next: a payload's
+/// worth of malloc and free saved each time.
+#[derive(Default)]
+pub struct Spare {
+    events: Vec<Event<'static>>,
+    hashes: Vec<u64>,
+    tokens: Vec<u32>,
 }
 
 /// Larger vectors are freed, so one huge payload does not pin its memory.
 const KEEP_MAX_ITEMS: usize = 1 << 18;
 
-impl Batch<'_> {
-    fn recycled() -> Self {
-        let (hashes, tokens) = SPARE.try_with(Cell::take).unwrap_or_default();
-        Batch {
-            events: Vec::new(),
-            hashes,
-            tokens,
+impl Spare {
+    pub fn keep(&mut self, mut batch: Batch<'_>) {
+        if batch.hashes.capacity().max(batch.tokens.capacity()).max(batch.events.capacity()) > KEEP_MAX_ITEMS {
+            return;
         }
-    }
-}
-
-impl Drop for Batch<'_> {
-    fn drop(&mut self) {
-        let (mut h, mut t) = (std::mem::take(&mut self.hashes), std::mem::take(&mut self.tokens));
-        if h.capacity() <= KEEP_MAX_ITEMS && t.capacity() <= KEEP_MAX_ITEMS {
-            h.clear();
-            t.clear();
-            // The thread may be exiting, in which case there is nothing to return to.
-            let _ = SPARE.try_with(|c| c.set((h, t)));
-        }
+        batch.events.clear();
+        batch.hashes.clear();
+        batch.tokens.clear();
+        // SAFETY: the vector is empty, so it holds no borrow of the payload; the types differ
+        // only in that lifetime (same layout).
+        self.events = unsafe { std::mem::transmute::<Vec<Event<'_>>, Vec<Event<'static>>>(batch.events) };
+        self.hashes = batch.hashes;
+        self.tokens = batch.tokens;
     }
 }
 
@@ -103,15 +99,16 @@ pub fn detect(b: &[u8]) -> Format {
     }
 }
 
-/// `scratch` holds JSON transcoded to msgpack, which the batch's strings borrow from.
-pub fn parse<'a>(b: &'a [u8], format: Format, scratch: &'a mut Vec<u8>) -> Option<Batch<'a>> {
+/// `scratch` holds JSON transcoded to msgpack, which the batch's strings borrow from; the
+/// batch's vectors are `spare`'s.
+pub fn parse<'a>(b: &'a [u8], format: Format, scratch: &'a mut Vec<u8>, spare: Spare) -> Option<Batch<'a>> {
     match format {
-        Format::Msgpack => Parser::new(b, false).batch(),
+        Format::Msgpack => Parser::new(b, false, spare).batch(),
         Format::Json => {
             scratch.clear();
             json_to_msgpack(b, scratch)?;
             let bytes: &'a [u8] = scratch;
-            Parser::new(bytes, true).batch()
+            Parser::new(bytes, true, spare).batch()
         }
     }
 }
@@ -140,11 +137,15 @@ struct Fields<'a> {
 }
 
 impl<'a> Parser<'a> {
-    fn new(b: &'a [u8], json: bool) -> Self {
+    fn new(b: &'a [u8], json: bool, spare: Spare) -> Self {
         Parser {
             r: Reader { b, p: 0 },
             json,
-            out: Batch::recycled(),
+            out: Batch {
+                events: spare.events,
+                hashes: spare.hashes,
+                tokens: spare.tokens,
+            },
             bad_tokens: false,
             bad_extra_keys: false,
         }
@@ -748,7 +749,7 @@ mod tests {
             "lora_id": null, "medium": "GPU", "lora_name": "x", "extra_keys": [["x"], null],
             "unknown": {"a": [1.0]}}, ["BlockRemoved", [7], "CPU"], {"type": "AllBlocksCleared"}], 0]"#;
         let mut scratch = Vec::new();
-        let b = parse(json, detect(json), &mut scratch).expect("parses");
+        let b = parse(json, detect(json), &mut scratch, Spare::default()).expect("parses");
         assert_eq!(b.hashes, vec![1, 2, 7]);
         assert_eq!(b.tokens, vec![1, 2, 3, 4]);
         assert_eq!(b.events.len(), 3);
@@ -769,9 +770,9 @@ mod tests {
     fn rejects_garbage_and_trailing_bytes() {
         let mut scratch = Vec::new();
         for bad in [&b"[1.0, [], 0] x"[..], b"{}", b"\x92\xcb", b"[1.0, [{\"type\": \"Nope\"}]]"] {
-            assert!(parse(bad, detect(bad), &mut scratch).is_none(), "{bad:?}");
+            assert!(parse(bad, detect(bad), &mut scratch, Spare::default()).is_none(), "{bad:?}");
         }
-        assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch).is_some());
+        assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch, Spare::default()).is_some());
     }
 
     /// Token ids of every width and signedness a writer may use, at every distance from the
@@ -806,7 +807,7 @@ mod tests {
             }
             let mut bytes = vec![0xdc, 0, n as u8];
             bytes.extend_from_slice(&body);
-            let mut p = Parser::new(&bytes, false);
+            let mut p = Parser::new(&bytes, false, Spare::default());
             let range = p.tokens().expect("valid array");
             assert_eq!(p.r.p, bytes.len(), "case {case}");
             let got: Vec<u32> = p.out.tokens[range].to_vec();
