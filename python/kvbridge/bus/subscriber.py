@@ -598,6 +598,8 @@ class KvEventSubscriber:
         counts["bytes"] += len(data)
         try:
             key = self._subject_keys.get(subject) or self._subject_key(subject)
+            if not headers:
+                raise _Malformed("no headers")
             epoch, seq, batch = _parse_event_msg(headers, data, self._raw_bodies)
         except (_Malformed, DecodeError):
             counts["malformed"] += 1
@@ -886,7 +888,7 @@ class KvEventSubscriber:
 
 
 def _parse_event_msg(headers: dict[str, str] | None, data: bytes, raw: bool = False) -> tuple[str, int, _Body]:
-    if not headers:
+    if not headers:  # (a replayed message's)
         raise _Malformed("no headers")
     epoch = headers.get(HDR_EPOCH)
     raw_seq = headers.get(HDR_SEQ)
