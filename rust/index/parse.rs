@@ -345,7 +345,7 @@ impl<'a> Parser<'a> {
         }
         // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
         // uint32 for a vocabulary past 65536), and the next token's position depends on this
-        // one's width: a serial chain. `fast_tokens` keeps the loads off that chain; what it
+        // one's width: a serial chain, which `fast_tokens` keeps short; what it
         // leaves (a payload's last bytes, a width msgspec does not write) is decoded one by one.
         let b = self.r.b;
         let tokens = &mut self.out.tokens;
@@ -530,37 +530,19 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Decodes token ids from `b[p..]` into `out` while they are fixints or uint8/16/32 and 16
+/// Decodes token ids from `b[p..]` into `out` while they are fixints or uint8/16/32 and 8
 /// bytes can be read; returns how many and the position after them.
 ///
-/// A token is at most 5 bytes, so one 16-byte little-endian load holds the next three: the
-/// marker is the window's low byte, the value the big-endian bytes after it, and moving to the
-/// next token is a shift of the window (register arithmetic, no load on the chain from one
-/// token's position to the next).
+/// A token is at most 5 bytes: one 8-byte little-endian load at its marker holds it whole (the
+/// marker is the word's low byte, the value the big-endian bytes after it). The loads sit on
+/// the chain from one token's position to the next; a 16-byte window shifted by each width
+/// (three tokens a load) kept them off it but cost more in u128 shifts: 2.4 vs 2.8 ns a token.
 #[inline]
 fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, usize) {
     let mut i = 0;
-    while out.len() - i >= 3 {
-        let Some(window) = b.get(p..p + 16) else { break };
-        let mut v = u128::from_le_bytes(window.try_into().unwrap());
-        let mut used = 0;
-        let mut ok = true;
-        for slot in &mut out[i..i + 3] {
-            let (t, width, valid) = one_token(v);
-            slot.write(t);
-            ok &= valid;
-            used += width as usize;
-            v >>= 8 * width;
-        }
-        if !ok {
-            break; // the slow loop redoes these three
-        }
-        i += 3;
-        p += used;
-    }
     while i < out.len() {
-        let Some(window) = b.get(p..p + 16) else { break };
-        let (t, width, valid) = one_token(u128::from_le_bytes(window.try_into().unwrap()));
+        let Some(word) = b.get(p..p + 8) else { break };
+        let (t, width, valid) = one_token(u64::from_le_bytes(word.try_into().unwrap()));
         if !valid {
             break;
         }
@@ -576,7 +558,7 @@ fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, 
 /// token) comes from the marker's low two bits and a constant: uint8/16/32 (0xcc..0xce) are
 /// 2, 3 and 5 bytes, a fixint 1.
 #[inline(always)]
-fn one_token(v: u128) -> (u32, u32, bool) {
+fn one_token(v: u64) -> (u32, u32, bool) {
     const UINT_WIDTHS: u32 = 0x05_03_02;
     let m = v as u8 as u32;
     let fix = m < 0x80;
