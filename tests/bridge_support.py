@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import threading
 import time
 from typing import Any, Callable
@@ -173,3 +174,18 @@ class Recorder:
             seen.add((epoch, seq))
             prev = (epoch, seq)
         return {"deliveries": len(seen), "resets": resets}
+
+
+async def stop_process(proc: asyncio.subprocess.Process, timeout: float) -> bytes:
+    """SIGTERM a kvbridge command run as ``proc`` and wait for it to exit (killed if it does not
+    within ``timeout``); its stderr (empty unless piped). Call it from a ``finally``: a failing
+    test leaves no process behind either."""
+    try:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), timeout)
+        return err or b""
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

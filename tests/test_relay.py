@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from bridge_support import wait_until
+from bridge_support import stop_process, wait_until
 from engine_shapes import (
     SglAllBlocksCleared,
     SglBatch,
@@ -575,12 +574,8 @@ async def test_cli_relays_and_exits_cleanly_on_sigterm(zctx, nats_sub, nats_serv
         for topic, seq, payload in frames:
             await engine.send(topic, seq, payload, drop=seq == 2)
         await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "the CLI's messages on NATS")
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), WAIT)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        err = await stop_process(proc, WAIT)
     assert proc.returncode == 0, err.decode()
     assert [m.data for m in col.msgs] == [p for _, _, p in frames]
     text = err.decode()

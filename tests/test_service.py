@@ -14,7 +14,7 @@ import nats
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from bridge_support import pool_hashes, prefix_scores
+from bridge_support import pool_hashes, prefix_scores, stop_process
 from kvbridge import Config, Index, KvEventPublisher, hash_blocks
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
@@ -293,16 +293,6 @@ async def _start_replica(url: str, model: str) -> asyncio.subprocess.Process:
     return proc
 
 
-async def _end(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 20)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
 @pytest.mark.timeout(180)
 async def test_two_replicas_one_killed_mid_stream_no_query_lost(nats_server):
     model = "svc-replicas"
@@ -344,5 +334,5 @@ async def test_two_replicas_one_killed_mid_stream_no_query_lost(nats_server):
     finally:
         for proc in (first, second):
             if proc is not None:
-                await _end(proc)
+                await stop_process(proc, 20)
         await fleet.close()

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 import kvbridge.engine.vllm as kv_vllm
-from bridge_support import wait_until
+from bridge_support import stop_process, wait_until
 from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
 from kvbridge.engine.discover import Discovery
 from kvbridge.wire.events import LoadReport, decode_load_report
@@ -474,12 +473,8 @@ async def test_cli_relay_discover_relays_both_ranks(nats_server, rank_engines, n
             await e0.send(*f, drop=f[1] == 1)
             await e1.send(*f)
         await wait_until(lambda: all(len(c.msgs) == len(frames) for c in cols), WAIT, "both ranks on NATS")
-        proc.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(proc.communicate(), WAIT)
     finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        err = await stop_process(proc, WAIT)
     assert proc.returncode == 0, err.decode()
     for c in cols:
         assert [m.data for m in c.msgs] == [p for _, _, p in frames]
