@@ -17,28 +17,15 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import kvbridge.engine.vllm as kv_vllm
 
-
-@dataclass
-class PrefixCacheStats:
-    reset: bool = False
-    requests: int = 1
-    queries: int = 512
-    hits: int = 256
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int = 12
-    num_waiting_reqs: int = 3
-    num_skipped_waiting_reqs: int = 1
-    kv_cache_usage: float = 0.42
-    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from engine_shapes import PrefixCacheStats, SchedulerStats  # noqa: E402  (vLLM's shapes, as the tests build them)
 
 
 class Anchor:
@@ -78,7 +65,8 @@ def main() -> None:
     # publisher "null" and no load reports: record() alone, with no relay or NATS connection behind it.
     logger = kv_vllm.logger_factory(servers=["nats://127.0.0.1:1"], load_interval_s=0)(vllm_config=cfg, engine_indexes=[0, 1])
     anchor = Anchor()
-    stats = SchedulerStats()
+    stats = SchedulerStats(num_running_reqs=12, num_waiting_reqs=3, num_skipped_waiting_reqs=1, kv_cache_usage=0.42,
+                           prefix_cache_stats=PrefixCacheStats(requests=1, queries=512, hits=256))  # fmt: skip
     rows = {
         "anchor (store the numbers)": lambda: anchor.record(stats, None, mm_cache_stats=None, engine_idx=1),
         "record(s, it, mm_cache_stats=, engine_idx=)": lambda: logger.record(stats, None, mm_cache_stats=None, engine_idx=1),

@@ -3,6 +3,8 @@ write them (without importing an engine). Field order and struct options are par
 
 - ``Vllm*``: vLLM 0.33.0, ``vllm/distributed/kv_events.py`` (``BlockStored`` ends with
   ``session_id``, ``lookahead_token_ids``).
+- ``SchedulerStats`` / ``PrefixCacheStats``: what vLLM 0.33 hands a stat logger's ``record()``
+  (``vllm/v1/metrics/stats.py``), as plain dataclasses (also used by bench/vllm_record.py).
 - ``Sgl*``: SGLang 0.5.23, ``python/sglang/srt/disaggregation/kv_events.py``: the batch is
   ``[ts, events, attn_dp_rank]`` without ``omit_defaults`` (a None rank is written), events are
   tagged maps with ``omit_defaults`` whose ``medium`` defaults to None (so it is left out when None),
@@ -11,6 +13,7 @@ write them (without importing an engine). Field order and struct options are par
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import msgspec
@@ -83,3 +86,24 @@ class SglAllBlocksCleared(SglEvent, tag="AllBlocksCleared"):
     pass
 
 
+@dataclass
+class PrefixCacheStats:
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0
+    num_kv_fetch_reqs_by_stage: dict = field(default_factory=dict)
+    step_counter: int = 0
+    current_wave: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace as NS
 
@@ -31,6 +30,7 @@ import zmq.asyncio
 
 import kvbridge.engine.vllm as kv_vllm
 from bridge_support import stop_process, wait_until
+from engine_shapes import PrefixCacheStats, SchedulerStats
 from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
 from kvbridge.engine.discover import Discovery
 from kvbridge.wire.events import LoadReport, decode_load_report
@@ -52,29 +52,6 @@ def vllm_config(port=5557, replay=5567, *, enabled=True, publisher="zmq", topic=
             data_parallel_rank=dp_index, data_parallel_index=dp_index, data_parallel_rank_local=None,
             _api_process_count=max(1, api_rank + 1), _api_process_rank=api_rank)  # fmt: skip
     return NS(kv_events_config=kv, parallel_config=pc, model_config=NS(model=model, served_model_name=served))
-
-
-@dataclass
-class PrefixCacheStats:
-    reset: bool = False
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    num_skipped_waiting_reqs: int = 0
-    num_kv_fetch_reqs_by_stage: dict = field(default_factory=dict)
-    step_counter: int = 0
-    current_wave: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 @pytest.fixture(autouse=True)
