@@ -305,8 +305,8 @@ class KvEventSubscriber:
     Deliveries go to ``on_update(update)`` (sync or async) if given, and to ``async for update in
     subscriber`` once iteration has begun. ``on_update`` is chosen before ``start()``: without one
     nothing is ever awaited per message, and messages are handled in the connection's read loop
-    (no nats-py ``Msg``, queue or task each); with one, through nats-py's callback. ``views`` holds a :class:`WorkerView` per
-    ``(model, worker)`` unless ``track_views=False``.
+    (no nats-py ``Msg``, queue or task each); with one, through nats-py's callback. ``views``
+    holds a :class:`WorkerView` per ``(model, worker)`` unless ``track_views=False``.
 
     ``index``: a :class:`kvbridge.Index` to keep up to date. Each delivered update's payload bytes
     go straight to ``index.apply(worker, payload)`` (a snapshot, already decoded, as its batch);
