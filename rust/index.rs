@@ -21,7 +21,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyS
 
 use self::core::{Core, Mode};
 use self::parse::{detect, parse, reduce_bytes, Format};
-use crate::hash::algo::{Algo, Chain, Digest};
+use crate::hash::algo::{Algo, Chain};
 use crate::hash::tokens;
 use crate::hash::value::Value;
 
@@ -335,15 +335,15 @@ impl Index {
         let n_blocks = toks.as_slice().len() / bs;
         let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
         let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora_name, None);
-        let mut digests: Vec<Digest> = Vec::with_capacity(n_blocks);
+        let mut keys = Vec::with_capacity(n_blocks);
         let full = &toks.as_slice()[..n_blocks * bs];
         if full.len() >= DETACH_MIN_TOKENS {
             let copy = full.to_vec();
-            py.detach(|| chain.run(&copy, extras.as_deref(), 0, &mut digests));
+            py.detach(|| chain.run_words(&copy, extras.as_deref(), |k| keys.push(k)));
         } else {
-            chain.run(full, extras.as_deref(), 0, &mut digests);
+            chain.run_words(full, extras.as_deref(), |k| keys.push(k));
         }
-        Ok(digests.iter().map(Digest::event_hash).collect())
+        Ok(keys)
     }
 }
 
