@@ -124,6 +124,14 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// An array header whose items (each at least a byte) can all be in what is left: a length
+    /// beyond the payload is garbage, refused before anything is reserved for it.
+    #[inline]
+    pub(crate) fn bounded_array_len(&mut self) -> Option<usize> {
+        let n = self.array_len()?;
+        (n <= self.b.len() - self.p).then_some(n)
+    }
+
     #[inline]
     pub(crate) fn map_len(&mut self) -> Option<usize> {
         match self.byte()? {
@@ -174,9 +182,14 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// `int | bytes` (ExternalBlockHash).
-    #[inline]
+    /// `int | bytes` (ExternalBlockHash). Inlined: a payload has one per block.
+    #[inline(always)]
     pub(crate) fn hash(&mut self) -> Option<Hash> {
+        // What every engine writes for a 64-bit hash past 2**63, a uint64: read in one go.
+        if let Some(&[0xcf, ref v @ ..]) = self.b.get(self.p..self.p + 9) {
+            self.p += 9;
+            return Some(Hash::U(u64::from_be_bytes(v.try_into().unwrap())));
+        }
         let n = match self.peek()? {
             0xc4 => {
                 self.p += 1;

@@ -286,23 +286,12 @@ impl<'a> Parser<'a> {
         if self.r.nil() {
             return Some(None);
         }
-        // One UTF-8 check (Reader::str would check it, then from_utf8 again); media and LoRA
-        // names are short ASCII, which needs no decoder.
-        let s = self.r.raw_str()?;
-        if s.is_ascii() {
-            // SAFETY: ASCII is UTF-8.
-            return Some(Some(unsafe { std::str::from_utf8_unchecked(s) }));
-        }
-        std::str::from_utf8(s).ok().map(Some)
+        let s = self.r.str()?;
+        // SAFETY: Reader::str checked that the bytes are UTF-8.
+        Some(Some(unsafe { std::str::from_utf8_unchecked(s) }))
     }
 
     fn hash(&mut self) -> Option<u64> {
-        // What every engine writes for a 64-bit hash past 2**63: a uint64.
-        let (b, p) = (self.r.b, self.r.p);
-        if let Some(&[0xcf, ref v @ ..]) = b.get(p..p + 9) {
-            self.r.p = p + 9;
-            return Some(u64::from_be_bytes(v.try_into().unwrap()));
-        }
         if self.json && matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
             return base64_reduced(self.r.str()?);
         }
@@ -322,12 +311,8 @@ impl<'a> Parser<'a> {
     }
 
     fn hashes(&mut self) -> Option<Range<usize>> {
-        let n = self.r.array_len()?;
+        let n = self.r.bounded_array_len()?;
         let start = self.out.hashes.len();
-        // Every hash takes at least a byte: a length beyond the payload is garbage.
-        if n > self.r.b.len() - self.r.p {
-            return None;
-        }
         self.out.hashes.reserve(n);
         for _ in 0..n {
             let h = self.hash()?;
@@ -337,12 +322,8 @@ impl<'a> Parser<'a> {
     }
 
     fn tokens(&mut self) -> Option<Range<usize>> {
-        let n = self.r.array_len()?;
+        let n = self.r.bounded_array_len()?;
         let start = self.out.tokens.len();
-        // Every token takes at least a byte: a length beyond the payload is garbage.
-        if n > self.r.b.len() - self.r.p {
-            return None;
-        }
         // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
         // uint32 for a vocabulary past 65536), and the next token's position depends on this
         // one's width: a serial chain, which `fast_tokens` keeps short; what it
