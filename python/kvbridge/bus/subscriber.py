@@ -832,7 +832,7 @@ class KvEventSubscriber:
             return True
         for m in replies[:-1]:
             try:
-                epoch, seq, batch = _parse_event_msg(m.headers, m.data, self._raw_bodies)
+                epoch, seq, batch = _parse_event_msg(m.headers or {}, m.data, self._raw_bodies)
             except (_Malformed, DecodeError):
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
@@ -887,9 +887,7 @@ class KvEventSubscriber:
         return True
 
 
-def _parse_event_msg(headers: dict[str, str] | None, data: bytes, raw: bool = False) -> tuple[str, int, _Body]:
-    if not headers:  # (a replayed message's)
-        raise _Malformed("no headers")
+def _parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> tuple[str, int, _Body]:
     epoch = headers.get(HDR_EPOCH)
     raw_seq = headers.get(HDR_SEQ)
     if not epoch or raw_seq is None or HDR_REPLY in headers:
