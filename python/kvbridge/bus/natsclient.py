@@ -113,8 +113,8 @@ class Client(_nats.Client):
         handler = self._direct.get(sid)
         if handler is None:
             await super()._process_msg(sid, subject, reply, data, headers)
-        elif not self._deliver_now(handler, sid, subject, reply, data, headers):
-            self._hand(handler, subject, data, await super()._process_headers(headers))
+        else:  # a frame nats-py's parser cut, or one whose header block is nats-py's to read
+            self._hand(handler, subject, data, await self._process_headers(headers))
 
     async def _process_headers(self, headers: Optional[bytes]) -> Optional[dict[str, str]]:
         hdr = _native_headers(headers)
