@@ -202,3 +202,43 @@ def test_loads_from_the_workers_load_reports(index):
     assert router.costs(PROMPT) == {"a": 8.0, "b": 4.0, "c": 5.0}
     with pytest.raises(ValueError, match="worker 'a' reports load for several models: pass model="):
         Router(index, loads=report_loads(Reports())).choose(PROMPT)
+
+
+# -- storage tiers ------------------------------------------------------------------------------
+
+
+def test_tiered_overlap_counts_each_block_at_the_best_tier_holding_it():
+    from kvbridge.routing.router import DEFAULT_MEDIUM_WEIGHTS, tiered_overlap
+
+    w = DEFAULT_MEDIUM_WEIGHTS
+    assert tiered_overlap({}, w) == 0
+    assert tiered_overlap({"GPU": 3}, w) == 3
+    # GPU holds 2 leading blocks, the CPU 6: 2 at 1.0, then 4 at 0.75
+    assert tiered_overlap({"GPU": 2, "CPU": 6}, w) == 2 + 4 * 0.75
+    # a slower tier reaching less far adds nothing: those blocks are on the GPU too
+    assert tiered_overlap({"GPU": 5, "DISK": 3}, w) == 5
+    # three tiers: 1 GPU, 2 more from the CPU, 3 more from disk
+    assert tiered_overlap({"GPU": 1, "CPU": 3, "DISK": 6}, w) == 1 + 2 * 0.75 + 3 * 0.25
+    # an engine that names no medium is on the GPU; a medium nobody weighed counts the lowest
+    assert tiered_overlap({None: 4}, w) == 4
+    assert tiered_overlap({"NVME-OF": 4}, w) == 4 * 0.25
+    assert tiered_overlap({"CPU": 4}, {"CPU": 1.0, "GPU": 1.0}) == 4
+
+
+def test_router_weighs_tiers_when_choosing():
+    router = Router(block_size=BS, workers=["gpu", "cpu"], medium_weights={"GPU": 1.0, "CPU": 0.5})
+    # 8 blocks: gpu holds 4 on the GPU (cost 4), cpu holds 8 in CPU memory (cost 8 - 4 = 4): a tie
+    # broken by load; with 7 held in CPU memory the GPU worker is cheaper.
+    scores = {"gpu": {"GPU": 4}, "cpu": {"CPU": 7}}
+    assert router.costs_from_scores(scores, 8) == {"gpu": 4.0, "cpu": 4.5}
+    assert router.choose_scores(scores, 8) == ("gpu", 4)
+    # the overlap a choice reports is the leading blocks held in any tier
+    assert Router(block_size=BS, workers=["cpu"]).choose_scores({"cpu": {"GPU": 1, "CPU": 6}}, 8) == ("cpu", 6)
+    with pytest.raises(TypeError, match="medium_weights: a medium is a non-empty str"):
+        Router(block_size=BS, medium_weights={1: 1.0})
+    with pytest.raises(ValueError, match=r"medium_weights\['CPU'\] must be >= 0"):
+        Router(block_size=BS, medium_weights={"CPU": -1})
+    with pytest.raises(TypeError, match="medium_weights must be a non-empty mapping"):
+        Router(block_size=BS, medium_weights={})
+    with pytest.raises(TypeError, match="remote must be a bool"):
+        Router(block_size=BS, remote="yes")

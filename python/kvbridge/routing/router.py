@@ -5,7 +5,12 @@ costs::
 
     cost = overlap_weight * (B - overlap) + load
 
--- the blocks it would still have to prefill, weighed against how busy it is. ``load`` is what
+-- the blocks it would still have to prefill, weighed against how busy it is. ``overlap`` counts a
+block at the best storage tier that holds it (``medium_weights``: GPU 1.0, CPU 0.75, DISK and
+STORAGE 0.25 by default, as Dynamo weighs them): a prefix held on the GPU for 2 blocks and in CPU
+memory for 6 counts ``2 * 1.0 + 4 * 0.75 = 5`` blocks, since loading from a slower tier is cheaper
+than recomputing but not free. Blocks an event marked ``locality="REMOTE"`` are not credited
+unless ``remote=True``. ``load`` is what
 ``loads`` says for the worker (e.g. from its ``LoadReport`` s: requests running + waiting), else the
 router's own count of the requests it sent there that are not ``done`` yet. The lowest cost wins;
 ties go to a seeded random pick among the tied workers, so runs repeat. With ``temperature > 0``
@@ -27,9 +32,15 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-__all__ = ["NoWorkersError", "Router", "report_loads", "softmax_probabilities"]
+__all__ = ["DEFAULT_MEDIUM_WEIGHTS", "NoWorkersError", "Router", "report_loads", "softmax_probabilities", "tiered_overlap"]
 
 Loads = Mapping[str, float] | Callable[[str], "float | None"]
+#: ``{worker: leading blocks}`` or, per storage tier, ``{worker: {medium: leading blocks}}``.
+Scores = Mapping[str, "int | Mapping[str | None, int]"]
+
+#: Dynamo's tier weights. A medium not named here counts as the lowest of them; ``None`` (engines
+#: that do not say) is the GPU, vLLM's default medium.
+DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25, "STORAGE": 0.25}
 
 
 class NoWorkersError(LookupError):
@@ -42,6 +53,25 @@ def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
     if value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value!r}")
     return float(value)
+
+
+def tiered_overlap(by_medium: Mapping[str | None, int], weights: Mapping[str, float]) -> float:
+    """Leading blocks held, each counted at the best tier holding it: ``by_medium`` gives per
+    medium how many leading blocks it holds, so block ``i`` is worth the largest weight among the
+    media holding more than ``i`` blocks."""
+    lowest = min(weights.values(), default=0.0)
+    tiers = sorted(
+        ((n, weights.get("GPU" if m is None else m, lowest)) for m, n in by_medium.items() if n > 0),
+        reverse=True,
+    )
+    # Sorted deepest first: the stretch (next tier's reach, this tier's reach] is held by this
+    # tier and every deeper one, so it is worth the best weight seen so far.
+    total, best = 0.0, 0.0
+    for i, (n, w) in enumerate(tiers):
+        best = max(best, w)
+        below = tiers[i + 1][0] if i + 1 < len(tiers) else 0
+        total += best * (n - below)
+    return total
 
 
 def softmax_probabilities(costs: Mapping[str, float], temperature: float) -> dict[str, float]:
@@ -67,6 +97,9 @@ class Router:
     ``loads``: a mapping worker -> load, or a callable ``load(worker)`` returning a number or
     None; a worker it has no number for is weighed by the router's own in-flight count.
     ``workers``: candidates besides those the index knows (a worker with nothing cached yet).
+    ``medium_weights``: what a block held in each storage tier is worth against one to prefill
+    (default :data:`DEFAULT_MEDIUM_WEIGHTS`); ``remote``: credit blocks whose events said
+    ``locality="REMOTE"`` (default False: a block on another node is not this worker's).
     """
 
     def __init__(
@@ -79,6 +112,8 @@ class Router:
         temperature: float = 0.0,
         seed: int | None = 0,
         workers: Iterable[str] = (),
+        medium_weights: Mapping[str, float] | None = None,
+        remote: bool = False,
     ) -> None:
         if block_size is None:
             block_size = getattr(index, "block_size", None)
@@ -94,6 +129,17 @@ class Router:
         self.temperature = _check_number("temperature", temperature)
         self.loads = loads
         self.workers = [_check_worker("workers", w) for w in workers]
+        if medium_weights is None:
+            medium_weights = DEFAULT_MEDIUM_WEIGHTS
+        if not isinstance(medium_weights, Mapping) or not medium_weights:
+            raise TypeError(f"medium_weights must be a non-empty mapping medium -> weight, got {medium_weights!r}")
+        for m in medium_weights:
+            if not isinstance(m, str) or not m:
+                raise TypeError(f"medium_weights: a medium is a non-empty str, got {m!r}")
+        self.medium_weights = {m: _check_number(f"medium_weights[{m!r}]", w) for m, w in medium_weights.items()}
+        if not isinstance(remote, bool):
+            raise TypeError(f"remote must be a bool, got {remote!r}")
+        self.remote = remote
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         #: worker -> requests chosen and not yet done
@@ -111,7 +157,7 @@ class Router:
             return float(self.in_flight.get(worker, 0))
         return _check_number(f"load of worker {worker!r}", value)
 
-    def _candidates(self, scores: Mapping[str, int], workers: Sequence[str] | None) -> list[str]:
+    def _candidates(self, scores: Mapping[str, Any], workers: Sequence[str] | None) -> list[str]:
         if workers is not None:
             found = sorted({_check_worker("workers", w) for w in workers})
             if not found:
@@ -128,21 +174,42 @@ class Router:
             )
         return sorted(known)
 
+    def overlap(self, score: int | Mapping[str | None, int]) -> float:
+        """A worker's overlap in blocks: a plain count as it is, per-medium counts weighed by
+        tier (:func:`tiered_overlap`)."""
+        if isinstance(score, Mapping):
+            return tiered_overlap(score, self.medium_weights)
+        return float(score)
+
     def costs_from_scores(
-        self, scores: Mapping[str, int], num_blocks: int, workers: Sequence[str] | None = None
+        self, scores: Scores, num_blocks: int, workers: Sequence[str] | None = None
     ) -> dict[str, float]:
-        """``{worker: cost}`` for a request of ``num_blocks`` full blocks with these overlaps."""
+        """``{worker: cost}`` for a request of ``num_blocks`` full blocks with these overlaps
+        (per worker a block count, or ``{medium: block count}`` as ``by_medium`` answers give)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         return {
-            w: self.overlap_weight * (num_blocks - min(scores.get(w, 0), num_blocks)) + self.load(w)
+            w: self.overlap_weight * (num_blocks - min(self.overlap(scores.get(w, 0)), num_blocks)) + self.load(w)
             for w in self._candidates(scores, workers)
         }
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
+        """``{worker: leading blocks held}`` in any medium (what the index answers by default)."""
+        return self._index().find_matches(tokens, lora_name=lora_name, extra_keys=extra_keys, remote=self.remote)
+
+    def tier_scores(
+        self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None
+    ) -> dict[str, dict[str | None, int]]:
+        """``{worker: {medium: leading blocks held there}}``: what :meth:`costs` and
+        :meth:`choose` weigh with ``medium_weights``."""
+        return self._index().find_matches(
+            tokens, lora_name=lora_name, extra_keys=extra_keys, by_medium=True, remote=self.remote
+        )
+
+    def _index(self) -> Any:
         if self.index is None:
             raise ValueError("this router has no index: use choose_scores() with scores from an IndexClient")
-        return self.index.find_matches(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        return self.index
 
     def costs(
         self,
@@ -153,7 +220,7 @@ class Router:
         workers: Sequence[str] | None = None,
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
-        scores = self.scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
         return self.costs_from_scores(scores, len(tokens) // self.block_size, workers)
 
     # -- choosing -------------------------------------------------------------------------------
@@ -171,11 +238,11 @@ class Router:
 
         ``workers``: choose among exactly these (default: the index's workers and the router's
         ``workers``). Raises :class:`NoWorkersError` when there is none."""
-        scores = self.scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
         return self.choose_scores(scores, len(tokens) // self.block_size, workers=workers)
 
     def choose_scores(
-        self, scores: Mapping[str, int], num_blocks: int, *, workers: Sequence[str] | None = None
+        self, scores: Scores, num_blocks: int, *, workers: Sequence[str] | None = None
     ) -> tuple[str, int]:
         """:meth:`choose` from overlap scores obtained elsewhere (e.g. ``await
         IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks."""
@@ -190,7 +257,9 @@ class Router:
                 tied = [w for w, c in costs.items() if c == best]
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
             self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-        return worker, min(scores.get(worker, 0), num_blocks)
+        score = scores.get(worker, 0)
+        held = max(score.values(), default=0) if isinstance(score, Mapping) else score
+        return worker, min(held, num_blocks)
 
     def done(self, worker: str) -> None:
         """A request sent to ``worker`` finished: its in-flight count goes down by one."""

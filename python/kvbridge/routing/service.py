@@ -4,8 +4,11 @@
 every worker's cached blocks, and answers overlap queries on ``<prefix>.query.<model>`` in a NATS
 queue group, so any number of replicas share the queries and a router anywhere can ask:
 
-    request  {"tokens": [...]}  or  {"block_hashes": [...]}   (+ "lora_name", "extra_keys", "medium")
+    request  {"tokens": [...]}  or  {"block_hashes": [...]}
+             (+ "lora_name", "extra_keys", "medium", "remote", "by_medium")
     reply    {"scores": {worker: leading blocks held}, "workers": N}   or   {"error": "..."}
+             with "by_medium": true also "media": {worker: {medium: leading blocks held there}}
+             (a medium the engine did not name is "")
 
 JSON or msgpack, chosen by the request's ``Content-Type`` (JSON when absent, so ``nats req
 kv.query.m '{"tokens": [1, 2, 3]}'`` works); the reply uses the request's encoding. A malformed
@@ -54,6 +57,10 @@ class IndexQuery(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     #: One entry per block: None or that block's extra keys (multimodal hashes, cache salt).
     extra_keys: list[list[Any] | None] | None = None
     medium: str | None = None
+    #: Credit blocks whose events said ``locality="REMOTE"``.
+    remote: bool = False
+    #: Also answer per storage tier ("media"), for a router that weighs tiers.
+    by_medium: bool = False
 
 
 class IndexQueryError(ValueError):
@@ -207,11 +214,14 @@ class IndexService:
         try:
             query = parse_query(payload, fmt)
             extra = None if query.extra_keys is None else [_tuples(k) for k in query.extra_keys]
-            scores = self.index.find_matches(
-                query.tokens, block_hashes=query.block_hashes, lora_name=query.lora_name,
-                extra_keys=extra, medium=query.medium,
-            )  # fmt: skip
+            args = dict(
+                block_hashes=query.block_hashes, lora_name=query.lora_name, extra_keys=extra, remote=query.remote
+            )
+            scores = self.index.find_matches(query.tokens, medium=query.medium, **args)
             reply: dict[str, Any] = {"scores": scores, "workers": len(self.index.workers)}
+            if query.by_medium:
+                media = self.index.find_matches(query.tokens, by_medium=True, **args)
+                reply["media"] = {w: {m or "": n for m, n in held.items()} for w, held in media.items()}
         except (ValueError, TypeError, OverflowError) as exc:
             self._errors += 1
             self._warn(exc)
@@ -306,9 +316,13 @@ class IndexClient:
         lora_name: str | None = None,
         extra_keys: Sequence[Any] | None = None,
         medium: str | None = None,
+        remote: bool = False,
+        by_medium: bool = False,
         timeout: float | None = None,
-    ) -> dict[str, int]:
-        """``{worker: leading blocks of the prompt it holds}`` (workers holding none are absent)."""
+    ) -> dict[str, Any]:
+        """``{worker: leading blocks of the prompt it holds}`` (workers holding none are absent);
+        with ``by_medium=True`` ``{worker: {medium: leading blocks held there}}``, what
+        ``Router.choose_scores`` weighs by tier."""
         if self._nc is None:
             raise RuntimeError("IndexClient is not started: use 'async with IndexClient(...)' or await start()")
         if (tokens is None) == (block_hashes is None):
@@ -321,11 +335,19 @@ class IndexClient:
         for name, value in (("lora_name", lora_name), ("extra_keys", extra_keys), ("medium", medium)):
             if value is not None:
                 query[name] = value
+        if remote:
+            query["remote"] = True
+        if by_medium:
+            query["by_medium"] = True
         payload = _encoders["msgpack"].encode(query)
         reply = await self._request(payload, self.timeout if timeout is None else timeout)
         if "error" in reply:
             raise IndexQueryError(f"index service on {self.subject}: {reply['error']}")
         self.workers = reply.get("workers")
+        if by_medium:
+            if not isinstance(reply.get("media"), dict):
+                raise IndexQueryError(f"index service on {self.subject}: no per-medium answer (an older service?)")
+            return reply["media"]
         return reply["scores"]
 
     async def _request(self, payload: bytes, timeout: float) -> dict[str, Any]:
