@@ -67,7 +67,9 @@ def test_callable_loads_fall_back_to_in_flight_counts(index):
 
 
 def test_in_flight_counts_spread_equal_work(index):
-    router = Router(index, workers=["d"])
+    # (provisional residency off: with it, the first pick would hold the prompt and draw the rest,
+    # tests/test_router_provisional.py)
+    router = Router(index, workers=["d"], provisional_ttl_s=0)
     other = [7] * 16  # nobody holds it: every worker costs 4 + in flight
     picks = [router.choose(other)[0] for _ in range(8)]
     assert Counter(picks) == {"a": 2, "b": 2, "c": 2, "d": 2}
@@ -92,7 +94,7 @@ def test_done_and_route_decrement(index):
 
 def test_ties_are_seeded_and_repeatable():
     idx = Index(BS)
-    router_args = dict(workers=["w0", "w1", "w2", "w3"], seed=7)
+    router_args = dict(workers=["w0", "w1", "w2", "w3"], seed=7, provisional_ttl_s=0)
     a = Router(idx, **router_args)
     b = Router(idx, **router_args)
     seq_a = [a.choose(PROMPT)[0] for _ in range(12)]
@@ -104,7 +106,7 @@ def test_ties_are_seeded_and_repeatable():
 
 
 def test_explicit_candidates_restrict_the_choice(index):
-    router = Router(index)
+    router = Router(index, provisional_ttl_s=0)
     assert router.choose(PROMPT, workers=["b", "c"]) == ("b", 1)
     # a candidate the index does not know holds nothing but still counts
     assert router.choose(PROMPT, workers=["new"]) == ("new", 0)
@@ -140,14 +142,14 @@ def test_softmax_probabilities_by_hand():
 def test_temperature_samples_by_those_probabilities(index):
     # loads keep the costs fixed (no in-flight feedback): a = 1, b = 3, c = 4
     loads = {"a": 0, "b": 0, "c": 0}
-    router = Router(index, loads=loads, temperature=0.5, seed=3)
+    router = Router(index, loads=loads, temperature=0.5, seed=3, provisional_ttl_s=0)
     picks = Counter(router.choose(PROMPT)[0] for _ in range(6000))
     expected = softmax_probabilities({"a": 1, "b": 3, "c": 4}, 0.5)
     for w, p in expected.items():
         assert abs(picks[w] / 6000 - p) < 0.03, (w, picks, expected)
-    again = Router(index, loads=loads, temperature=0.5, seed=3)
+    again = Router(index, loads=loads, temperature=0.5, seed=3, provisional_ttl_s=0)
     first = [again.choose(PROMPT)[0] for _ in range(50)]
-    third = Router(index, loads=loads, temperature=0.5, seed=3)
+    third = Router(index, loads=loads, temperature=0.5, seed=3, provisional_ttl_s=0)
     assert [third.choose(PROMPT)[0] for _ in range(50)] == first
 
 
@@ -193,13 +195,14 @@ def test_loads_from_the_workers_load_reports(index):
             ("other", "a"): (LoadReport(ts=0.0, running=99), 0.1),
         }
 
-    router = Router(index, loads=report_loads(Reports(), model="m", max_age_s=5.0))
+    router = Router(index, loads=report_loads(Reports(), model="m", max_age_s=5.0), provisional_ttl_s=0)
     # a: 1 + (3 + 4) = 8, b: 3 + 1 = 4, c: 4 + 0 in flight (its report is stale) -> b
     assert router.costs(PROMPT) == {"a": 8.0, "b": 4.0, "c": 4.0}
-    # b's load is its report, whatever the router sent it since; c's is the router's in-flight count
+    # b's load is its report plus what was routed there after it (the reports are from ts 0);
+    # c's is the router's in-flight count
     assert router.choose(PROMPT, workers=["b"]) == ("b", 1)
     assert router.choose(PROMPT, workers=["c"]) == ("c", 0)
-    assert router.costs(PROMPT) == {"a": 8.0, "b": 4.0, "c": 5.0}
+    assert router.costs(PROMPT) == {"a": 8.0, "b": 5.0, "c": 5.0}
     with pytest.raises(ValueError, match="worker 'a' reports load for several models: pass model="):
         Router(index, loads=report_loads(Reports())).choose(PROMPT)
 

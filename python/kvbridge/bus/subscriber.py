@@ -537,6 +537,15 @@ class KvEventSubscriber:
         """True when no worker is resyncing (handy for tests and tools)."""
         return all(w.syncing is None and not w.seq.need_snapshot for w in self._workers.values())
 
+    def worker_states(self) -> dict[tuple[str, str], tuple[str, str | None]]:
+        """Per ``(model, worker)`` heard from: ``("exact", epoch)`` while its stream is applied in
+        order, ``("resyncing", epoch)`` while a hole or a restart is being repaired (what is known
+        of it may be stale). A router weighs the two differently (``Router(subscriber=...)``)."""
+        return {
+            key: ("resyncing" if w.syncing is not None or w.seq.need_snapshot else "exact", w.epoch)
+            for key, w in self._workers.items()
+        }
+
     # -- load reports (kvbridge.vllm's stat logger) --------------------------------------------------
 
     @property

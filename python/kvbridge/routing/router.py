@@ -29,10 +29,15 @@ import math
 import random
 import threading
 import time
+import uuid
+from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
 
-__all__ = ["DEFAULT_MEDIUM_WEIGHTS", "NoWorkersError", "Router", "report_loads", "softmax_probabilities", "tiered_overlap"]
+from kvbridge.routing.provisional import ProvisionalResidency
+from kvbridge.wire.hashing import hash_blocks
+
+__all__ = ["DEFAULT_MEDIUM_WEIGHTS", "Decision", "NoWorkersError", "ReportLoads", "Router", "report_loads", "softmax_probabilities", "tiered_overlap"]
 
 Loads = Mapping[str, float] | Callable[[str], "float | None"]
 #: ``{worker: leading blocks}`` or, per storage tier, ``{worker: {medium: leading blocks}}``.
@@ -41,6 +46,24 @@ Scores = Mapping[str, "int | Mapping[str | None, int]"]
 #: Dynamo's tier weights. A medium not named here counts as the lowest of them; ``None`` (engines
 #: that do not say) is the GPU, vLLM's default medium.
 DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25, "STORAGE": 0.25}
+
+
+#: A peer's request still counts in its worker's load for at most this long without its "done"
+#: (the peer may have died with it in flight).
+PEER_IN_FLIGHT_MAX_S = 600.0
+
+
+class Decision(NamedTuple):
+    """A routing decision (``op="route"``) or its end (``op="done"``), as replicas share them:
+    which router (``replica``, its ``id`` for it), which worker, when (wall clock) and the
+    prompt's :meth:`Router.block_keys`."""
+
+    op: Literal["route", "done"]
+    replica: str
+    id: int
+    worker: str
+    ts: float
+    keys: list[int]
 
 
 class NoWorkersError(LookupError):
@@ -100,6 +123,18 @@ class Router:
     ``medium_weights``: what a block held in each storage tier is worth against one to prefill
     (default :data:`DEFAULT_MEDIUM_WEIGHTS`); ``remote``: credit blocks whose events said
     ``locality="REMOTE"`` (default False: a block on another node is not this worker's).
+
+    ``provisional_ttl_s``: how long a choice counts as the chosen worker holding the request's
+    full blocks before its own events say so (:mod:`kvbridge.routing.provisional`; 0 turns it
+    off); ``max_provisional`` bounds those entries. ``subscriber`` (a
+    :class:`kvbridge.KvEventSubscriber` feeding ``index``) tells which workers' streams are exact
+    and which are being repaired, and which restarted (see :attr:`stats`); ``model`` picks its
+    workers when it follows several models.
+
+    Load: with ``loads=report_loads(...)`` a worker's load is its newest report's running +
+    waiting plus the requests routed to it after that report's timestamp and still in flight
+    (this router's, and its peers' with :class:`kvbridge.routing.sync.RouteSync`); with other
+    ``loads`` the number as given; without a number, the requests in flight.
     """
 
     def __init__(
@@ -114,6 +149,10 @@ class Router:
         workers: Iterable[str] = (),
         medium_weights: Mapping[str, float] | None = None,
         remote: bool = False,
+        provisional_ttl_s: float = 2.0,
+        max_provisional: int = 100_000,
+        subscriber: Any = None,
+        model: str | None = None,
     ) -> None:
         if block_size is None:
             block_size = getattr(index, "block_size", None)
@@ -140,10 +179,24 @@ class Router:
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {remote!r}")
         self.remote = remote
+        self.provisional = ProvisionalResidency(provisional_ttl_s, max_entries=max_provisional)
+        self.subscriber = subscriber
+        self.model = model
+        #: This router's name among replicas sharing decisions (RouteSync).
+        self.replica = uuid.uuid4().hex[:12]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         #: worker -> requests chosen and not yet done
         self.in_flight: dict[str, int] = {}
+        # Per worker, this router's requests in flight, oldest first: (wall-clock time, decision id).
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+        # Peers' requests in flight: (replica, decision id) -> (worker, wall-clock time).
+        self._peer_sent: dict[tuple[str, int], tuple[str, float]] = {}
+        self._next_id = 0
+        self._epochs: dict[str, str | None] = {}
+        #: Called with each :class:`Decision` this router makes or ends (RouteSync publishes them).
+        self.listeners: list[Callable[[Decision], None]] = []
+        self._counts = {"decisions": 0, "peer_decisions": 0, "peer_dones": 0, "restarts_seen": 0}
 
     # -- scoring --------------------------------------------------------------------------------
 
@@ -154,8 +207,28 @@ class Router:
         if loads is not None:
             value = loads.get(worker) if isinstance(loads, Mapping) else loads(worker)
         if value is None:
-            return float(self.in_flight.get(worker, 0))
-        return _check_number(f"load of worker {worker!r}", value)
+            return float(self.in_flight.get(worker, 0) + self._peer_count(worker, -math.inf))
+        load = _check_number(f"load of worker {worker!r}", value)
+        as_of = getattr(loads, "as_of", None)
+        if as_of is not None and (since := as_of(worker)) is not None:
+            load += self.routed_since(worker, since)
+        return load
+
+    def routed_since(self, worker: str, ts: float) -> int:
+        """Requests sent to ``worker`` after wall-clock time ``ts`` and still in flight (this
+        router's and its peers'): what a load report taken at ``ts`` does not count yet."""
+        sent = self._sent.get(worker, ())
+        mine = sum(1 for t, _ in sent if t > ts)
+        return mine + self._peer_count(worker, ts)
+
+    def _peer_count(self, worker: str, ts: float) -> int:
+        if not self._peer_sent:
+            return 0
+        horizon = time.time() - PEER_IN_FLIGHT_MAX_S
+        stale = [key for key, (_, t) in self._peer_sent.items() if t < horizon]
+        for key in stale:  # a peer that died with requests in flight never says they are done
+            del self._peer_sent[key]
+        return sum(1 for w, t in self._peer_sent.values() if w == worker and t > ts)
 
     def _candidates(self, scores: Mapping[str, Any], workers: Sequence[str] | None) -> list[str]:
         if workers is not None:
@@ -211,6 +284,11 @@ class Router:
             raise ValueError("this router has no index: use choose_scores() with scores from an IndexClient")
         return self.index
 
+    def block_keys(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> list[int]:
+        """The keys provisional residency records for a prompt's full blocks (the chained xxh3
+        hash a token-keyed ``Index`` uses; replicas agree on them whatever the engines hash)."""
+        return hash_blocks(tokens, self.block_size, algo="xxh3", lora_name=lora_name, extra_keys=extra_keys)
+
     def costs(
         self,
         tokens: Sequence[int],
@@ -220,8 +298,33 @@ class Router:
         workers: Sequence[str] | None = None,
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
-        scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
-        return self.costs_from_scores(scores, len(tokens) // self.block_size, workers)
+        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        with self._lock:
+            scores = self.with_provisional(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys), keys)
+            return self.costs_from_scores(scores, len(keys), workers)
+
+    def with_provisional(self, scores: Scores, keys: Sequence[int]) -> dict[str, Any]:
+        """``scores`` as this router should weigh them: a worker whose stream is being repaired
+        loses its index score (it may be stale), and each worker scores at least the blocks it
+        was just sent (counted on the GPU). A worker whose index score reached what it was sent
+        has confirmed it: those provisional entries end."""
+        states = self._states()
+        out: dict[str, Any] = {w: sc for w, sc in scores.items() if states.get(w) != "resyncing"}
+        if not keys or not self.provisional.enabled:
+            return out
+        for w, sent in self.provisional.scores(keys).items():
+            score = out.get(w, 0)
+            if isinstance(score, Mapping):
+                held = max(score.values(), default=0)
+                if held < sent:
+                    out[w] = {**score, "GPU": max(score.get("GPU", 0), sent)}
+            else:
+                held = score
+                if held < sent:
+                    out[w] = sent
+            if held >= sent:
+                self.provisional.confirm(w, keys[:sent])
+        return out
 
     # -- choosing -------------------------------------------------------------------------------
 
@@ -234,19 +337,24 @@ class Router:
         workers: Sequence[str] | None = None,
     ) -> tuple[str, int]:
         """Pick a worker for this prompt: ``(worker, leading blocks it holds)``. The worker's
-        in-flight count goes up by one until :meth:`done` (or use :meth:`route`).
+        in-flight count goes up by one until :meth:`done` (or use :meth:`route`), and it holds
+        the prompt's full blocks provisionally (``provisional_ttl_s``).
 
         ``workers``: choose among exactly these (default: the index's workers and the router's
         ``workers``). Raises :class:`NoWorkersError` when there is none."""
+        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
         scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
-        return self.choose_scores(scores, len(tokens) // self.block_size, workers=workers)
+        return self.choose_scores(scores, len(keys), workers=workers, keys=keys)
 
     def choose_scores(
-        self, scores: Scores, num_blocks: int, *, workers: Sequence[str] | None = None
+        self, scores: Scores, num_blocks: int, *, workers: Sequence[str] | None = None, keys: Sequence[int] | None = None
     ) -> tuple[str, int]:
         """:meth:`choose` from overlap scores obtained elsewhere (e.g. ``await
-        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks."""
+        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks.
+        ``keys``: the prompt's :meth:`block_keys`, for provisional residency (none without)."""
         with self._lock:
+            if keys is not None:
+                scores = self.with_provisional(scores, keys)
             costs = self.costs_from_scores(scores, num_blocks, workers)
             if self.temperature > 0:
                 probs = softmax_probabilities(costs, self.temperature)
@@ -257,12 +365,20 @@ class Router:
                 tied = [w for w, c in costs.items() if c == best]
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
             self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+            decision = Decision("route", self.replica, self._next_id, worker, time.time(), list(keys or ()))
+            self._next_id += 1
+            self._sent.setdefault(worker, deque()).append((decision.ts, decision.id))
+            if keys:
+                self.provisional.add(worker, keys)
+            self._counts["decisions"] += 1
+        self._tell(decision)
         score = scores.get(worker, 0)
         held = max(score.values(), default=0) if isinstance(score, Mapping) else score
         return worker, min(held, num_blocks)
 
     def done(self, worker: str) -> None:
-        """A request sent to ``worker`` finished: its in-flight count goes down by one."""
+        """A request sent to ``worker`` finished: its in-flight count goes down by one (the
+        oldest of its requests counts as the one that finished)."""
         with self._lock:
             n = self.in_flight.get(worker, 0)
             if n <= 0:
@@ -271,6 +387,78 @@ class Router:
                 del self.in_flight[worker]
             else:
                 self.in_flight[worker] = n - 1
+            sent = self._sent[worker]
+            ts, ident = sent.popleft()
+            if not sent:
+                del self._sent[worker]
+        self._tell(Decision("done", self.replica, ident, worker, ts, []))
+
+    def _tell(self, decision: Decision) -> None:
+        for listener in self.listeners:
+            listener(decision)
+
+    # -- peers and worker states ------------------------------------------------------------------
+
+    def apply_peer(self, decision: Decision) -> None:
+        """A peer router's decision (see :class:`kvbridge.routing.sync.RouteSync`): its worker
+        holds the blocks provisionally for what is left of the TTL, and counts in that worker's
+        load until the peer says it is done. This router's own decisions are ignored."""
+        if decision.replica == self.replica:
+            return
+        key = (decision.replica, decision.id)
+        with self._lock:
+            if decision.op == "done":
+                if self._peer_sent.pop(key, None) is not None:
+                    self._counts["peer_dones"] += 1
+                return
+            self._counts["peer_decisions"] += 1
+            self._peer_sent[key] = (decision.worker, decision.ts)
+            if decision.keys:
+                age = max(0.0, time.time() - decision.ts)
+                self.provisional.add(decision.worker, decision.keys, ttl_s=self.provisional.ttl_s - age)
+
+    def forget_worker(self, worker: str) -> None:
+        """``worker`` restarted, cleared its cache or is gone: what it was sent is not there."""
+        with self._lock:
+            self.provisional.reset(worker)
+
+    def _states(self) -> dict[str, str]:
+        """Worker -> "exact" | "resyncing" from the subscriber (empty without one). A worker
+        whose epoch changed (it restarted) or that vanished loses its provisional entries."""
+        sub = self.subscriber
+        if sub is None:
+            return {}
+        states: dict[str, str] = {}
+        epochs: dict[str, str | None] = {}
+        for (model, worker), (state, epoch) in sub.worker_states().items():
+            if self.model is None or model == self.model:
+                states[worker] = state
+                epochs[worker] = epoch
+        for worker, epoch in self._epochs.items():
+            if epochs.get(worker, "gone") != epoch:
+                self.provisional.reset(worker)
+                self._counts["restarts_seen"] += 1
+        self._epochs = epochs
+        return states
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters (decisions, peer_decisions, peer_dones, restarts_seen), the provisional
+        entries' (``provisional_*``), and ``workers``: per candidate worker how its score is
+        known -- "exact" (its stream is in order), "resyncing" (a hole or restart being repaired:
+        scored by provisional residency only) or "provisional-only" (it never sent events)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out.update({f"provisional_{k}": v for k, v in self.provisional.stats.items()})
+            out["provisional_entries"] = len(self.provisional)
+            states = self._states()
+            known = set(self.workers) | set(self.in_flight) | set(states)
+            if self.index is not None:
+                known.update(self.index.workers)
+            if self.subscriber is None and self.index is not None:
+                states = dict.fromkeys(self.index.workers, "exact")
+            out["workers"] = {w: states.get(w, "provisional-only") for w in sorted(known)}
+        return out
 
     @contextmanager
     def route(
@@ -289,35 +477,53 @@ class Router:
             self.done(worker)
 
 
-def report_loads(
-    subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05
-) -> Callable[[str], float | None]:
+class ReportLoads:
     """``loads=`` for a :class:`Router` from the workers' ``LoadReport`` s, as a
     :class:`kvbridge.KvEventSubscriber` collects them (``subscriber.loads``): a worker's load is its
-    ``running + waiting`` requests, the same unit as the router's in-flight count. A worker without
-    a report younger than ``max_age_s`` gets None (the router counts its requests in flight).
-    ``model``: the model whose workers are routed (needed when the subscriber follows several).
-    The reports are read at most every ``refresh_s`` seconds, not once per worker per choice."""
-    _check_number("max_age_s", max_age_s, positive=True)
-    cache: dict[str, float] = {}
-    read_at = -math.inf
+    ``running + waiting`` requests, the same unit as the router's in-flight count, and
+    :meth:`as_of` tells the router when the report was taken, so it adds what it routed there
+    since. A worker without a report younger than ``max_age_s`` gets None (the router counts its
+    requests in flight). ``model``: the model whose workers are routed (needed when the
+    subscriber follows several). The reports are read at most every ``refresh_s`` seconds, not
+    once per worker per choice."""
 
-    def load(worker: str) -> float | None:
-        nonlocal read_at
+    def __init__(self, subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05) -> None:
+        _check_number("max_age_s", max_age_s, positive=True)
+        self.subscriber = subscriber
+        self.model = model
+        self.max_age_s = max_age_s
+        self.refresh_s = refresh_s
+        self._cache: dict[str, tuple[float, float]] = {}
+        self._read_at = -math.inf
+
+    def _fresh(self) -> dict[str, tuple[float, float]]:
         now = time.monotonic()
-        if now - read_at >= refresh_s:
-            fresh: dict[str, float] = {}
-            for (m, w), (report, age) in subscriber.loads.items():
-                if (model is None or m == model) and age <= max_age_s:
-                    if w in fresh and model is None:
+        if now - self._read_at >= self.refresh_s:
+            fresh: dict[str, tuple[float, float]] = {}
+            for (m, w), (report, age) in self.subscriber.loads.items():
+                if (self.model is None or m == self.model) and age <= self.max_age_s:
+                    if w in fresh and self.model is None:
                         raise ValueError(f"worker {w!r} reports load for several models: pass model=")
-                    fresh[w] = float(report.running + report.waiting)
-            cache.clear()
-            cache.update(fresh)
-            read_at = now
-        return cache.get(worker)
+                    fresh[w] = (float(report.running + report.waiting), report.ts)
+            self._cache = fresh
+            self._read_at = now
+        return self._cache
 
-    return load
+    def __call__(self, worker: str) -> float | None:
+        found = self._fresh().get(worker)
+        return None if found is None else found[0]
+
+    def as_of(self, worker: str) -> float | None:
+        """The wall-clock time of the report :meth:`__call__` answers from."""
+        found = self._fresh().get(worker)
+        return None if found is None else found[1]
+
+
+def report_loads(
+    subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05
+) -> ReportLoads:
+    """:class:`ReportLoads` over ``subscriber``: load = latest report + routed since."""
+    return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s)
 
 
 def _check_worker(name: str, worker: Any) -> str:

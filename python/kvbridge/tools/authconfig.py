@@ -15,7 +15,8 @@ worker ``W``
 router ``R``
     subscribe every events and load subject of the model (and the query subject: a router may
     host the index service, one reply per query via ``allow_responses``), and its own inbox;
-    request replay/snapshot from any worker and query the index service. With JetStream: create
+    request replay/snapshot from any worker and query the index service; publish and subscribe the
+    model's route subject (replicas sharing decisions, kvbridge.routing.sync). With JetStream: create
     the stream if it is missing (whoever creates it sets its replicas), read its info, create and
     delete its own ephemeral consumers, answer flow control.
 
@@ -82,7 +83,7 @@ def principals(model: str, workers: Sequence[str], routers: Sequence[str] = (), 
         out.append(Principal("worker", w, inbox, publish, [subj.replay, subj.snapshot, inbox + ".>"], False))
     for r in rs:
         inbox = inbox_prefix(prefix, m, "router", r)
-        publish = [f"{prefix}.replay.{m}.*", f"{prefix}.snapshot.{m}.*", f"{prefix}.query.{m}"]
+        publish = [f"{prefix}.replay.{m}.*", f"{prefix}.snapshot.{m}.*", f"{prefix}.query.{m}", f"{prefix}.route.{m}"]
         if jetstream:
             publish += [
                 js_info,
@@ -92,7 +93,7 @@ def principals(model: str, workers: Sequence[str], routers: Sequence[str] = (), 
                 f"$JS.API.CONSUMER.DELETE.{stream_name}.*",
                 f"$JS.FC.{stream_name}.>",
             ]
-        subscribe = [f"{prefix}.events.{m}.*", load_subject(prefix, m), f"{prefix}.query.{m}", inbox + ".>"]
+        subscribe = [f"{prefix}.events.{m}.*", load_subject(prefix, m), f"{prefix}.query.{m}", f"{prefix}.route.{m}", inbox + ".>"]
         out.append(Principal("router", r, inbox, publish, subscribe, True))
     return out
 

@@ -33,6 +33,7 @@ __all__ = [
     "parse_events_subject",
     "parse_load_subject",
     "query_subject",
+    "route_subject",
     "sanitize_token",
 ]
 
@@ -94,6 +95,11 @@ def events_pattern(prefix: str, model: str | None = None, worker: str | None = N
 def query_subject(prefix: str, model: str) -> str:
     """Where an index service answers overlap queries for ``model`` (a queue group: replicas share it)."""
     return f"{prefix}.query.{sanitize_token(model)}"
+
+
+def route_subject(prefix: str, model: str) -> str:
+    """Where router replicas of one model share their decisions (:mod:`kvbridge.routing.sync`)."""
+    return f"{prefix}.route.{sanitize_token(model)}"
 
 
 def parse_events_subject(subject: str, prefix: str, kind: str = "events") -> tuple[str, str] | None:
