@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -123,6 +124,13 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
         assert int(cells[1]) > 100, cells  # turns served
         assert cells[-1] == "0", cells  # events lost
     assert "TTFT estimate: prefill only, 1 ms per 16-token block" in out
+    # Bursts sharing a new prefix: provisional residency keeps each on one worker, where the same
+    # router without it, round-robin and random spread it (each worker prefills the prefix).
+    burst = re.search(r"bursts: .*?mean of 4 bursts of 12 requests: KV-aware ([\d.]+) \(a router without "
+                      r"provisional residency would have used ([\d.]+)\), round-robin ([\d.]+), random ([\d.]+)", out)
+    assert burst is not None, out
+    kv, shadow, rr, rnd = map(float, burst.groups())
+    assert kv == 1.0 and shadow > 1.5 and rr == 3.0 and rnd > 1.5, burst.group(0)
     # the demo's nats-server is gone: nothing listens on its port any more
     port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):

@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-ms-per-block", type=float, default=1.0,
         help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0)",
     )  # fmt: skip
+    d.add_argument("--bursts", type=int, default=4, metavar="N",
+                   help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
+                   "fan-out does (default 4; 0: none)")  # fmt: skip
+    d.add_argument("--burst-size", type=int, default=12, help="requests per burst (default 12)")
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip

@@ -8,7 +8,10 @@ multi-turn chats over a few shared system prompts. Each fleet routes by its own 
   fleet's NATS event stream (cost = blocks still to prefill + requests in flight);
 * round-robin, and uniformly random.
 
-Mid-run the broker is SIGKILLed and restarted. At the end the demo prints, per policy, the
+Mid-run the broker is SIGKILLed and restarted. Then come bursts of requests sharing a new prefix,
+arriving together (agentic fan-out): the KV-aware router holds each burst's first choice as
+provisionally caching the prefix until the worker's events confirm it, so the burst lands on one
+worker instead of every worker prefilling the same prefix. At the end the demo prints, per policy, the
 prefix-cache hit rate the workers' pools actually had, a time-to-first-token estimate, and how the
 stream fared (events/s, latency, events lost); every subscriber's view must equal its worker's
 pool, block for block, and the index must score like the pools (exit status 1 otherwise).
@@ -67,6 +70,14 @@ class _Workload:
         chat.tokens += [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 160))]  # the user's message
         reply = [rng.randrange(VOCAB) for _ in range(rng.randrange(32, 256))]
         return chat, list(chat.tokens), reply
+
+    def burst(self, size: int) -> tuple[list[list[int]], list[int]]:
+        """``size`` prompts sharing a new 512-token prefix (one task fanned out to sub-agents),
+        each with a question of its own, and the reply each gets."""
+        rng = self.rng
+        prefix = [rng.randrange(VOCAB) for _ in range(512)]
+        prompts = [prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 64))] for _ in range(size)]
+        return prompts, [rng.randrange(VOCAB) for _ in range(32)]
 
     def finish_turn(self, chat: _Chat, reply: list[int]) -> None:
         chat.tokens += reply
@@ -166,6 +177,10 @@ class _Fleet:
         self.turns = self.prompt_blocks = self.hit_blocks = self.prefill_blocks = self.skipped = 0
         self.predicted_right = 0
         self.published_at_start = 0
+        # Per burst, the workers that prefilled its new prefix; for the KV-aware fleet also what a
+        # router without provisional residency would have chosen (a shadow: it serves nothing).
+        self.burst_prefills: list[int] = []
+        self.shadow_prefills: list[int] = []
 
     def choose(self, turn: int, prompt: list[int]) -> tuple[_Worker, int | None]:
         if self.router is not None:
@@ -175,7 +190,8 @@ class _Fleet:
             return self.workers[turn % len(self.workers)], None
         return self.rng.choice(self.workers), None
 
-    def serve(self, turn: int, rid: str, prompt: list[int], reply: list[int]) -> None:
+    def serve(self, turn: int, rid: str, prompt: list[int], reply: list[int]) -> str:
+        """Routes and runs one request; returns the worker's name."""
         w, predicted = self.choose(turn, prompt)
         with w.publisher.lock:
             cached = w.manager.allocate(rid, prompt)
@@ -202,7 +218,7 @@ class _Fleet:
             self.skipped += 1
             if self.router is not None:
                 self.router.done(w.name)
-            return
+            return w.name
         bs = self.block_size
         full, hit = len(prompt) // bs, cached // bs
         self.turns += 1
@@ -212,6 +228,20 @@ class _Fleet:
         self.prefill_blocks += -(-len(prompt) // bs) - hit
         if predicted == hit:
             self.predicted_right += 1
+        return w.name
+
+    def burst(self, turn: int, prompts: list[list[int]], reply: list[int]) -> None:
+        """Requests sharing a new prefix, served back to back: no event of the first reaches the
+        index before the last is routed."""
+        shadow = Router(self.index, workers=list(self.by_name), provisional_ttl_s=0) if self.router else None
+        chosen = set()
+        for i, prompt in enumerate(prompts):
+            if shadow is not None:
+                shadow.choose(prompt)  # never done: its in-flight counts are its own, as the real router's
+            chosen.add(self.serve(turn + i, f"burst-{turn}-{i}", prompt, reply))
+        self.burst_prefills.append(len(chosen))
+        if shadow is not None:
+            self.shadow_prefills.append(len(shadow.in_flight))
 
     def _finish_oldest(self, w: _Worker) -> None:
         w.manager.free(w.active.pop(0))
@@ -349,6 +379,15 @@ async def _drive(
     elapsed = time.monotonic() - start
     if restart_at is not None:  # a very short run: bring the broker back before converging
         server.start()
+    bursts = getattr(args, "bursts", 0)
+    if bursts:
+        _say(t0, f"{bursts} bursts of {args.burst_size} requests sharing a new prefix, arriving together")
+    for b in range(bursts):
+        await asyncio.sleep(0.2)  # the last burst's events reach the indexes first
+        prompts, reply = workload.burst(args.burst_size)
+        for f in fleets:
+            f.burst(turn + 1, prompts, reply)
+        turn += len(prompts)
     if outage.start is not None and outage.end is None:
         outage.end = float("inf")  # the run ended before the catch-up: no latency sample after it counts
     for f in fleets:
@@ -400,6 +439,14 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, conv
     print("  latency: from publish() to the subscriber's index, per event, outside the broker outage and the "
           "catch-up after it; events lost: published minus delivered.")
     kv = fleets[0]
+    if kv.burst_prefills:
+        def mean(xs: list[int]) -> str:
+            return f"{sum(xs) / len(xs):.1f}"
+
+        others = ", ".join(f"{f.policy} {mean(f.burst_prefills)}" for f in fleets[1:])
+        print(f"  bursts: workers that prefilled each burst's new prefix, mean of {len(kv.burst_prefills)} bursts of "
+              f"{args.burst_size} requests: KV-aware {mean(kv.burst_prefills)} (a router without provisional "
+              f"residency would have used {mean(kv.shadow_prefills)}), {others}.")  # fmt: skip
     if kv.turns:
         print(f"  KV-aware: the index's overlap equalled the pool's actual hit on {kv.predicted_right}/{kv.turns} "
               f"turns (the rest were routed while the latest events were still in flight, or the broker was down).")
