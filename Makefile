@@ -44,7 +44,7 @@ wheel: $(BIN)/maturin
 	ls dist/kvbridge-*-$(WHEEL_TAG).whl
 	$(BIN)/auditwheel show dist/kvbridge-*-$(WHEEL_TAG).whl | grep '"manylinux_2_28_$(shell uname -m)"'
 	$(BIN)/pip wheel -q --no-deps -w dist/from-sdist dist/kvbridge-*.tar.gz
-	@echo "wheel and sdist in dist/: pip install dist/kvbridge-*-$(WHEEL_TAG).whl'[demo]'"
+	@echo 'wheel and sdist in dist/: pip install "$$(ls dist/kvbridge-*-$(WHEEL_TAG).whl)[demo]"'
 
 clean:
 	rm -rf $(VENV) target dist

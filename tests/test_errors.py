@@ -10,6 +10,31 @@ from kvbridge.engine.discover import DiscoveryError
 from kvbridge.tools.server import NatsServerError
 
 
+def _package_exceptions() -> dict[str, type]:
+    """Every public exception class defined anywhere in the package (each module imported)."""
+    import importlib
+    import pkgutil
+
+    found: dict[str, type] = {}
+    for mod in pkgutil.walk_packages(kvbridge.__path__, "kvbridge."):
+        if mod.name.endswith("__main__"):
+            continue  # runs the CLI
+        module = importlib.import_module(mod.name)
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and issubclass(obj, BaseException) and not name.startswith("_")
+                    and obj.__module__.startswith("kvbridge")):  # fmt: skip
+                found[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    return found
+
+
+def test_every_exception_the_package_defines_is_a_kvbridge_error_and_exported():
+    found = _package_exceptions()
+    assert len(found) >= 13, sorted(found)  # the walk really found them (13 when this was written)
+    for qualname, cls in found.items():
+        assert issubclass(cls, kvbridge.Error), qualname
+        assert getattr(kvbridge, cls.__name__, None) is cls, f"{qualname} is not exported as kvbridge.{cls.__name__}"
+
+
 @pytest.mark.parametrize(
     "cls, builtin",
     [
@@ -22,6 +47,9 @@ from kvbridge.tools.server import NatsServerError
         (WorkerIdInUseError, ConnectError),
         (kvbridge.JetStreamError, RuntimeError),
         (NatsServerError, RuntimeError),
+        (kvbridge.IndexQueryError, ValueError),
+        (kvbridge.IndexUnavailableError, TimeoutError),
+        (kvbridge.NoWorkersError, LookupError),
     ],
 )
 def test_every_error_is_a_kvbridge_error_and_keeps_its_builtin_base(cls, builtin):

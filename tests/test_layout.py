@@ -21,12 +21,14 @@ STABLE = {
     "kvbridge.consumer": "kvbridge.bus.subscriber",
 }
 
-# kvbridge.__all__ as it was before the regroup, copied here so a change to it is a change here.
+# kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20), copied
+# here so a change to it is a change here.
 TOP_LEVEL = [
     "ALGORITHMS", "AllBlocksCleared", "AuthenticationError", "BackgroundPublisher", "BlockHasher",
-    "BlockRemoved", "BlockStored", "Config", "ConfigError", "ConnectError", "DecodeError", "Index",
-    "IndexClient", "IndexService", "Error", "JetStreamError", "KVCacheManager", "KVEventBatch",
-    "KvEventPublisher", "KvEventSubscriber", "PermissionDeniedError", "Router", "Update",
+    "BlockRemoved", "BlockStored", "Config", "ConfigError", "ConnectError", "DecodeError", "DiscoveryError",
+    "Index", "IndexClient", "IndexQueryError", "IndexService", "IndexUnavailableError", "Error",
+    "JetStreamError", "KVCacheManager", "KVEventBatch", "KvEventPublisher", "KvEventSubscriber",
+    "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "Update",
     "WorkerIdInUseError", "WorkerView", "__version__", "decode_batch", "encode_batch", "hash_blocks",
 ]  # fmt: skip
 

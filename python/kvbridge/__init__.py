@@ -9,7 +9,7 @@ itself is native) and ``tools`` (CLI, demo, local nats-server). ``config``, ``er
 
 from kvbridge._native import Index, __version__
 from kvbridge.config import Config, ConfigError
-from kvbridge.errors import Error
+from kvbridge.errors import DiscoveryError, Error, NatsServerError
 from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,8 +25,8 @@ from kvbridge.bus.jetstream import JetStreamError
 from kvbridge.bus.publisher import BackgroundPublisher, KvEventPublisher
 from kvbridge.bus.subscriber import KvEventSubscriber, Update, WorkerView
 from kvbridge.engine.pool import KVCacheManager
-from kvbridge.routing.router import Router
-from kvbridge.routing.service import IndexClient, IndexService
+from kvbridge.routing.router import NoWorkersError, Router
+from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 
 __all__ = [
     "ALGORITHMS",
@@ -40,15 +40,20 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "DecodeError",
+    "DiscoveryError",
     "Index",
     "IndexClient",
+    "IndexQueryError",
     "IndexService",
+    "IndexUnavailableError",
     "Error",
     "JetStreamError",
     "KVCacheManager",
     "KVEventBatch",
     "KvEventPublisher",
     "KvEventSubscriber",
+    "NatsServerError",
+    "NoWorkersError",
     "PermissionDeniedError",
     "Router",
     "Update",

@@ -11,8 +11,18 @@ This module imports nothing from kvbridge: every other module can import it.
 
 from __future__ import annotations
 
-__all__ = ["Error"]
+__all__ = ["DiscoveryError", "Error", "NatsServerError"]
 
 
 class Error(Exception):
     """Base of every exception kvbridge raises on purpose; the message says what went wrong."""
+
+
+class NatsServerError(Error, RuntimeError):
+    """The local nats-server (``kvbridge.tools.server``) binary is missing, or it did not come up.
+    Here rather than beside the server so ``import kvbridge`` exports it without the tools."""
+
+
+class DiscoveryError(Error, ValueError):
+    """``/kv_event_sources`` could not be read or is not shaped as vLLM serves it
+    (``kvbridge.engine.discover``; here so ``import kvbridge`` exports it without zmq)."""

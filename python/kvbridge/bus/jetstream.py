@@ -1,7 +1,7 @@
 """JetStream mode: the event subjects stored in a stream, so consumers can catch up without workers.
 
 Core NATS keeps nothing: a consumer that starts late, or a worker that has gone, leaves only the
-replay/snapshot protocol of DESIGN.md ("Delivery guarantees"), which needs the worker alive. With
+replay/snapshot protocol of docs/delivery.md, which needs the worker alive. With
 ``jetstream=True`` (``KVBRIDGE_JETSTREAM=1``) the same messages -- same subjects, same headers, same
 payload bytes -- are also stored in a JetStream stream, and a subscriber can rebuild every worker's
 view from the stream alone.

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
 from kvbridge.bus.connection import ConnectError
-from kvbridge.errors import Error
+from kvbridge.errors import DiscoveryError
 from kvbridge.engine.relay import Relay
 
 __all__ = [
@@ -49,10 +49,6 @@ __all__ = [
 log = logging.getLogger("kvbridge.discover")
 
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 10.0
-
-
-class DiscoveryError(Error, ValueError):
-    """``/kv_event_sources`` could not be read or is not shaped as vLLM serves it."""
 
 
 def worker_name(template: str, dp_rank: int, ranks: int = 1) -> str:

@@ -34,6 +34,7 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
 
+from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
 from kvbridge.wire.hashing import hash_blocks
 
@@ -66,7 +67,7 @@ class Decision(NamedTuple):
     keys: list[int]
 
 
-class NoWorkersError(LookupError):
+class NoWorkersError(Error, LookupError):
     """There is no worker to route to: the index knows none and none were given."""
 
 

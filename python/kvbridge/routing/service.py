@@ -32,6 +32,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from kvbridge import metrics
 from kvbridge.config import Config
+from kvbridge.errors import Error
 from kvbridge.bus.connection import connect
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.wire.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, query_subject
@@ -63,11 +64,11 @@ class IndexQuery(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     by_medium: bool = False
 
 
-class IndexQueryError(ValueError):
+class IndexQueryError(Error, ValueError):
     """The index service answered a query with an error (the message is the service's)."""
 
 
-class IndexUnavailableError(TimeoutError):
+class IndexUnavailableError(Error, TimeoutError):
     """No index service answered, even after the retry."""
 
 

@@ -26,15 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvbridge.errors import Error
+from kvbridge.errors import NatsServerError
 
 __all__ = ["NatsCluster", "NatsServer", "NatsServerError", "find_nats_server"]
 
 HOST = "127.0.0.1"
-
-
-class NatsServerError(Error, RuntimeError):
-    """The server binary is missing, or the server did not come up."""
 
 
 def find_nats_server() -> str:
