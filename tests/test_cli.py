@@ -12,6 +12,8 @@ import pytest
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 from kvbridge.tools.cli import build_parser, describe_events
 
+from bridge_support import wait_until
+
 
 def test_describe_events_reads_like_the_stream():
     line = describe_events(
@@ -63,7 +65,8 @@ async def test_watch_prints_each_batch_in_order(nats_server):
         await asyncio.wait_for(proc.stderr.readline(), 20)  # "watching ..." once subscribed
         async with KvEventPublisher(servers=[nats_server.url], model="cli-m", worker_id="w0") as pub:
             pub.publish([BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)])
-            await asyncio.sleep(0.3)
+            # its own message (seq 1, after the heartbeat) before the next hand-off
+            await wait_until(lambda: pub.stats["messages"] >= 2, 20, "the first batch to be sent")
             pub.publish([BlockRemoved([2], "GPU")])
             out, _ = await asyncio.wait_for(proc.communicate(), 20)
     finally:
