@@ -168,9 +168,11 @@ enum BadKind {
 fn kind_of(name: &[u8], window: Window, block_size: usize) -> Result<Kind, BadKind> {
     Ok(match name {
         b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
+        // At least one block: vLLM's finder stops at the first held block from the right, so a
+        // window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block at the hit.
         b"sliding_window" | b"sliding_window_mla" => match window {
             Window::Int(w) if w >= 1 => Kind::Window {
-                blocks: u32::try_from((w as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX),
+                blocks: u32::try_from((w as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
             },
             _ => return Err(BadKind::Window),
         },
