@@ -1159,6 +1159,110 @@ mod tests {
         assert_eq!(core.worker_names().len(), 1);
     }
 
+    fn grouped(hashes: &[u64], parent: Option<u64>, tokens: &[u32], group: u8, kind: &str, window: i64) -> String {
+        let parent = parent.map_or("null".to_string(), |p| p.to_string());
+        format!(
+            r#"{{"type": "BlockStored", "block_hashes": {hashes:?}, "parent_block_hash": {parent},
+                "token_ids": {tokens:?}, "block_size": 2, "lora_id": null, "medium": "GPU",
+                "lora_name": null, "group_idx": {group}, "kv_cache_spec_kind": "{kind}",
+                "kv_cache_spec_sliding_window": {window}}}"#
+        )
+    }
+
+    fn removed(hashes: &[u64], group: u8) -> String {
+        format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU", "group_idx": {group}}}"#)
+    }
+
+    #[test]
+    fn window_hit_is_the_largest_prefix_every_window_accepts() {
+        let g1 = |held: &[bool]| held.iter().map(|&h| 1 | (u64::from(h) << 1)).collect::<Vec<u64>>();
+        // One window group (bit 1) needing 2 blocks.
+        assert_eq!(window_hit(&g1(&[true, true, true, true]), &[(1, 2)]), 4);
+        assert_eq!(window_hit(&g1(&[false, false, true, true]), &[(1, 2)]), 4);
+        assert_eq!(window_hit(&g1(&[false, true, true, false]), &[(1, 2)]), 3);
+        assert_eq!(window_hit(&g1(&[true, false, false, false]), &[(1, 2)]), 1); // fewer at the start
+        assert_eq!(window_hit(&g1(&[false, true, false, false]), &[(1, 2)]), 0);
+        assert_eq!(window_hit(&g1(&[true, true, false]), &[]), 3);
+        // Two windows: the largest n both accept.
+        let masks = [0b011, 0b111, 0b101, 0b011];
+        assert_eq!(window_hit(&masks, &[(1, 1), (2, 1)]), 2);
+        assert_eq!(window_hit(&masks, &[(1, 1), (2, 2)]), 0); // group 2 lacks block 0
+        assert_eq!(window_hit(&masks, &[(2, 2)]), 3);
+    }
+
+    #[test]
+    fn kinds_decide_the_plan() {
+        assert_eq!(kind_of(b"sliding_window", Window::Int(5), 2).ok(), Some(Kind::Window { blocks: 2 }));
+        assert_eq!(kind_of(b"sliding_window", Window::Int(1), 2).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(b"mamba", Window::None, 16).ok(), Some(Kind::Window { blocks: 1 }));
+        assert!(matches!(kind_of(b"sliding_window_mla", Window::Int(0), 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(b"sliding_window", Window::Bad, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(b"swa", Window::Int(4), 2), Err(BadKind::Kind)));
+        assert!(is_plain(&[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced]));
+        assert!(!is_plain(&[Kind::Main, Kind::Main]) && !is_plain(&[Kind::Unscored]));
+        assert!(!is_plain(&[Kind::Unannounced, Kind::Window { blocks: 1 }]));
+        assert_eq!(plan(&[Kind::Unannounced, Kind::Main, Kind::Window { blocks: 3 }]), (0b11, vec![(2, 3)]));
+        assert_eq!(plan(&[Kind::Window { blocks: 3 }]), (0, vec![(0, 3)]));
+    }
+
+    #[test]
+    fn hybrid_workers_score_apart_from_plain_ones() {
+        for mode in [Mode::Engine, Mode::Tokens] {
+            let mut core = Core::new(2, mode);
+            let toks = [1, 2, 3, 4, 5, 6, 7, 8];
+            let full = grouped(&[1, 2, 3, 4], None, &toks, 0, "full_attention", 0);
+            apply_json(&mut core, "plain", &format!("[0, [{full}]]"));
+            // W = 3: cdiv(2, 2) = 1 block; the window group holds blocks 0 and 2 (sparse).
+            let window = grouped(&[1, 3], None, &toks, 1, "sliding_window", 3);
+            apply_json(&mut core, "hybrid", &format!("[0, [{full}, {window}]]"));
+            let keys: Vec<u64> = match mode {
+                Mode::Engine => vec![1, 2, 3, 4],
+                Mode::Tokens => {
+                    let mut d = Vec::new();
+                    Chain::new(Algo::Xxh3, 2, 0, None, None, None).run(&toks, None, 0, &mut d);
+                    d.iter().map(|x| x.event_hash()).collect()
+                }
+            };
+            assert_eq!(scores(&core, &keys), vec![("plain".into(), 4), ("hybrid".into(), 3)], "{mode:?}");
+            apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[1], 1)));
+            assert_eq!(scores(&core, &keys)[1], ("hybrid".into(), 3));
+            apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[3], 1)));
+            assert_eq!(scores(&core, &keys), vec![("plain".into(), 4)]);
+            assert_eq!(core.stats.unresolved_hashes, 0);
+        }
+    }
+
+    #[test]
+    fn copies_and_the_re_announce() {
+        for mode in [Mode::Engine, Mode::Tokens] {
+            let mut core = Core::new(2, mode);
+            let chain = stored(&[1, 2], None, &[1, 2, 3, 4], "GPU");
+            apply_json(&mut core, "a", &format!("[0, [{chain}]]"));
+            apply_json(&mut core, "a", &format!("[0, [{chain}]]")); // re-announced: no copy
+            apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[2], Some(1), &[3, 4], "GPU")));
+            let one = r#"{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}"#;
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.len(), 2, "{mode:?}: the second copy of block 1 is held");
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.len(), 1, "{mode:?}");
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.stats.unknown_removes, 1);
+        }
+    }
+
+    #[test]
+    fn bad_groups_change_nothing() {
+        let mut core = Core::new(2, Mode::Engine);
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1], None, &[1, 2], "GPU")));
+        for bad in ["-1", "64", "true", "1.5", "\"0\""] {
+            let ev = format!(r#"{{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": {bad}}}"#);
+            assert_eq!(apply_json(&mut core, "a", &format!("[0, [{ev}]]")), 1, "{bad}");
+        }
+        assert_eq!(core.stats.bad_groups, 5);
+        assert_eq!(core.stats.malformed_payloads, 0);
+        assert_eq!(scores(&core, &[1]), vec![("a".into(), 1)]);
+    }
+
     #[test]
     fn many_workers_use_several_words() {
         let mut core = Core::new(2, Mode::Engine);
