@@ -122,7 +122,7 @@ class BlockPool:
         # Per block that is one small tuple, not a copy of its tokens; and all of it is
         # immutable, so a snapshot can copy the dict and read the entries unlocked. Insertion
         # order is topological: a hash's parent is cached whenever it is, so it came first.
-        self._cached: dict[int, tuple[Block, tuple]] = {}
+        self._cached: dict[Any, tuple[Block, tuple]] = {}
         # Further blocks holding an already cached hash, oldest first. Rare.
         self._copies: dict[Any, list[Block]] = {}
         self._events: list | None = [] if enable_events else None
@@ -224,11 +224,10 @@ class BlockPool:
 
     def find_cached_prefix(self, block_hashes: Iterable[int]) -> list[Block]:
         """The blocks of the longest cached prefix of ``block_hashes`` (hybrid: in group 0)."""
-        if self.groups is not None:
-            block_hashes = [(0, h) for h in block_hashes]
+        keys: Iterable[Any] = block_hashes if self.groups is None else [(0, h) for h in block_hashes]
         get = self._cached.get
         hit: list[Block] = []
-        for h in block_hashes:
+        for h in keys:
             entry = get(h)
             if entry is None:
                 break
@@ -661,7 +660,7 @@ class PyKVCacheManager:
         lora_id = self._lora_id(lora_name, lora_id)
         for hit in hits:
             pool.touch(hit)  # type: ignore[arg-type]
-        tables: list[list[Block | None]] = [[None] * s + hit for s, hit in zip(skipped, hits)]  # type: ignore[operator]
+        tables: list[list[Block | None]] = [[*([None] * s), *hit] for s, hit in zip(skipped, hits)]
         for table in tables:
             table += pool.get_new_blocks(num_new)
         req = _Request(tables[0], 0, [], hasher, hashes[n - 1] if n else None, lora_name, lora_id)  # type: ignore[arg-type]
