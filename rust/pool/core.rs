@@ -638,7 +638,7 @@ mod tests {
         r.events
             .iter()
             .filter_map(|e| match e {
-                Event::Removed { hashes } => Some(r.hashes[hashes.clone()].to_vec()),
+                Event::Removed { hashes, .. } => Some(r.hashes[hashes.clone()].to_vec()),
                 _ => None,
             })
             .collect()
