@@ -667,27 +667,31 @@ impl Manager {
             &mut st.digests,
             &mut st.hashes,
         );
-        let num_hit = self.hit(st, tokens.len());
-        let num_new = tokens.len().div_ceil(bs) - num_hit;
         // Group 0's hit, then each further group's: the blocks its window still needs.
         let mut blocks = Vec::with_capacity(tokens.len().div_ceil(bs));
         let mut others = Vec::new();
         let hashes = &st.hashes;
-        if self.group_fields.is_empty() {
-            st.core.find_cached_prefix(&hashes[..num_hit], &mut blocks);
+        let mut hits = Vec::new(); // every group's hit blocks: what `touch` takes (hybrid)
+        let num_hit = if self.group_fields.is_empty() {
+            st.core.find_cached_prefix(hashes, &mut blocks);
+            blocks.len()
         } else {
+            let n = self.hit(st, tokens.len());
             let lookup = |g: usize, i: usize| st.core.lookup(g, hashes[i]).expect("a hit is held");
-            blocks.extend((0..num_hit).map(|i| lookup(0, i)));
+            blocks.extend((0..n).map(|i| lookup(0, i)));
+            hits.extend_from_slice(&blocks);
             for g in 1..self.group_fields.len() {
-                let skipped = st.core.skipped_blocks(g, num_hit * bs);
+                let skipped = st.core.skipped_blocks(g, n * bs);
                 let mut t = vec![NULL_BLOCK; skipped];
-                t.extend((skipped..num_hit).map(|i| lookup(g, i)));
+                t.extend((skipped..n).map(|i| lookup(g, i)));
+                hits.extend_from_slice(&t[skipped..]);
                 others.push(Table { blocks: t, skipped });
             }
-        }
-        let hits: Vec<u32> = others.iter().flat_map(|t| &t.blocks[t.skipped..]).copied().collect();
-        let all_hits = [&blocks[..], &hits[..]].concat();
-        if !st.core.can_take(&all_hits, num_new * (1 + others.len())) {
+            n
+        };
+        let num_new = tokens.len().div_ceil(bs) - num_hit;
+        let hits = if others.is_empty() { &blocks[..] } else { &hits[..] };
+        if !st.core.can_take(hits, num_new * (1 + others.len())) {
             return Ok(None);
         }
         let lora_id = match (lora_name, lora_id) {
@@ -702,7 +706,7 @@ impl Manager {
             (_, id) => id,
         };
         let lora = self.lora(st, py, lora_name, lora_id)?;
-        st.core.touch(&all_hits);
+        st.core.touch(hits);
         st.core.new_blocks(num_new, &mut blocks);
         for t in &mut others {
             st.core.new_blocks(num_new, &mut t.blocks);
