@@ -124,7 +124,7 @@ class Residency:
         if group_idx is None:
             return 0
         if group_idx.__class__ is int and 0 <= group_idx < MAX_GROUPS:
-            return group_idx  # type: ignore[no-any-return]
+            return group_idx
         self.stats["bad_groups"] += n
         return None
 
