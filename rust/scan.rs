@@ -357,7 +357,7 @@ impl<'a> Reader<'a> {
             }
             seen |= 1 << i;
             if let Some(&(_, slot)) = slots.iter().find(|s| s.0 == i) {
-                at[slot] = self.p;
+                at[slot as usize] = self.p;
             }
             self.value(fields[i].1, hashes)?;
         }
@@ -372,26 +372,40 @@ impl<'a> Reader<'a> {
     /// The attributes at `at` (validated already: a `None` here is an absent or nil field).
     fn attrs(&self, at: &[usize; N_SLOTS]) -> Attrs<'a> {
         let b = self.b;
-        let read = |slot: usize| (at[slot] != usize::MAX && b[at[slot]] != 0xc0).then(|| Reader { b, p: at[slot] });
+        let read = |slot: Slot| {
+            let p = at[slot as usize];
+            (p != usize::MAX && b[p] != 0xc0).then_some(Reader { b, p })
+        };
+        let parent = at[Slot::Parent as usize];
         Attrs {
-            medium: read(MEDIUM).and_then(|mut r| r.str()),
-            group: read(GROUP).and_then(|mut r| r.int()),
-            spec: read(SPEC).and_then(|mut r| r.str()),
-            window: read(WINDOW).and_then(|mut r| r.int()),
-            root: at[PARENT] != usize::MAX && b[at[PARENT]] == 0xc0,
+            medium: read(Slot::Medium).and_then(|mut r| r.str()),
+            group: read(Slot::Group).and_then(|mut r| r.int()),
+            spec: read(Slot::Spec).and_then(|mut r| r.str()),
+            window: read(Slot::Window).and_then(|mut r| r.int()),
+            root: parent != usize::MAX && b[parent] == 0xc0,
         }
     }
 }
 
-// The attributes a view's rule (kvbridge.wire.residency) reads, by slot; (field index, slot).
-const PARENT: usize = 0;
-const MEDIUM: usize = 1;
-const GROUP: usize = 2;
-const SPEC: usize = 3;
-const WINDOW: usize = 4;
+/// The attributes a view's rule (kvbridge.wire.residency) reads, each in a slot of `at`.
+#[derive(Clone, Copy)]
+enum Slot {
+    Parent,
+    Medium,
+    Group,
+    Spec,
+    Window,
+}
 const N_SLOTS: usize = 5;
-const STORED_SLOTS: &[(usize, usize)] = &[(1, PARENT), (5, MEDIUM), (8, GROUP), (9, SPEC), (10, WINDOW)];
-const REMOVED_SLOTS: &[(usize, usize)] = &[(1, MEDIUM), (2, GROUP)];
+// (field index, slot)
+const STORED_SLOTS: &[(usize, Slot)] = &[
+    (1, Slot::Parent),
+    (5, Slot::Medium),
+    (8, Slot::Group),
+    (9, Slot::Spec),
+    (10, Slot::Window),
+];
+const REMOVED_SLOTS: &[(usize, Slot)] = &[(1, Slot::Medium), (2, Slot::Group)];
 
 #[derive(Clone, Copy)]
 struct Attrs<'a> {

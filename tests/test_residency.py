@@ -15,15 +15,7 @@ from hybrid_support import Stream, removed, stored
 from kvbridge import _native
 from kvbridge.bus.subscriber import Update, WorkerView
 from kvbridge.engine.relay import RelayView
-from kvbridge.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
-)
+from kvbridge.wire.events import AllBlocksCleared, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
 from kvbridge.wire.residency import Residency, kind_event, ops_of
 
 SW8 = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
