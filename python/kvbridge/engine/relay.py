@@ -199,7 +199,7 @@ class RelayView:
 
     def __len__(self) -> int:
         """Blocks held, counted once per ``(medium, group)`` that holds them."""
-        return sum(map(len, self.residency.held.values()))
+        return sum(self.residency.counts().values())
 
 
 class _Malformed(Exception):

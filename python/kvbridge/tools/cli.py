@@ -75,9 +75,10 @@ def describe_events(events: Sequence[Any], by_group: bool = False) -> str:
 def residency_columns(view: Any) -> str:
     """A worker's blocks per medium and group (a ``WorkerView``), when it holds more than one; ""
     otherwise, so a single-group stream reads as it always has."""
-    if view is None or len(view.held) < 2:
+    counts = view.residency.counts() if view is not None else {}
+    if len(counts) < 2:
         return ""
-    cells = [f"{_where(medium, group)} {len(blocks)}" for (medium, group), blocks in sorted(view.held.items(), key=str)]
+    cells = [f"{_where(medium, group)} {n}" for (medium, group), n in sorted(counts.items(), key=str)]
     return f"  [held: {', '.join(cells)}]"
 
 

@@ -28,6 +28,7 @@ way, so a view built from either is the same.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Iterable
 
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -109,12 +110,17 @@ def kind_event(group: int, kind: str, window: int | None) -> BlockStored:
 
 class Residency:
     """``held``: ``{(medium, group): {hash: copies}}`` (no empty entries); ``kinds``: ``{group:
-    (kind, window or None)}``; ``stats``: the skipped and unknown counts (module doc)."""
+    (kind, window or None)}``; ``stats``: the skipped and unknown counts (module doc).
 
-    __slots__ = ("held", "kinds", "stats")
+    Inside, a set per ``(medium, group)`` holds each block's first copy and a dict its further
+    ones: copies are rare, and with none involved a store or removal is one set operation, as
+    fast as the plain set of hashes views kept before groups and copies."""
+
+    __slots__ = ("_sets", "_extra", "kinds", "stats")
 
     def __init__(self) -> None:
-        self.held: dict[Key, dict[Any, int]] = {}
+        self._sets: dict[Key, set[Any]] = {}
+        self._extra: dict[Key, dict[Any, int]] = {}
         self.kinds: dict[int, tuple[str, int | None]] = {}
         self.stats = dict.fromkeys(COUNTERS, 0)
 
@@ -152,20 +158,27 @@ class Residency:
                     self.stats["unscored_group_events"] += n
             self.kinds[group] = (kind, window)
         key = (medium, group)
-        held = self.held.get(key)
+        held = self._sets.get(key)
         if held is None:
             if not hashes:
                 return key, 0
-            held = self.held[key] = {}
-        first = root if root and all(map(held.__contains__, hashes[:root])) else 0
+            held = self._sets[key] = set()
+        first = root if root and held.issuperset(hashes[:root]) else 0
         new = hashes[first:] if first else hashes
-        fresh = dict.fromkeys(new, 1)
-        if len(fresh) == len(new) and held.keys().isdisjoint(fresh):
-            held.update(fresh)  # the common case, at C speed: no block already held
-        else:
-            get = held.get
-            for h in new:
-                held[h] = get(h, 0) + 1
+        if held.isdisjoint(new):
+            before = len(held)
+            held.update(new)
+            if len(held) - before == len(new):
+                return key, first
+            new = [h for h, c in Counter(new).items() for _ in range(c - 1)]  # repeated within the op
+        extra = self._extra.setdefault(key, {})
+        for h in new:
+            if h in held:
+                extra[h] = extra.get(h, 0) + 1
+            else:
+                held.add(h)
+        if not extra:
+            del self._extra[key]
         return key, first
 
     def remove(
@@ -178,29 +191,42 @@ class Residency:
         if group is None:
             return None
         key = (medium, group)
-        held = self.held.get(key)
+        held = self._sets.get(key)
         if held is None:
             self.stats["unknown_removes"] += len(hashes)
             return key
-        unknown = 0
-        for h in hashes:
-            c = held.get(h)
-            if c is None:
-                unknown += 1
-                continue
-            if c == 1:
-                del held[h]
-            else:
-                held[h] = c - 1
-            if dropped is not None:
-                dropped.append(h)
-        self.stats["unknown_removes"] += unknown
+        extra = self._extra.get(key)
+        if dropped is None and (extra is None or extra.keys().isdisjoint(hashes)):
+            before = len(held)
+            held.difference_update(hashes)
+            self.stats["unknown_removes"] += len(hashes) - (before - len(held))
+        else:
+            extra = extra if extra is not None else {}
+            unknown = 0
+            for h in hashes:
+                c = extra.get(h)
+                if c is not None:
+                    if c == 1:
+                        del extra[h]
+                    else:
+                        extra[h] = c - 1
+                elif h in held:
+                    held.remove(h)
+                else:
+                    unknown += 1
+                    continue
+                if dropped is not None:
+                    dropped.append(h)
+            self.stats["unknown_removes"] += unknown
+            if not extra:
+                self._extra.pop(key, None)
         if not held:
-            del self.held[key]
+            del self._sets[key]
         return key
 
     def clear(self) -> None:
-        self.held.clear()
+        self._sets.clear()
+        self._extra.clear()
         self.kinds.clear()
 
     def apply_ops(self, ops: list[Op]) -> None:
@@ -217,15 +243,22 @@ class Residency:
 
     # -- reading ------------------------------------------------------------------------------------
 
-    def blocks(self) -> set[Any]:
-        """Every hash held in some medium and group."""
-        out: set[Any] = set()
-        for held in self.held.values():
-            out.update(held)
+    @property
+    def held(self) -> dict[Key, dict[Any, int]]:
+        """``{(medium, group): {hash: copies}}``, built on each call."""
+        out = {}
+        for key, held in self._sets.items():
+            extra = self._extra.get(key, {})
+            out[key] = {h: 1 + extra.get(h, 0) for h in held}
         return out
 
-    def groups(self) -> list[Key]:
-        return list(self.held)
+    def blocks(self) -> set[Any]:
+        """Every hash held in some medium and group."""
+        return set().union(*self._sets.values())
+
+    def counts(self) -> dict[Key, int]:
+        """How many blocks each ``(medium, group)`` holds (a block with copies once)."""
+        return {key: len(held) for key, held in self._sets.items()}
 
     def as_events(self) -> list[BlockStored]:
         """The state as stores without token ids or parents (for a consumer that keeps hashes, not
