@@ -1,7 +1,9 @@
-//! A hash-only reading of a msgpack `KVEventBatch`, for consumers that keep sets of block hashes.
+//! A hash-only reading of a msgpack `KVEventBatch`, for consumers that keep views of block hashes.
 //!
 //! A full decode builds a Python int for every token id (16 per block), which is most of what a
-//! subscriber spends; a view needs only the block hashes, in order, per event kind. This reader
+//! subscriber spends; a view needs only the block hashes, in order, per event kind, and the few
+//! fields its rule reads (kvbridge.wire.residency: medium, group_idx, spec kind and window, whether
+//! a store's parent is None), once per run of events that agree on them. This reader
 //! walks the bytes once, validates the whole payload against the schema msgspec decodes with
 //! (`kvbridge.events`), and only then builds Python objects: the ops and the counts.
 //!
