@@ -57,7 +57,8 @@ def assert_hybrid(engines: list[HybridEngine]) -> None:
 async def test_a_late_subscriber_rebuilds_every_group_from_the_snapshot(nats_server):
     engines = await start_engines(nats_server, 3, seed=100)
     await run(engines, 300)
-    late = await KvEventSubscriber(cfg(nats_server, "late")).start()
+    # A request timeout far above any load-induced delay: a retried snapshot would be a second one.
+    late = await KvEventSubscriber(cfg(nats_server, "late", request_timeout_s=WAIT)).start()
     await run(engines, 50)  # live traffic behind the snapshot
     await wait_until(lambda: views_equal(late, engines), WAIT, "the late subscriber's views == the residency")
     assert late.stats["snapshots"] == 3  # one per worker: what it holds came through the snapshot

@@ -503,6 +503,7 @@ async def test_hybrid_frames_a_late_subscriber_gets_every_group_from_the_relays_
             assert (view.held, view.residency.kinds) == (held, kinds)
             assert sub.stats["snapshots"] == 1 and relay.publisher.stats["snapshots"] == 1
         assert (relay.view.residency.held, relay.view.residency.kinds) == (held, kinds)
+        assert relay.stats["view_skipped_events"] > 0  # the stream's bad events, counted and skipped
     assert [m.data for m in col.msgs] == payloads
 
 

@@ -132,8 +132,8 @@ class RelayView:
                 hashes = ev.block_hashes
                 got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
                                 ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0)  # fmt: skip
-                if got is None or got[1]:
-                    continue  # skipped, or a re-announce: no copy added
+                if got is None or got[1] or not hashes:
+                    continue  # skipped, a re-announce or no blocks: no copy added
                 by_hash = sources.setdefault(got[0], {})
                 for i, h in enumerate(hashes):
                     copies = by_hash.get(h)
@@ -276,6 +276,10 @@ class Relay:
     def stats(self) -> dict[str, int]:
         s = dict(self._counts)
         s["view_blocks"] = len(self.view)
+        # An engine whose events a view cannot read (a new kind, a group beyond 63) shows here.
+        view = self.view.residency.stats
+        s["view_skipped_events"] = view["bad_groups"] + view["bad_windows"] + view["unknown_kinds"]
+        s["view_unknown_removes"] = view["unknown_removes"]
         s["last_engine_seq"] = -1 if self._expected is None else self._expected - 1
         return s
 
