@@ -122,9 +122,10 @@ class Stream:
     def batches(self, n: int) -> list[list[Any]]:
         out = []
         for _ in range(n):
-            batch = [self.event() for _ in range(self.rnd.randrange(1, 6))]
-            for ev in batch:
-                self.model.apply(ev)
+            batch = []
+            for _ in range(self.rnd.randrange(1, 6)):
+                batch.append(self.event())
+                self.model.apply(batch[-1])  # the next event is drawn against what this one left
             out.append(batch)
         return out
 
