@@ -144,12 +144,20 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 
 # --- hash-only batch reading (rust/scan.rs; used by kvbridge.bus.subscriber) ----------------------
 
-#: (ts, data_parallel_rank, n_events, n_blocks, [(kind, hashes), ...]) with kind 0 = stored,
-#: 1 = removed, 2 = all cleared, consecutive events of one kind merged; None when the payload is
-#: not vLLM's msgpack shape and needs a full decode.
+#: (ts, data_parallel_rank, n_events, n_blocks, ops), each op (kind, hashes, medium, group_idx,
+#: root, spec_kind, window, n_events) with kind 0 = stored, 1 = removed, 2 = all cleared;
+#: consecutive events of one kind and the same medium, group_idx, spec kind and window merged, a
+#: parent-None store always starting an op (root: its length, else 0) -- kvbridge.wire.residency.Op.
+#: None when the payload is not vLLM's msgpack shape and needs a full decode.
 def scan_batch_msgpack(
     payload: bytes
-) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
+) -> tuple[
+    float,
+    int | None,
+    int,
+    int,
+    list[tuple[int, list[int | bytes], str | None, int | None, int, str | None, int | None, int]],
+] | None: ...
 
 # --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.bus.natsclient) -------------------
 
