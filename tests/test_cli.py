@@ -166,8 +166,9 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
     assert "TTFT estimate: prefill only, 1 ms per 16-token block" in out
     # Bursts sharing a new prefix: provisional residency keeps each on one worker, where the same
     # router without it, round-robin and random spread it (each worker prefills the prefix).
-    burst = re.search(r"bursts: .*?mean of 4 bursts of 12 requests: KV-aware ([\d.]+) \(a router without "
-                      r"provisional residency would have used ([\d.]+)\), round-robin ([\d.]+), random ([\d.]+)", out)
+    num = r"(\d+\.\d)"
+    burst = re.search(rf"bursts: .*?mean of 4 bursts of 12 requests: KV-aware {num} \(a router without "
+                      rf"provisional residency would have used {num}\), round-robin {num}, random {num}\.", out)
     assert burst is not None, out
     kv, shadow, rr, rnd = map(float, burst.groups())
     assert kv == 1.0 and shadow > 1.5 and rr == 3.0 and rnd > 1.5, burst.group(0)
@@ -175,6 +176,23 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
     port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
+
+
+def test_demo_with_a_hybrid_model_keeps_every_group_exact():
+    """--sliding-window: pools with a full-attention and a sliding-window group (vLLM's hybrid
+    rules); through a broker kill, every view equals its pool per (medium, group) with copies, and
+    every index scores each probe exactly as the pools' own coordinator hit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "demo", "--duration", "4", "--seed", "5", "--sliding-window", "64",
+         "--bursts", "1"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "broker SIGKILLed" in out and "broker restarted" in out
+    assert "every view equals its pool and every index scores like the pools: yes" in out
+    rows = _routing_rows(out)
+    assert all(cells[-1] == "0" for cells in rows.values()), rows  # events lost
 
 
 def test_watch_jetstream_without_js_server_is_one_line(own_nats_server):

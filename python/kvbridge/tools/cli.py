@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
                    "fan-out does (default 4; 0: none)")  # fmt: skip
     d.add_argument("--burst-size", type=int, default=12, help="requests per burst (default 12)")
+    d.add_argument("--sliding-window", type=int, default=0, metavar="W",
+                   help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
+                   "of W tokens, as vLLM runs gpt-oss or Gemma 3 (default 0: one full-attention group)")  # fmt: skip
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
