@@ -21,7 +21,7 @@ def removed(hashes: list, medium: str | None = "GPU", **kw: Any) -> BlockRemoved
     return BlockRemoved(list(hashes), medium, **kw)
 
 
-KINDS = {0: [None, "full_attention"], 1: [None, "sliding_window"], 2: [None, "mamba"]}
+KINDS = {0: [None, "full_attention"], 1: [None, "sliding_window"], 2: [None, "mamba", "cross_attention"]}
 MEDIA = ["GPU", "CPU"]
 
 
@@ -45,7 +45,7 @@ class Model:
             if kind is not None and kind.startswith("sliding_window"):
                 if type(window) is not int or window < 1:
                     return
-            elif kind not in (None, "full_attention", "mamba"):
+            elif kind not in (None, "full_attention", "mamba", "cross_attention"):
                 return
             if kind is not None:
                 self.kinds[g] = (kind, window if kind.startswith("sliding_window") else None)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_support import Stream, removed, stored
-from kvbridge import _native
+from kvbridge import Index, _native
 from kvbridge.bus.subscriber import Update, WorkerView
 from kvbridge.engine.relay import RelayView
 from kvbridge.wire.events import AllBlocksCleared, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
@@ -39,8 +39,11 @@ CASES: list[tuple[str, list, dict, dict, dict]] = [
      [stored([1], kv_cache_spec_kind="sliding_window"), stored([2], kv_cache_spec_kind="sliding_window_mla",
                                                              kv_cache_spec_sliding_window=0)],
      {}, {}, {"bad_windows": 2}),
-    ("an unscored kind is held and counted", [stored([1], group_idx=2, kv_cache_spec_kind="mamba")],
-     {("GPU", 2): {1: 1}}, {2: ("mamba", None)}, {"unscored_group_events": 1}),
+    ("an unscored kind is held; each of its group's events counted",
+     [stored([1], group_idx=2, kv_cache_spec_kind="cross_attention"), stored([2], 1, group_idx=2), removed([7], group_idx=2)],
+     {("GPU", 2): {1: 1, 2: 1}}, {2: ("cross_attention", None)}, {"unscored_group_events": 3, "unknown_removes": 1}),
+    ("mamba is a kind the index scores", [stored([1], group_idx=2, kv_cache_spec_kind="mamba")],
+     {("GPU", 2): {1: 1}}, {2: ("mamba", None)}, {}),
     ("kind None keeps the kind; a new kind replaces it",
      [stored([1], group_idx=1, **SW8), stored([2], 1, group_idx=1),
       stored([3], 2, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16)],
@@ -188,6 +191,19 @@ def test_random_hybrid_streams_views_equal_the_model_and_snapshots_rebuild_them(
     behind = WorkerView()
     behind.apply_events(scanned.residency.as_events())  # what an iterator that fell behind is given
     assert behind.residency == scanned.residency
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from([2, 3]))
+def test_views_count_what_the_index_counts(rnd, n_groups):
+    """The Rust Index reads events by the same rule: on the same stream, the same skipped events,
+    unknown removals and events in unscored groups."""
+    index, view = Index(block_size=4, key="engine"), WorkerView()
+    for batch in Stream(rnd, n_groups).batches(rnd.randrange(5, 40)):
+        payload = encode_batch(KVEventBatch(1.0, batch))
+        index.apply("w", payload)
+        view.apply(Update("m", "w", "e", 0, _body(KVEventBatch(1.0, batch))))
+    assert {k: index.stats[k] for k in view.residency.stats} == view.residency.stats
 
 
 def _body(batch: KVEventBatch) -> Any:

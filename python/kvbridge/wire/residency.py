@@ -4,14 +4,15 @@ A worker's cache is several caches: one per ``(medium, group)`` -- a hybrid-atte
 one KV-cache group per attention type (vLLM's ``group_idx``; ``None`` is group 0, as older
 engines and SGLang send it), each in every medium it is offloaded to. :class:`Residency` keeps,
 per ``(medium, group)``, ``{block hash: copies}`` and, per group, the kind (and sliding window)
-its stores announced. The rules (the Rust ``Index`` reads events by the same ones):
+its stores announced. The rules (docs/hybrid.md; the Rust ``Index`` reads events by the same):
 
 * ``group_idx`` must be an int 0..63 (not a bool): any other event is skipped whole and counted
   (``bad_groups``); it removes nothing elsewhere.
 * a store's ``kv_cache_spec_kind`` must be one of vLLM's ``KVCacheSpecKind`` values, else the
   event is skipped (``unknown_kinds``); a window kind needs a window int >= 1, else skipped
-  (``bad_windows``). Kinds that take no part in scoring (mamba, ...) are kept like any other and
-  counted (``unscored_group_events``). A kind of None leaves the group's kind as it was.
+  (``bad_windows``). A kind of None leaves the group's kind as it was. Groups of a kind the
+  ``Index`` does not score (:data:`UNSCORED_KINDS`) are kept like any other; each store or
+  removal in one is counted (``unscored_group_events``), as the ``Index`` counts them.
 * vLLM does not de-duplicate physical blocks: every stored block adds a copy, every removal
   drops one, a block is held while it has a copy. A removal of a block not held is counted
   (``unknown_removes``) and changes nothing. The exception is vLLM's full-report-mode
@@ -51,11 +52,10 @@ __all__ = [
 MAX_GROUPS = 64
 MAIN_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
-# Known to vLLM (KVCacheSpecKind), kept in views, left out of scoring.
-UNSCORED_KINDS = frozenset(
-    {"mamba", "chunked_local_attention", "encoder_only_attention", "cross_attention", "unknown"}
-)
-KINDS = MAIN_KINDS | WINDOW_KINDS | UNSCORED_KINDS
+# Known to vLLM (KVCacheSpecKind), kept in views, left out of the Index's scores. Mamba is not
+# among them: the Index scores it as a window of one block (MambaManager's hit).
+UNSCORED_KINDS = frozenset({"chunked_local_attention", "encoder_only_attention", "cross_attention", "unknown"})
+KINDS = MAIN_KINDS | WINDOW_KINDS | UNSCORED_KINDS | {"mamba"}
 
 STORED, REMOVED, CLEARED = 0, 1, 2
 
@@ -154,9 +154,9 @@ class Residency:
                 return None
             else:
                 window = None
-                if kind in UNSCORED_KINDS:
-                    self.stats["unscored_group_events"] += n
             self.kinds[group] = (kind, window)
+        if group in self.kinds and self.kinds[group][0] in UNSCORED_KINDS:
+            self.stats["unscored_group_events"] += n
         key = (medium, group)
         held = self._sets.get(key)
         if held is None:
@@ -190,6 +190,8 @@ class Residency:
         group = self._group(group_idx, n)
         if group is None:
             return None
+        if group in self.kinds and self.kinds[group][0] in UNSCORED_KINDS:
+            self.stats["unscored_group_events"] += n
         key = (medium, group)
         held = self._sets.get(key)
         if held is None:
