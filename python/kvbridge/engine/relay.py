@@ -144,15 +144,15 @@ class RelayView:
             elif cls is BlockRemoved:
                 dropped: list[Any] = []
                 key = res.remove(ev.block_hashes, ev.medium, ev.group_idx, dropped=dropped)
-                if dropped:
-                    by_hash = sources[key]  # type: ignore[index]
+                if dropped and key is not None:
+                    by_hash = sources[key]
                     for h in dropped:
                         copies = by_hash[h]
                         copies.pop()
                         if not copies:
                             del by_hash[h]
                     if not by_hash:
-                        del sources[key]  # type: ignore[arg-type]
+                        del sources[key]
             elif cls is AllBlocksCleared:
                 res.clear()
                 sources.clear()
