@@ -638,6 +638,7 @@ impl Core {
         Some(w)
     }
 
+    #[inline]
     fn find_medium(&self, medium: Option<&str>) -> Option<u8> {
         self.media
             .iter()
@@ -648,6 +649,7 @@ impl Core {
             .map(|i| i as u8)
     }
 
+    #[inline]
     fn find_class(&self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
         let medium = self.find_medium(medium)?;
         let want = Class { medium, group, remote };
@@ -1025,6 +1027,7 @@ fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: E
 }
 
 /// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
+#[inline]
 fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
     let fresh = match mode {
         Mode::Engine => add_holder(blocks, slab, slot, e, k),
@@ -1049,6 +1052,7 @@ fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entr
 }
 
 /// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
+#[inline]
 fn drop_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
     if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
         *n -= 1;
