@@ -291,11 +291,11 @@ class Index:
         self,
         tokens: Tokens | None = None,
         *,
+        by_medium: Literal[True],
         block_hashes: Iterable[int | bytes] | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
         medium: str | None = None,
-        by_medium: Literal[True],
         remote: bool = False,
     ) -> dict[str, dict[str | None, int]]:
         """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""

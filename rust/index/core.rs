@@ -26,7 +26,7 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
-use super::parse::{eq_bytes, Batch, Event, Spare, Stored, Window, BAD_GROUP};
+use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -164,18 +164,17 @@ enum BadKind {
     Window,
 }
 
-/// A kind name from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py).
-fn kind_of(name: &[u8], window: Window, block_size: usize) -> Result<Kind, BadKind> {
+/// A kind from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py), as `parse::KINDS` numbers it.
+fn kind_of(code: u8, window: i64, block_size: usize) -> Result<Kind, BadKind> {
+    let name = KINDS.get((code as usize).wrapping_sub(1)).copied().unwrap_or(b"");
     Ok(match name {
         b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
         // At least one block: vLLM's finder stops at the first held block from the right, so a
         // window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block at the hit.
-        b"sliding_window" | b"sliding_window_mla" => match window {
-            Window::Int(w) if w >= 1 => Kind::Window {
-                blocks: u32::try_from((w as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
-            },
-            _ => return Err(BadKind::Window),
+        b"sliding_window" | b"sliding_window_mla" if window >= 1 => Kind::Window {
+            blocks: u32::try_from((window as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
         },
+        b"sliding_window" | b"sliding_window_mla" => return Err(BadKind::Window),
         b"mamba" => Kind::Window { blocks: 1 },
         b"chunked_local_attention" | b"encoder_only_attention" | b"cross_attention" | b"unknown" => {
             Kind::Unscored
@@ -229,6 +228,30 @@ fn window_hit(masks: &[u64], windows: &[(u8, u32)]) -> usize {
         }
     }
     best
+}
+
+/// The class the last event of a payload named, and how it named it: a payload's events mostly
+/// name one, and finding it by name (media compared as strings, then the classes) costs more
+/// than comparing with the last.
+#[derive(Default)]
+pub struct LastClass<'a>(Option<(Option<&'a str>, u8, bool, u8)>);
+
+impl<'a> LastClass<'a> {
+    #[inline(always)]
+    fn find(&mut self, core: &Core, medium: Option<&'a str>, group: u8, remote: bool) -> Option<u8> {
+        if let Some((m, g, r, c)) = self.0 {
+            let same_medium = match (m, medium) {
+                (Some(a), Some(b)) => eq_bytes(a.as_bytes(), b.as_bytes()),
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            if same_medium && g == group && r == remote {
+                return Some(c);
+            }
+        }
+        let c = core.find_class(medium, group, remote)?;
+        self.0 = Some((medium, group, remote, c));
+        Some(c)
+    }
 }
 
 /// A residency class: the (medium, group, remote?) a holder entry names in its low byte.
@@ -535,11 +558,12 @@ impl Core {
         if self.mode == Mode::Tokens {
             self.touch(w, &events, hashes);
         }
+        let mut last = LastClass::default();
         for ev in events.drain(..) {
             match ev {
-                Event::Stored(s) => self.stored(w, s, hashes, tokens),
+                Event::Stored(s) => self.stored(w, s, hashes, tokens, &mut last),
                 Event::Removed { hashes: r, medium, group, remote } => {
-                    self.removed(w, &hashes[r], medium, group, remote)
+                    self.removed(w, &hashes[r], medium, group, remote, &mut last)
                 }
                 Event::Cleared => {
                     self.stats.cleared += 1;
@@ -560,17 +584,18 @@ impl Core {
     /// Reads, without changing anything, the table entries a payload's events will change:
     /// independent lookups whose cache misses the CPU overlaps, where the updates that follow
     /// (each waiting on the last) would take them one at a time.
-    fn touch(&self, w: u32, events: &[Event], hashes: &[u64]) {
+    fn touch<'a>(&self, w: u32, events: &[Event<'a>], hashes: &[u64]) {
         let Some(worker) = self.workers[w as usize].as_ref() else {
             return;
         };
+        let mut last = LastClass::default();
         for ev in events {
             let (range, medium, group, remote, parent) = match ev {
                 Event::Stored(s) => (&s.hashes, s.medium, s.group, s.remote, s.parent),
                 Event::Removed { hashes, medium, group, remote } => (hashes, *medium, *group, *remote, None),
                 Event::Cleared => continue,
             };
-            let Some(c) = self.find_class(medium, group, remote) else {
+            let Some(c) = last.find(self, medium, group, remote) else {
                 continue;
             };
             let Some(slot) = worker.slots.iter().find(|s| s.class == c) else {
@@ -638,6 +663,7 @@ impl Core {
         Some(w)
     }
 
+    #[inline]
     fn find_medium(&self, medium: Option<&str>) -> Option<u8> {
         self.media
             .iter()
@@ -648,6 +674,7 @@ impl Core {
             .map(|i| i as u8)
     }
 
+    #[inline]
     fn find_class(&self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
         let medium = self.find_medium(medium)?;
         let want = Class { medium, group, remote };
@@ -726,7 +753,7 @@ impl Core {
         worker.kinds.get(g as usize).copied().unwrap_or_default()
     }
 
-    fn stored(&mut self, w: u32, s: Stored, hashes: &[u64], tokens: &[u32]) {
+    fn stored<'a>(&mut self, w: u32, s: Stored<'a>, hashes: &[u64], tokens: &[u32], last: &mut LastClass<'a>) {
         let keys = &hashes[s.hashes.clone()];
         let tokens = &tokens[s.tokens.clone()];
         let n = keys.len();
@@ -735,7 +762,7 @@ impl Core {
             self.stats.bad_groups += 1;
             return;
         }
-        let kind = match s.kind.map(|name| kind_of(name, s.window, bs)).transpose() {
+        let kind = match (s.kind != NO_KIND).then(|| kind_of(s.kind, s.window, bs)).transpose() {
             Ok(k) => k,
             Err(BadKind::Kind) => {
                 self.stats.unknown_kinds += 1;
@@ -792,7 +819,11 @@ impl Core {
             self.stats.bad_extra_keys += 1;
             return;
         }
-        let Some(c) = self.class_id(s.medium, s.group, s.remote) else {
+        let Some(c) = last.find(self, s.medium, s.group, s.remote).or_else(|| {
+            let c = self.class_id(s.medium, s.group, s.remote)?;
+            last.0 = Some((s.medium, s.group, s.remote, c));
+            Some(c)
+        }) else {
             self.stats.too_many_media += 1;
             return;
         };
@@ -888,7 +919,15 @@ impl Core {
             .find_map(|s| s.engine.get(&p).copied())
     }
 
-    fn removed(&mut self, w: u32, keys: &[u64], medium: Option<&str>, group: u8, remote: bool) {
+    fn removed<'a>(
+        &mut self,
+        w: u32,
+        keys: &[u64],
+        medium: Option<&'a str>,
+        group: u8,
+        remote: bool,
+        last: &mut LastClass<'a>,
+    ) {
         if group == BAD_GROUP {
             self.stats.bad_groups += 1;
             return;
@@ -896,7 +935,7 @@ impl Core {
         if self.kind(w, group) == Kind::Unscored {
             self.stats.unscored_group_events += 1;
         }
-        let slot_i = self.find_class(medium, group, remote).and_then(|c| {
+        let slot_i = last.find(self, medium, group, remote).and_then(|c| {
             let slots = &self.workers[w as usize].as_ref()?.slots;
             slots.iter().position(|s| s.class == c)
         });
@@ -1025,6 +1064,7 @@ fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: E
 }
 
 /// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
+#[inline]
 fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
     let fresh = match mode {
         Mode::Engine => add_holder(blocks, slab, slot, e, k),
@@ -1049,6 +1089,7 @@ fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entr
 }
 
 /// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
+#[inline]
 fn drop_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
     if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
         *n -= 1;
@@ -1192,12 +1233,14 @@ mod tests {
 
     #[test]
     fn kinds_decide_the_plan() {
-        assert_eq!(kind_of(b"sliding_window", Window::Int(5), 2).ok(), Some(Kind::Window { blocks: 2 }));
-        assert_eq!(kind_of(b"sliding_window", Window::Int(1), 2).ok(), Some(Kind::Window { blocks: 1 }));
-        assert_eq!(kind_of(b"mamba", Window::None, 16).ok(), Some(Kind::Window { blocks: 1 }));
-        assert!(matches!(kind_of(b"sliding_window_mla", Window::Int(0), 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(b"sliding_window", Window::Bad, 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(b"swa", Window::Int(4), 2), Err(BadKind::Kind)));
+        let code = |name: &[u8]| KINDS.iter().position(|k| *k == name).map_or(u8::MAX, |i| i as u8 + 1);
+        assert_eq!(kind_of(code(b"sliding_window"), 5, 2).ok(), Some(Kind::Window { blocks: 2 }));
+        assert_eq!(kind_of(code(b"sliding_window"), 1, 2).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(code(b"mamba"), 0, 16).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(code(b"sink_full_attention"), 0, 16).ok(), Some(Kind::Main));
+        assert!(matches!(kind_of(code(b"sliding_window_mla"), 0, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"sliding_window"), -3, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"swa"), 4, 2), Err(BadKind::Kind)));
         assert!(is_plain(&[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced]));
         assert!(!is_plain(&[Kind::Main, Kind::Main]) && !is_plain(&[Kind::Unscored]));
         assert!(!is_plain(&[Kind::Unannounced, Kind::Window { blocks: 1 }]));

@@ -280,6 +280,7 @@ impl Holders {
         Holders { a: e, b: NONE }
     }
 
+    #[inline]
     pub fn contains(&self, slab: &Slab, e: Entry) -> bool {
         if self.a == MANY {
             slab.many[self.b as usize].contains(e)
