@@ -1050,3 +1050,16 @@ HybridPoolMachine.TestCase.settings = settings(
     PoolMachine.TestCase.settings, max_examples=200
 )
 TestHybridPoolStateMachine = HybridPoolMachine.TestCase
+
+
+def test_longest_hit_is_the_coordinators_fixed_point():
+    # HybridKVCacheCoordinator.find_longest_cache_hit repeats over the groups until none cuts
+    # the hit back: group 2 (k=2) cuts 5 to 3, then group 1 (k=1) no longer holds block 2.
+    pool = BlockPool(16, 1, groups=[("full_attention", None), ("sliding_window", 2), ("sliding_window", 3)])
+    hashes = [11, 12, 13, 14, 15]
+    for g, held in [(0, range(5)), (1, [0, 1, 4]), (2, [0, 1, 2])]:
+        for i in held:
+            pool.cache_full_blocks(pool.get_new_blocks(1), [hashes[i]], [i], group_idx=g)
+    assert [pool.window_blocks(g) for g in range(3)] == [0, 1, 2]
+    assert pool.longest_hit(hashes, 5) == 2
+    assert pool.longest_hit(hashes, 1) == 1 and pool.longest_hit([99], 1) == 0
