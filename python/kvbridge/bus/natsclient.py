@@ -15,19 +15,31 @@ waits (kvbridge's event subscriber without an ``on_update`` to await): its handl
 from the read loop itself with the subject, headers and payload, where nats-py would build a
 ``Msg``, queue it and wake the subscription's task to await a callback (about 8 µs a message
 here, more than the header parsing and the frame cut together).
+
+Dead links: a path that dies without a FIN or RST (a dead node, a NAT or conntrack entry gone)
+leaves the socket open and swallows every write. The keepalive (``ping_interval_s``,
+``max_outstanding_pings``) or a caller's probe (``Client.link_alive``) finds it; then the
+connection is logged (which server, how it was found), counted (``link_failures``) and replaced,
+its socket aborted rather than closed (see ``_replace_dead_link``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 from nats.aio import client as _nats
+from nats.errors import FlushTimeoutError, StaleConnectionError
 from nats.protocol import parser as _parser
 
 from kvbridge._native import parse_nats_headers, scan_nats_msgs
 
 __all__ = ["Client", "DirectHandler"]
+
+log = logging.getLogger("kvbridge.connection")
 
 #: ``handler(subject, headers, payload)``; headers as nats-py gives them (a dict, or None).
 DirectHandler = Callable[[str, Optional[dict[str, str]], bytes], None]
@@ -84,6 +96,9 @@ class Client(_nats.Client):
         super().__init__()
         self._ps = Parser(self)
         self._direct: dict[int, DirectHandler] = {}
+        #: Connections found dead by silence (PINGs unanswered) and replaced.
+        self.link_failures = 0
+        self._last_pong = time.monotonic()
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         """A plain subscription (no queue group) whose messages go to ``handler`` from the read
@@ -123,3 +138,53 @@ class Client(_nats.Client):
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)
         super()._remove_sub(sid, max_msgs)
+
+    # -- dead links -------------------------------------------------------------------------------
+
+    async def link_alive(self, timeout: float, why: str) -> bool:
+        """Whether the server answers a PING within ``timeout`` seconds. No answer: the connection
+        is replaced as a dead link (logged with ``why``). False too while not connected."""
+        transport = self._transport
+        if not self.is_connected:
+            return False
+        try:
+            await self.flush(timeout)  # type: ignore[arg-type]  # nats-py annotates it int
+            return True
+        except FlushTimeoutError:
+            if self._transport is transport and self.is_connected:
+                await self._replace_dead_link(f"within {timeout:.1f} s of a probe PING ({why})")
+            return False
+        except Exception:  # disconnected or closed meanwhile: nothing to say about the link
+            return False
+
+    async def _process_pong(self) -> None:
+        self._last_pong = time.monotonic()
+        await super()._process_pong()
+
+    async def _process_connect_init(self) -> None:
+        await super()._process_connect_init()
+        self._last_pong = time.monotonic()  # the handshake ends with a PONG
+
+    async def _process_op_err(self, e: Exception) -> None:
+        if isinstance(e, StaleConnectionError) and self.is_connected:
+            pings = self._pings_outstanding - 1  # the one that tipped it over was not sent
+            if pings >= self.options["max_outstanding_pings"]:
+                how = f"{pings} PINGs unanswered"
+            else:  # the server's -ERR 'Stale Connection': our PONGs stopped reaching it
+                how = "the server found this connection stale"
+            await self._replace_dead_link(f"for {time.monotonic() - self._last_pong:.1f} s ({how})")
+            return
+        await super()._process_op_err(e)
+
+    async def _replace_dead_link(self, how: str) -> None:
+        self.link_failures += 1
+        url = self.connected_url
+        log.warning("kvbridge %s: no PONG from %s %s: dead link, reconnecting (%d so far)", self.options.get("name"),
+                    url.geturl() if url else "?", how, self.link_failures)  # fmt: skip
+        # Abort, not close: asyncio's close() first waits for the queued bytes to drain, which
+        # on a dead path never happens, and nats-py's reconnect waits for the close. What the dead
+        # socket swallowed is the publishers' ring's to re-send (replay) after the reconnect.
+        writer = getattr(self._transport, "_io_writer", None)  # TCP and TLS; websockets time out on their own
+        if isinstance(writer, asyncio.StreamWriter):
+            writer.transport.abort()
+        await super()._process_op_err(StaleConnectionError())

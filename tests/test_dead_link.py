@@ -1,0 +1,197 @@
+"""Half-open connections: a network path that dies without a FIN or RST (tests/freezing_proxy.py
+plays one) between a kvbridge client and its NATS server. The client notices within its keepalive
+budget (ping_interval_s, max_outstanding_pings), reconnects, and nothing is lost: a publisher's
+swallowed messages are replayed from its ring, a subscriber resyncs, and a subscriber whose own
+link died never expires the workers it could not hear."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from bridge_support import Engine, Recorder, views_match, wait_until
+from freezing_proxy import FreezingProxy
+from kvbridge import Config, ConfigError, KvEventPublisher, KvEventSubscriber
+from kvbridge.tools.server import NatsCluster
+
+pytestmark = pytest.mark.timeout(120)
+MODEL = "m"
+# Reconnecting, and a loaded 2-core machine, on top of the keepalive's own detection time.
+SLACK_S = 5.0
+
+
+def cfg(servers, prefix: str, worker: str = "w0", **kw) -> Config:
+    base = dict(servers=servers, model=MODEL, worker_id=worker, subject_prefix=prefix, heartbeat_s=0.5,
+                reconnect_wait_s=0.2, connect_timeout_s=1.0, request_timeout_s=1.0)  # fmt: skip
+    base.update(kw)
+    return Config(**base)
+
+
+def keepalive_bound(config: Config) -> float:
+    """Seconds from a freeze to a new connection: the keepalive notices within
+    ping_interval_s * (max_outstanding_pings + 1); then it reconnects."""
+    return config.ping_interval_s * (config.max_outstanding_pings + 1) + SLACK_S
+
+
+class Fleet:
+    """Publishers with an engine thread each, and one subscriber recording every update."""
+
+    def __init__(self, pubs: list[KvEventPublisher], sub: KvEventSubscriber, rec: Recorder, seed: int) -> None:
+        self.pubs, self.sub, self.rec = pubs, sub, rec
+        self.engines = {
+            (MODEL, p.config.worker_id): Engine(p, 10**9, seed=seed + i, step_sleep=0.005) for i, p in enumerate(pubs)
+        }
+
+    @classmethod
+    async def start(cls, pub_configs: list[Config], sub_config: Config, seed: int) -> Fleet:
+        rec = Recorder()
+        sub = await KvEventSubscriber(sub_config, on_update=rec).start()
+        pubs = [await KvEventPublisher(c).start() for c in pub_configs]
+        fleet = cls(pubs, sub, rec, seed)
+        for e in fleet.engines.values():
+            e.start()
+        await wait_until(lambda: all(e.published > 300 for e in fleet.engines.values()), 30, "events before the freeze")
+        return fleet
+
+    async def finish(self) -> float:
+        """Stops the engines; once every view equals its pool, checks that every worker's updates
+        came in order, exactly once, from a single snapshot (nothing lost: no resync was needed
+        beyond first contact) and that nobody was expired. Seconds the views took."""
+        for e in self.engines.values():
+            e.stop_flag.set()
+        for e in self.engines.values():
+            await asyncio.to_thread(e.finish)
+        waited = await wait_until(lambda: views_match(self.sub, self.engines), 60, "views == pools after the freeze")
+        for key in self.engines:
+            counts = self.rec.check(key)
+            assert counts["resets"] == 1, (key, counts)  # first contact only: replays filled every hole
+        stats = self.sub.stats
+        assert stats["expired"] == 0 and stats["epoch_changes"] == 0 and stats["malformed"] == 0, stats
+        return waited
+
+    async def close(self) -> None:
+        for e in self.engines.values():
+            e.stop_flag.set()
+        for e in self.engines.values():
+            await asyncio.to_thread(e.join, 30)
+        for c in (*self.pubs, self.sub):
+            await c.close()
+
+
+async def test_publisher_behind_a_dead_path_reconnects_and_resends(nats_server, caplog):
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    proxy = await FreezingProxy(nats_server.port).start()
+    pub_cfg = cfg(proxy.url, "dlp")  # default keepalive: ping_interval_s 1.0, max_outstanding_pings 2
+    fleet = await Fleet.start([pub_cfg], cfg(nats_server.url, "dlp", "sub"), seed=300)
+    pub = fleet.pubs[0]
+    try:
+        proxy.freeze()
+        t0 = time.monotonic()
+        took = await wait_until(lambda: pub.stats["link_failures"] == 1 and pub.stats["reconnects"] == 1,
+                                keepalive_bound(pub_cfg), "the publisher reconnecting")  # fmt: skip
+        dropped = dict(proxy.dropped)
+        events_then = sum(e.published for e in fleet.engines.values())
+        await wait_until(lambda: sum(e.published for e in fleet.engines.values()) > events_then + 300, 30,
+                         "events after the reconnect")  # fmt: skip
+        waited = await fleet.finish()
+    finally:
+        await fleet.close()
+        await proxy.close()
+    print(f"\npublisher reconnected {took:.2f}s after the freeze; {dropped} bytes dropped by the dead path; views "
+          f"converged {waited:.2f}s after the engine stopped; publisher {pub.stats}; subscriber {fleet.sub.stats}")  # fmt: skip
+    assert dropped["to_server"] > 0  # the freeze swallowed events (and PINGs)
+    assert fleet.sub.stats["replays"] >= 1  # ...which came back from the ring
+    # The log says who went silent and how it was noticed.
+    assert any(f"no PONG from nats://127.0.0.1:{proxy.port} for" in r.getMessage() and "2 PINGs unanswered"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]  # fmt: skip
+    assert time.monotonic() - t0 > pub_cfg.ping_interval_s * pub_cfg.max_outstanding_pings  # not before its budget
+
+
+async def test_subscriber_behind_a_dead_path_reconnects_and_expires_nobody(nats_server):
+    proxy = await FreezingProxy(nats_server.port).start()
+    sub_cfg = cfg(proxy.url, "dls", "sub")
+    fleet = await Fleet.start([cfg(nats_server.url, "dls", f"w{i}") for i in range(2)], sub_cfg, seed=310)
+    sub = fleet.sub
+    try:
+        proxy.freeze()
+        took = await wait_until(lambda: sub.stats["link_failures"] >= 1 and sub.connected_url == proxy.url,
+                                keepalive_bound(sub_cfg), "the subscriber reconnecting")  # fmt: skip
+        dropped = dict(proxy.dropped)
+        waited = await fleet.finish()
+    finally:
+        await fleet.close()
+        await proxy.close()
+    print(f"\nsubscriber reconnected {took:.2f}s after the freeze; {dropped} bytes dropped; views converged "
+          f"{waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
+    assert dropped["to_client"] > 0 and dropped["to_server"] > 0  # events in, PINGs out: all swallowed
+    assert sub.stats["replays"] >= 1
+
+
+async def test_subscriber_proves_its_own_link_before_expiring_workers(nats_server, caplog):
+    """The keepalive too slow to notice first: the workers look silent past worker_timeout_s, and
+    the subscriber's PING before expiring them finds its own link dead instead."""
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    proxy = await FreezingProxy(nats_server.port).start()
+    sub_cfg = cfg(proxy.url, "dlx", "sub", ping_interval_s=60.0, worker_timeout_s=1.5)
+    fleet = await Fleet.start([cfg(nats_server.url, "dlx", f"w{i}") for i in range(2)], sub_cfg, seed=320)
+    sub = fleet.sub
+    try:
+        proxy.freeze()
+        bound = sub_cfg.worker_timeout_s + 1.0 + sub_cfg.request_timeout_s + SLACK_S  # + one expiry sweep
+        took = await wait_until(lambda: sub.stats["link_failures"] >= 1 and sub.connected_url == proxy.url, bound,
+                                "the subscriber's probe finding its link dead")  # fmt: skip
+        dropped = dict(proxy.dropped)
+        waited = await fleet.finish()
+    finally:
+        await fleet.close()
+        await proxy.close()
+    print(f"\nsubscriber probe replaced its link {took:.2f}s after the freeze; {dropped} bytes dropped; views "
+          f"converged {waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
+    assert dropped["to_client"] > 0
+    assert took > sub_cfg.worker_timeout_s  # the probe, not the (60 s) keepalive
+    assert any("of a probe PING (2 worker(s) silent past their timeout)" in r.getMessage() for r in caplog.records)
+
+
+async def test_cluster_node_behind_a_dead_path_its_peers_take_over():
+    """Every node behind a proxy; the subscriber's node's path dies, new connections to it too (a
+    dead node): the subscriber and any publisher there move to the other nodes."""
+    with NatsCluster(3, extra_args=["--no_advertise"]) as cluster:  # clients know the proxies only
+        proxies = [await FreezingProxy(node.port).start() for node in cluster.nodes]
+        urls = [p.url for p in proxies]
+        fleet = await Fleet.start([cfg(urls, "dlc", f"w{i}") for i in range(3)], cfg(urls, "dlc", "sub"), seed=330)
+        sub = fleet.sub
+        try:
+            dead = urls.index(sub.connected_url)
+            on_dead = [p for p in fleet.pubs if p._nc.connected_url.geturl() == urls[dead]]
+            proxies[dead].freeze(new_connections=False)
+            bound = keepalive_bound(sub.config) + 2 * sub.config.connect_timeout_s  # may retry the dead node
+            took = await wait_until(
+                lambda: all(c.stats["link_failures"] >= 1 and c._nc.is_connected
+                            and c._nc.connected_url.geturl() != urls[dead] for c in (sub, *on_dead)),
+                bound, "the subscriber and its node's publishers on the other nodes",
+            )  # fmt: skip
+            dropped = proxies[dead].dropped_bytes
+            waited = await fleet.finish()
+        finally:
+            await fleet.close()
+            for p in proxies:
+                await p.close()
+    print(f"\nnode {dead} frozen: subscriber and {len(on_dead)} publisher(s) moved in {took:.2f}s; {dropped} bytes "
+          f"dropped; converged {waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
+    assert dropped > 0
+
+
+def test_keepalive_options_checked():
+    for bad in (0, -1.0, float("inf"), "1"):
+        with pytest.raises(ConfigError, match=r"ping_interval_s \(KVBRIDGE_PING_INTERVAL_S\)"):
+            Config(ping_interval_s=bad)
+    for bad in (0, 1.5, True, None):
+        with pytest.raises(ConfigError, match=r"max_outstanding_pings \(KVBRIDGE_MAX_OUTSTANDING_PINGS\): must be"):
+            Config(max_outstanding_pings=bad)
+    config = Config.from_env({"KVBRIDGE_PING_INTERVAL_S": "0.25", "KVBRIDGE_MAX_OUTSTANDING_PINGS": "4"})
+    opts = config.connect_options()
+    assert (opts["ping_interval"], opts["max_outstanding_pings"]) == (0.25, 4)
+    assert (Config().ping_interval_s, Config().max_outstanding_pings) == (1.0, 2)
