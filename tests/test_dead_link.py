@@ -16,6 +16,7 @@ from bridge_support import Engine, Recorder, views_match, wait_until
 from freezing_proxy import FreezingProxy
 from kvbridge import Config, ConfigError, KvEventPublisher, KvEventSubscriber
 from kvbridge.tools.server import NatsCluster
+from test_jetstream import seqs_by_incarnation, stream_messages
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "m"
@@ -28,6 +29,11 @@ def cfg(servers, prefix: str, worker: str = "w0", **kw) -> Config:
                 reconnect_wait_s=0.2, connect_timeout_s=1.0, request_timeout_s=1.0)  # fmt: skip
     base.update(kw)
     return Config(**base)
+
+
+def connected_to(client: KvEventPublisher | KvEventSubscriber) -> str | None:
+    nc = client._nc
+    return nc.connected_url.geturl() if nc.is_connected else None
 
 
 def keepalive_bound(config: Config) -> float:
@@ -155,6 +161,34 @@ async def test_subscriber_proves_its_own_link_before_expiring_workers(nats_serve
     assert any("of a probe PING (2 worker(s) silent past their timeout)" in r.getMessage() for r in caplog.records)
 
 
+async def test_jetstream_publisher_and_subscriber_behind_one_dead_path(nats_server):
+    """JetStream: the publisher re-sends what the stream did not acknowledge, the subscriber's
+    stream consumer picks up where it was; the stream ends holding every message exactly once."""
+    proxy = await FreezingProxy(nats_server.port).start()
+    js = dict(jetstream=True, stream_name="DLJ")
+    fleet = await Fleet.start([cfg(proxy.url, "dlj", **js)], cfg(proxy.url, "dlj", "sub", **js), seed=340)
+    pub, sub = fleet.pubs[0], fleet.sub
+    try:
+        proxy.freeze()
+        took = await wait_until(
+            lambda: all(c.stats["link_failures"] == 1 and connected_to(c) == proxy.url for c in (pub, sub)),
+            keepalive_bound(sub.config), "the publisher and the subscriber reconnecting",
+        )  # fmt: skip
+        dropped = dict(proxy.dropped)
+        waited = await fleet.finish()
+        await pub.close(timeout=30)  # JetStream: closed means stored
+    finally:
+        await fleet.close()
+        await proxy.close()
+    stats = pub.stats
+    print(f"\nJetStream publisher and subscriber reconnected {took:.2f}s after the freeze; {dropped} bytes dropped; "
+          f"converged {waited:.2f}s after the engine stopped; publisher {stats}; subscriber {sub.stats}")  # fmt: skip
+    assert dropped["to_server"] > 0 and dropped["to_client"] > 0
+    assert stats["js_unacked"] == 0, stats
+    by = seqs_by_incarnation(await stream_messages(nats_server.url, "DLJ", "dlj.events.>"))
+    assert sorted(by[("w0", pub.epoch)]) == list(range(stats["last_seq"] + 1))
+
+
 async def test_cluster_node_behind_a_dead_path_its_peers_take_over():
     """Every node behind a proxy; the subscriber's node's path dies, new connections to it too (a
     dead node): the subscriber and any publisher there move to the other nodes."""
@@ -165,12 +199,12 @@ async def test_cluster_node_behind_a_dead_path_its_peers_take_over():
         sub = fleet.sub
         try:
             dead = urls.index(sub.connected_url)
-            on_dead = [p for p in fleet.pubs if p._nc.connected_url.geturl() == urls[dead]]
+            on_dead = [p for p in fleet.pubs if connected_to(p) == urls[dead]]
             proxies[dead].freeze(new_connections=False)
             bound = keepalive_bound(sub.config) + 2 * sub.config.connect_timeout_s  # may retry the dead node
             took = await wait_until(
-                lambda: all(c.stats["link_failures"] >= 1 and c._nc.is_connected
-                            and c._nc.connected_url.geturl() != urls[dead] for c in (sub, *on_dead)),
+                lambda: all(c.stats["link_failures"] >= 1 and connected_to(c) not in (None, urls[dead])
+                            for c in (sub, *on_dead)),
                 bound, "the subscriber and its node's publishers on the other nodes",
             )  # fmt: skip
             dropped = proxies[dead].dropped_bytes
