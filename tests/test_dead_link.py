@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from typing import Any
 
 import pytest
 
@@ -43,24 +43,49 @@ def keepalive_bound(config: Config) -> float:
 
 
 class Fleet:
-    """Publishers with an engine thread each, and one subscriber recording every update."""
+    """Publishers with an engine thread each, one subscriber recording every update, and the
+    proxies between some of them and NATS (closed with the fleet)."""
 
-    def __init__(self, pubs: list[KvEventPublisher], sub: KvEventSubscriber, rec: Recorder, seed: int) -> None:
-        self.pubs, self.sub, self.rec = pubs, sub, rec
+    def __init__(self, pubs: list[KvEventPublisher], sub: KvEventSubscriber, rec: Recorder, seed: int,
+                 proxies: list[FreezingProxy]) -> None:  # fmt: skip
+        self.pubs, self.sub, self.rec, self.proxies = pubs, sub, rec, proxies
         self.engines = {
             (MODEL, p.config.worker_id): Engine(p, 10**9, seed=seed + i, step_sleep=0.005) for i, p in enumerate(pubs)
         }
 
     @classmethod
-    async def start(cls, pub_configs: list[Config], sub_config: Config, seed: int) -> Fleet:
+    async def start(cls, pub_configs: list[Config], sub_config: Config, seed: int,
+                    proxies: list[FreezingProxy]) -> Fleet:  # fmt: skip
         rec = Recorder()
         sub = await KvEventSubscriber(sub_config, on_update=rec).start()
         pubs = [await KvEventPublisher(c).start() for c in pub_configs]
-        fleet = cls(pubs, sub, rec, seed)
+        fleet = cls(pubs, sub, rec, seed, proxies)
         for e in fleet.engines.values():
             e.start()
-        await wait_until(lambda: all(e.published > 300 for e in fleet.engines.values()), 30, "events before the freeze")
+        await fleet.wait_events(300, "events before the freeze")
         return fleet
+
+    async def wait_events(self, n: int, what: str) -> None:
+        start = {key: e.published for key, e in self.engines.items()}
+        await wait_until(lambda: all(e.published > start[key] + n for key, e in self.engines.items()), 30, what)
+
+    async def kill_path(self, dead: FreezingProxy, clients: list[Any], bound: float, *, new_connections: bool = True,
+                        ) -> tuple[float, dict[str, int], float]:  # fmt: skip
+        """Freezes ``dead`` and waits up to ``bound`` s for each of ``clients`` (the ones behind it)
+        to find its link dead and connect again (elsewhere, unless ``new_connections``), then for
+        traffic, then ``finish``. Seconds to reconnect, bytes the dead path dropped, seconds the
+        views took."""
+        before = [c.stats["link_failures"] for c in clients]
+        barred = None if new_connections else dead.url
+        dead.freeze(new_connections=new_connections)
+        took = await wait_until(
+            lambda: all(c.stats["link_failures"] > n and connected_to(c) not in (None, barred)
+                        for c, n in zip(clients, before)),
+            bound, f"{len(clients)} client(s) behind the dead path connected again",
+        )  # fmt: skip
+        dropped = dict(dead.dropped)
+        await self.wait_events(300, "events after the reconnect")
+        return took, dropped, await self.finish()
 
     async def finish(self) -> float:
         """Stops the engines; once every view equals its pool, checks that every worker's updates
@@ -85,80 +110,62 @@ class Fleet:
             await asyncio.to_thread(e.join, 30)
         for c in (*self.pubs, self.sub):
             await c.close()
+        for p in self.proxies:
+            await p.close()
 
 
 async def test_publisher_behind_a_dead_path_reconnects_and_resends(nats_server, caplog):
     caplog.set_level(logging.WARNING, logger="kvbridge")
     proxy = await FreezingProxy(nats_server.port).start()
     pub_cfg = cfg(proxy.url, "dlp")  # default keepalive: ping_interval_s 1.0, max_outstanding_pings 2
-    fleet = await Fleet.start([pub_cfg], cfg(nats_server.url, "dlp", "sub"), seed=300)
+    fleet = await Fleet.start([pub_cfg], cfg(nats_server.url, "dlp", "sub"), 300, [proxy])
     pub = fleet.pubs[0]
     try:
-        proxy.freeze()
-        t0 = time.monotonic()
-        took = await wait_until(lambda: pub.stats["link_failures"] == 1 and pub.stats["reconnects"] == 1,
-                                keepalive_bound(pub_cfg), "the publisher reconnecting")  # fmt: skip
-        dropped = dict(proxy.dropped)
-        events_then = sum(e.published for e in fleet.engines.values())
-        await wait_until(lambda: sum(e.published for e in fleet.engines.values()) > events_then + 300, 30,
-                         "events after the reconnect")  # fmt: skip
-        waited = await fleet.finish()
+        took, dropped, waited = await fleet.kill_path(proxy, [pub], keepalive_bound(pub_cfg))
     finally:
         await fleet.close()
-        await proxy.close()
     print(f"\npublisher reconnected {took:.2f}s after the freeze; {dropped} bytes dropped by the dead path; views "
           f"converged {waited:.2f}s after the engine stopped; publisher {pub.stats}; subscriber {fleet.sub.stats}")  # fmt: skip
     assert dropped["to_server"] > 0  # the freeze swallowed events (and PINGs)
     assert fleet.sub.stats["replays"] >= 1  # ...which came back from the ring
+    assert pub.stats["link_failures"] == 1 and pub.stats["reconnects"] == 1
+    assert took > pub_cfg.ping_interval_s * pub_cfg.max_outstanding_pings  # not before its budget
     # The log says who went silent and how it was noticed.
     assert any(f"no PONG from nats://127.0.0.1:{proxy.port} for" in r.getMessage() and "2 PINGs unanswered"
                in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]  # fmt: skip
-    assert time.monotonic() - t0 > pub_cfg.ping_interval_s * pub_cfg.max_outstanding_pings  # not before its budget
 
 
-async def test_subscriber_behind_a_dead_path_reconnects_and_expires_nobody(nats_server):
-    proxy = await FreezingProxy(nats_server.port).start()
-    sub_cfg = cfg(proxy.url, "dls", "sub")
-    fleet = await Fleet.start([cfg(nats_server.url, "dls", f"w{i}") for i in range(2)], sub_cfg, seed=310)
-    sub = fleet.sub
-    try:
-        proxy.freeze()
-        took = await wait_until(lambda: sub.stats["link_failures"] >= 1 and sub.connected_url == proxy.url,
-                                keepalive_bound(sub_cfg), "the subscriber reconnecting")  # fmt: skip
-        dropped = dict(proxy.dropped)
-        waited = await fleet.finish()
-    finally:
-        await fleet.close()
-        await proxy.close()
-    print(f"\nsubscriber reconnected {took:.2f}s after the freeze; {dropped} bytes dropped; views converged "
-          f"{waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
-    assert dropped["to_client"] > 0 and dropped["to_server"] > 0  # events in, PINGs out: all swallowed
-    assert sub.stats["replays"] >= 1
-
-
-async def test_subscriber_proves_its_own_link_before_expiring_workers(nats_server, caplog):
-    """The keepalive too slow to notice first: the workers look silent past worker_timeout_s, and
-    the subscriber's PING before expiring them finds its own link dead instead."""
+@pytest.mark.parametrize("found_by", ["keepalive", "probe"])
+async def test_subscriber_behind_a_dead_path_expires_nobody(nats_server, caplog, found_by):
+    """keepalive: the default keepalive notices first. probe: a keepalive too slow to notice
+    (60 s), so the workers look silent past worker_timeout_s, and the subscriber's PING before
+    expiring them finds its own link dead instead."""
     caplog.set_level(logging.WARNING, logger="kvbridge")
     proxy = await FreezingProxy(nats_server.port).start()
-    sub_cfg = cfg(proxy.url, "dlx", "sub", ping_interval_s=60.0, worker_timeout_s=1.5)
-    fleet = await Fleet.start([cfg(nats_server.url, "dlx", f"w{i}") for i in range(2)], sub_cfg, seed=320)
+    prefix = f"dls{found_by}"
+    if found_by == "keepalive":
+        sub_cfg = cfg(proxy.url, prefix, "sub")
+        bound = keepalive_bound(sub_cfg)
+    else:
+        sub_cfg = cfg(proxy.url, prefix, "sub", ping_interval_s=60.0, worker_timeout_s=1.5)
+        bound = sub_cfg.worker_timeout_s + 1.0 + sub_cfg.request_timeout_s + SLACK_S  # + one expiry sweep
+    fleet = await Fleet.start([cfg(nats_server.url, prefix, f"w{i}") for i in range(2)], sub_cfg, 310, [proxy])
     sub = fleet.sub
     try:
-        proxy.freeze()
-        bound = sub_cfg.worker_timeout_s + 1.0 + sub_cfg.request_timeout_s + SLACK_S  # + one expiry sweep
-        took = await wait_until(lambda: sub.stats["link_failures"] >= 1 and sub.connected_url == proxy.url, bound,
-                                "the subscriber's probe finding its link dead")  # fmt: skip
-        dropped = dict(proxy.dropped)
-        waited = await fleet.finish()
+        took, dropped, waited = await fleet.kill_path(proxy, [sub], bound)
     finally:
         await fleet.close()
-        await proxy.close()
-    print(f"\nsubscriber probe replaced its link {took:.2f}s after the freeze; {dropped} bytes dropped; views "
+    print(f"\nsubscriber ({found_by}) reconnected {took:.2f}s after the freeze; {dropped} bytes dropped; views "
           f"converged {waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
-    assert dropped["to_client"] > 0
-    assert took > sub_cfg.worker_timeout_s  # the probe, not the (60 s) keepalive
-    assert any("of a probe PING (2 worker(s) silent past their timeout)" in r.getMessage() for r in caplog.records)
+    assert dropped["to_client"] > 0  # events swallowed on their way in
+    assert sub.stats["replays"] >= 1 and sub.stats["link_failures"] == 1
+    messages = [r.getMessage() for r in caplog.records]
+    if found_by == "probe":
+        assert took > sub_cfg.worker_timeout_s  # the probe, not the keepalive
+        assert any("of a probe PING (2 worker(s) silent past their timeout)" in m for m in messages), messages
+    else:
+        assert dropped["to_server"] > 0  # the keepalive's PINGs swallowed on their way out
+        assert any("2 PINGs unanswered" in m for m in messages), messages
 
 
 async def test_jetstream_publisher_and_subscriber_behind_one_dead_path(nats_server):
@@ -166,20 +173,13 @@ async def test_jetstream_publisher_and_subscriber_behind_one_dead_path(nats_serv
     stream consumer picks up where it was; the stream ends holding every message exactly once."""
     proxy = await FreezingProxy(nats_server.port).start()
     js = dict(jetstream=True, stream_name="DLJ")
-    fleet = await Fleet.start([cfg(proxy.url, "dlj", **js)], cfg(proxy.url, "dlj", "sub", **js), seed=340)
+    fleet = await Fleet.start([cfg(proxy.url, "dlj", **js)], cfg(proxy.url, "dlj", "sub", **js), 340, [proxy])
     pub, sub = fleet.pubs[0], fleet.sub
     try:
-        proxy.freeze()
-        took = await wait_until(
-            lambda: all(c.stats["link_failures"] == 1 and connected_to(c) == proxy.url for c in (pub, sub)),
-            keepalive_bound(sub.config), "the publisher and the subscriber reconnecting",
-        )  # fmt: skip
-        dropped = dict(proxy.dropped)
-        waited = await fleet.finish()
+        took, dropped, waited = await fleet.kill_path(proxy, [pub, sub], keepalive_bound(sub.config))
         await pub.close(timeout=30)  # JetStream: closed means stored
     finally:
         await fleet.close()
-        await proxy.close()
     stats = pub.stats
     print(f"\nJetStream publisher and subscriber reconnected {took:.2f}s after the freeze; {dropped} bytes dropped; "
           f"converged {waited:.2f}s after the engine stopped; publisher {stats}; subscriber {sub.stats}")  # fmt: skip
@@ -195,27 +195,18 @@ async def test_cluster_node_behind_a_dead_path_its_peers_take_over():
     with NatsCluster(3, extra_args=["--no_advertise"]) as cluster:  # clients know the proxies only
         proxies = [await FreezingProxy(node.port).start() for node in cluster.nodes]
         urls = [p.url for p in proxies]
-        fleet = await Fleet.start([cfg(urls, "dlc", f"w{i}") for i in range(3)], cfg(urls, "dlc", "sub"), seed=330)
+        fleet = await Fleet.start([cfg(urls, "dlc", f"w{i}") for i in range(3)], cfg(urls, "dlc", "sub"), 330, proxies)
         sub = fleet.sub
         try:
-            dead = urls.index(sub.connected_url)
-            on_dead = [p for p in fleet.pubs if connected_to(p) == urls[dead]]
-            proxies[dead].freeze(new_connections=False)
+            dead = proxies[urls.index(sub.connected_url)]
+            on_dead = [p for p in fleet.pubs if connected_to(p) == dead.url]
             bound = keepalive_bound(sub.config) + 2 * sub.config.connect_timeout_s  # may retry the dead node
-            took = await wait_until(
-                lambda: all(c.stats["link_failures"] >= 1 and connected_to(c) not in (None, urls[dead])
-                            for c in (sub, *on_dead)),
-                bound, "the subscriber and its node's publishers on the other nodes",
-            )  # fmt: skip
-            dropped = proxies[dead].dropped_bytes
-            waited = await fleet.finish()
+            took, dropped, waited = await fleet.kill_path(dead, [sub, *on_dead], bound, new_connections=False)
         finally:
             await fleet.close()
-            for p in proxies:
-                await p.close()
-    print(f"\nnode {dead} frozen: subscriber and {len(on_dead)} publisher(s) moved in {took:.2f}s; {dropped} bytes "
-          f"dropped; converged {waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
-    assert dropped > 0
+    print(f"\nnode {urls.index(dead.url)} frozen: subscriber and {len(on_dead)} publisher(s) moved in {took:.2f}s; "
+          f"{dropped} bytes dropped; converged {waited:.2f}s after the engines stopped; {sub.stats}")  # fmt: skip
+    assert dropped["to_client"] > 0
 
 
 def test_keepalive_options_checked():
