@@ -3,11 +3,18 @@ it carries stay open at both ends but nothing crosses any more, in either direct
 is read and dropped, and counted), as when a node, a NAT or conntrack entry or a route dies
 without a FIN or RST. Connections made after the freeze are forwarded normally, so a client that
 notices can reconnect through it; ``freeze(new_connections=False)`` makes it a dead node instead:
-later connections are accepted and then hear nothing, so a client has to try another server."""
+later connections are accepted and then hear nothing, so a client has to try another server.
+
+``freeze(hold=True)``: the proxy stops reading instead of dropping, as a path that no longer
+acknowledges anything: the senders' socket buffers fill, and then their own write buffers
+(``held_bytes()`` counts what waits unread at the proxy)."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import struct
+import termios
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -104,12 +111,26 @@ class FreezingProxy:
             side.transport.write(data)  # type: ignore[union-attr]
         link.early.clear()
 
-    def freeze(self, *, new_connections: bool = True) -> None:
+    def freeze(self, *, new_connections: bool = True, hold: bool = False) -> None:
         """Stop every connection open now, both ways, sockets left open. ``new_connections``:
-        whether connections made from now on are forwarded (False: a dead node)."""
+        whether connections made from now on are forwarded (False: a dead node). ``hold``: stop
+        reading them rather than read and drop."""
         for link in self._links:
             link.frozen = True
+            for side in (link.client, link.server):
+                if hold and side is not None and side.transport is not None:
+                    side.transport.pause_reading()
         self._frozen_new = not new_connections
+
+    def held_bytes(self) -> int:
+        """Bytes that arrived on frozen connections and wait unread in the proxy's sockets."""
+        total = 0
+        for link in self._links:
+            for side in (link.client, link.server):
+                sock = side.transport.get_extra_info("socket") if side is not None and side.transport else None
+                if link.frozen and sock is not None and sock.fileno() >= 0:
+                    total += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        return total
 
     async def close(self) -> None:
         for link in self._links:
