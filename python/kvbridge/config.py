@@ -74,9 +74,10 @@ class Config:
     reconnect_wait_s: float = 0.5
     request_timeout_s: float = 2.0
     #: Keepalive: a PING to the server this often; a connection with more than
-    #: ``max_outstanding_pings`` of them unanswered is dead and replaced (reconnect). A path that
-    #: dies without a FIN or RST (a dead node, NAT or conntrack entry) is noticed within
-    #: ``ping_interval_s * (max_outstanding_pings + 1)``: 3 s by default (nats-py's: 6 min).
+    #: ``max_outstanding_pings`` of them unanswered, and nothing else received meanwhile, is dead
+    #: and replaced (reconnect). A path that dies without a FIN or RST (a dead node, NAT or
+    #: conntrack entry) is noticed within ``ping_interval_s * (max_outstanding_pings + 1)``: 3 s
+    #: by default (nats-py's: 6 min).
     ping_interval_s: float = 1.0
     max_outstanding_pings: int = 2
     #: Subscribers drop a worker not heard from for this long (never sooner than 3 of the worker's
