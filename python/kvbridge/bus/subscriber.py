@@ -16,7 +16,8 @@ in-order sequence of :class:`Update` s:
   heartbeat intervals, ``Kv-Heartbeat``; never, if it sends none) is dropped: its view goes, one
   ``reset=True`` update with ``source="expired"`` and no events says so, and it costs no more
   requests. A worker whose subject never syncs (nobody answers) costs a few requests with growing
-  pauses until it expires;
+  pauses until it expires. Silence is never blamed on the workers before the subscriber's own
+  link has answered a PING (docs/delivery.md, "Dead links");
 * two live publishers on one subject (two epochs alternating) are logged once, at WARNING, with
   both epochs, and counted (``stats["epoch_conflicts"]``).
 
