@@ -1,0 +1,174 @@
+"""``kvbridge proxy`` with real HTTP and a real nats-server: the official openai client against the
+gateway in front of three stand-in engines (kvbridge.tools.standin)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from bridge_support import wait_until
+
+from kvbridge.config import Config
+from kvbridge.routing.proxy import KvProxy
+from kvbridge.tools.standin import StandinEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 16
+SYSTEM = "You are a careful assistant who answers in exactly one short sentence. " * 4
+
+
+class Fleet:
+    def __init__(self, proxy: KvProxy, engines: list[StandinEngine], model: str) -> None:
+        self.proxy, self.engines, self.model = proxy, engines, model
+        self.by_worker = {e.worker_id: e for e in engines}
+        self.client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+    def engine_of(self, response_id: str) -> StandinEngine:
+        """The stand-in that answered: its ids are ``<kind>-<worker>-<n>``."""
+        return next(e for e in self.engines if response_id.split("-", 1)[1].startswith(e.worker_id + "-"))
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def _config(server: Any, **kw: Any) -> Config:
+    return Config(servers=server.url, reconnect_wait_s=0.2, heartbeat_s=0.5, **kw)
+
+
+@asynccontextmanager
+async def fleet(server: Any, n: int = 3, *, token_delay_s: float = 0.0, tokenizer: Any = None,
+                **proxy_options: Any) -> AsyncIterator[Fleet]:  # fmt: skip
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    async with AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(StandinEngine(
+                _config(server), model=model, worker_id=f"w{i}", dp_rank=i, block_size=BS, token_delay_s=token_delay_s,
+                tokenizer=tokenizer, load_interval_s=0.1,
+            ))  # fmt: skip
+            for i in range(n)
+        ]
+        proxy = await stack.enter_async_context(
+            KvProxy(_config(server), model=model, port=0, block_size=BS, tokenizer=tokenizer, seed=0, **proxy_options)
+        )
+        f = Fleet(proxy, engines, model)
+        stack.push_async_callback(f.client.close)
+
+        def knows_all() -> bool:
+            proxy._refresh(force=True)
+            return len(proxy.upstreams.all) == n
+
+        await wait_until(knows_all, 10, "the proxy to learn every worker's URL from its load reports")
+        yield f
+
+
+async def _raw_stream(response: Any) -> bytes:
+    return b"".join([chunk async for chunk in response.iter_bytes()])
+
+
+async def test_completions_and_chat_byte_identical(nats_server):
+    async with fleet(nats_server) as f:
+        c = f.client
+        # non-streaming: the body the client got is the body the engine sent
+        raw = await c.completions.with_raw_response.create(model=f.model, prompt=SYSTEM + "Say hi.", max_tokens=5)
+        done = raw.parse()
+        assert raw.http_response.content == f.engine_of(done.id).sent[done.id]
+        assert done.choices[0].text == " w0 w1 w2 w3 w4"
+        raw = await c.chat.completions.with_raw_response.create(
+            model=f.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+        )
+        chat = raw.parse()
+        assert raw.http_response.content == f.engine_of(chat.id).sent[chat.id]
+        assert chat.choices[0].message.content == " w0 w1 w2"
+
+        # streaming: every SSE byte, in order, as the engine wrote them
+        for create, kw in ((c.completions, {"prompt": SYSTEM + "Count."}),
+                           (c.chat.completions, {"messages": [{"role": "user", "content": "Count."}]})):  # fmt: skip
+            async with create.with_streaming_response.create(model=f.model, stream=True, max_tokens=6, **kw) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                body = await _raw_stream(resp)
+            first = json.loads(body.split(b"\n\n")[0][len(b"data: "):])
+            assert body == f.engine_of(first["id"]).sent[first["id"]]
+            assert body.endswith(b"data: [DONE]\n\n")
+
+        # and parsed by the client as a stream
+        stream = await c.chat.completions.create(model=f.model, messages=[{"role": "user", "content": "x"}],
+                                                 stream=True, max_tokens=4)  # fmt: skip
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        assert text == " w0 w1 w2 w3"
+
+        models = await c.models.list()
+        assert [m.id for m in models.data] == [f.model]
+        assert f.metric("kvbridge_proxy_requests_total", endpoint="chat", status="200") == 3
+
+
+async def test_same_prefix_goes_where_it_is_cached(nats_server):
+    async with fleet(nats_server) as f:
+        prefixes = [f"[{i}] " + SYSTEM for i in range(3)]
+        first: dict[int, str] = {}
+        for i, prefix in enumerate(prefixes):
+            r = await f.client.completions.create(model=f.model, prompt=prefix + "first question", max_tokens=1)
+            first[i] = f.engine_of(r.id).worker_id
+        # The index hears the blocks through NATS; then every follow-up lands where its prefix is.
+        n_blocks = len(prefixes[0].encode()) // BS
+
+        def indexed() -> bool:
+            assert f.proxy.index is not None
+            return all(f.proxy.index.find_matches(list(p.encode())).get(first[i], 0) >= n_blocks
+                       for i, p in enumerate(prefixes))  # fmt: skip
+
+        await wait_until(indexed, 10, "the index to hold every prefix's blocks")
+        for round_ in range(3):
+            for i, prefix in enumerate(prefixes):
+                r = await f.client.completions.create(model=f.model, prompt=prefix + f"follow-up {round_}", max_tokens=1)
+                assert f.engine_of(r.id).worker_id == first[i]
+                assert r.usage is not None
+                assert r.usage.prompt_tokens_details is not None
+                assert r.usage.prompt_tokens_details.cached_tokens >= n_blocks * BS
+        # chat: the template's rendering is what /tokenize answered, cached after the first call
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs, max_tokens=1)  # type: ignore[arg-type]
+        home = f.engine_of(r.id).worker_id
+        calls = sum(e.tokenize_calls for e in f.engines)
+        await wait_until(lambda: f.proxy.index.find_matches(
+            list(f"<|system|>\n{SYSTEM}\n".encode())).get(home, 0) > 0, 10, "the chat prefix to be indexed")  # fmt: skip
+        msgs2 = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)  # type: ignore[arg-type]
+        assert f.engine_of(r.id).worker_id == home
+        assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # a new prompt: one /tokenize
+        await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)  # type: ignore[arg-type]
+        assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # the same again: from the LRU
+        assert f.metric("kvbridge_proxy_overlap_blocks_sum") >= 9 * n_blocks
+
+
+async def test_malformed_requests_get_4xx_json(nats_server):
+    async with fleet(nats_server, n=1, max_body_bytes=4096) as f:
+        url = f.proxy.url
+        cases = [
+            ("POST", "/v1/completions", b"{not json", 400),
+            ("POST", "/v1/completions", b"[1, 2]", 400),
+            ("POST", "/v1/completions", json.dumps({"prompt": "hi"}).encode(), 400),
+            ("POST", "/v1/completions", json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404),
+            ("POST", "/v1/chat/completions", json.dumps({"model": f.model}).encode(), 400),
+            ("POST", "/v1/chat/completions", json.dumps({"model": f.model, "messages": "x" * 5000}).encode(), 413),
+            ("GET", "/v1/completions", b"", 405),
+            ("POST", "/v1/models", b"", 405),
+            ("GET", "/v2/nothing", b"", 404),
+        ]
+        async with aiohttp.ClientSession() as s:
+            for method, path, data, status in cases:
+                async with s.request(method, url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    body = await r.json(content_type=None)
+                    assert r.status == status, (path, data[:40], body)
+                    assert r.content_type == "application/json"
+                    assert body["error"]["code"] == status and body["error"]["message"]
+        assert sum(e.requests for e in f.engines) == 0  # none of them reached an engine
+        with pytest.raises(openai.NotFoundError):
+            await f.client.completions.create(model="other-model", prompt="hi")
