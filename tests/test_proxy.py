@@ -44,19 +44,19 @@ def _config(server: Any, **kw: Any) -> Config:
 
 
 @asynccontextmanager
-async def fleet(server: Any, n: int = 3, *, token_delay_s: float = 0.0, tokenizer: Any = None,
+async def fleet(server: Any, n: int = 3, *, token_delay_s: float = 0.0, engine_tokenizer: Any = None,
                 **proxy_options: Any) -> AsyncIterator[Fleet]:  # fmt: skip
     model = f"m-{uuid.uuid4().hex[:8]}"
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(StandinEngine(
                 _config(server), model=model, worker_id=f"w{i}", dp_rank=i, block_size=BS, token_delay_s=token_delay_s,
-                tokenizer=tokenizer, load_interval_s=0.1,
+                tokenizer=engine_tokenizer, load_interval_s=0.1,
             ))  # fmt: skip
             for i in range(n)
         ]
         proxy = await stack.enter_async_context(
-            KvProxy(_config(server), model=model, port=0, block_size=BS, tokenizer=tokenizer, seed=0, **proxy_options)
+            KvProxy(_config(server), model=model, port=0, block_size=BS, seed=0, **proxy_options)
         )
         f = Fleet(proxy, engines, model)
         stack.push_async_callback(f.client.close)
@@ -172,3 +172,139 @@ async def test_malformed_requests_get_4xx_json(nats_server):
         assert sum(e.requests for e in f.engines) == 0  # none of them reached an engine
         with pytest.raises(openai.NotFoundError):
             await f.client.completions.create(model="other-model", prompt="hi")
+
+
+async def _warm(f: Fleet, prefix: str) -> StandinEngine:
+    """Send one request with ``prefix``; return the engine that caches it once the index knows."""
+    r = await f.client.completions.create(model=f.model, prompt=prefix + "warm-up", max_tokens=1)
+    home = f.engine_of(r.id)
+    n_blocks = len(prefix.encode()) // BS
+    await wait_until(lambda: f.proxy.index.find_matches(list(prefix.encode())).get(home.worker_id, 0) >= n_blocks,
+                     10, "the index to hold the prefix")  # fmt: skip
+    return home
+
+
+async def test_dp_rank_header_pins_the_rank(nats_server):
+    async with fleet(nats_server) as f:
+        for i in range(6):
+            await f.client.completions.create(model=f.model, prompt=f"{i} " + SYSTEM, max_tokens=1)
+        seen = {e.worker_id: set(e.rank_headers) for e in f.engines if e.rank_headers}
+        assert seen and all(ranks == {str(f.by_worker[w].dp_rank)} for w, ranks in seen.items())
+
+
+async def test_5xx_before_streaming_is_retried_on_the_next_best_worker(nats_server):
+    async with fleet(nats_server) as f:
+        home = await _warm(f, SYSTEM)
+        home.fail_next = 1
+        r = await f.client.completions.create(model=f.model, prompt=SYSTEM + "again", max_tokens=1)
+        assert home.fail_next == 0  # the fault happened: home answered 500
+        assert f.engine_of(r.id) is not home
+        assert f.metric("kvbridge_proxy_retries_total") == 1
+        assert f.proxy.upstreams.is_down(home.worker_id)
+        # every worker failing: the client gets the upstream's own 5xx, not a hang
+        for e in f.engines:
+            e.fail_next = 1
+        f.proxy.upstreams._down_until.clear()
+        with pytest.raises(openai.InternalServerError) as err:
+            await f.client.completions.create(model=f.model, prompt=SYSTEM + "third", max_tokens=1)
+        assert "stand-in failure" in str(err.value)
+        assert sum(e.fail_next for e in f.engines) == 1  # retried once, not over every worker
+
+
+async def test_killed_engine_mid_run(nats_server):
+    async with fleet(nats_server, token_delay_s=0.05) as f:
+        home = await _warm(f, SYSTEM)
+        streaming = await f.client.completions.create(model=f.model, prompt=SYSTEM + "stream", max_tokens=100,
+                                                      stream=True)  # fmt: skip
+        first = await anext(aiter(streaming))
+        assert f.engine_of(first.id) is home
+        # a request waiting for its (non-streamed) answer when the engine dies: not started to stream
+        waiting = asyncio.create_task(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + "waiting", max_tokens=100)
+        )
+        await wait_until(lambda: home.running == 2, 5, "the second request to reach the home engine")
+        for e in f.engines:
+            if e is not home:
+                e.token_delay_s = 0  # the retried request need not take as long again
+        await home.kill()
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await asyncio.wait_for(_drain(streaming), 10)
+        done = await asyncio.wait_for(waiting, 20)
+        assert f.engine_of(done.id) is not home
+        # after the crash: refused connections, every request still answered, by the others
+        answers = await asyncio.gather(*(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + f"after {i}", max_tokens=1) for i in range(5)
+        ))  # fmt: skip
+        assert all(f.engine_of(a.id) is not home for a in answers)
+        assert f.metric("kvbridge_proxy_retries_total") >= 1
+        assert f.metric("kvbridge_proxy_errors_total", kind="upstream_midstream") == 1
+        assert f.proxy.upstreams.is_down(home.worker_id)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_client_disconnect_cancels_the_upstream_request(nats_server):
+    async with fleet(nats_server, token_delay_s=0.05) as f:
+        stream = await f.client.chat.completions.create(
+            model=f.model, messages=[{"role": "user", "content": "long answer"}], max_tokens=200, stream=True
+        )
+        first = await anext(aiter(stream))
+        engine = f.engine_of(first.id)
+        assert engine.cancelled == 0
+        await stream.close()
+        await wait_until(lambda: engine.cancelled == 1, 10, "the engine to see its request cancelled")
+        assert engine.running == 0
+        await wait_until(lambda: f.metric("kvbridge_proxy_errors_total", kind="client_disconnect") == 1, 5,
+                         "the proxy to count the disconnect")  # fmt: skip
+
+
+async def test_nats_down_keeps_serving(own_nats_server):
+    server = own_nats_server
+    async with fleet(server) as f:
+        await _warm(f, SYSTEM)
+        assert f.metric("kvbridge_proxy_nats_connected") == 1
+        server.kill()
+        assert not server.running  # kill -9: the broker is gone
+        await wait_until(lambda: not f.proxy.nats_up, 10, "the proxy to notice NATS is down")
+        answers = await asyncio.gather(*(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + f"q{i}", max_tokens=1) for i in range(9)
+        ))  # fmt: skip
+        assert len({f.engine_of(a.id).worker_id for a in answers}) > 1  # least-loaded among the last known
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f.proxy.url + "/health") as r:
+                health = await r.json()
+            async with s.get(f.proxy.url + "/metrics") as r:
+                text = await r.text()
+        assert r.status == 200
+        assert health["status"] == "degraded" and health["nats"] == "down" and len(health["workers"]) == 3
+        assert "kvbridge_proxy_nats_connected 0.0" in text
+        server.restart()  # the stand-ins' publishers close cleanly against a live broker
+
+
+async def test_local_tokenizer(nats_server, tmp_path):
+    """With --tokenizer the proxy asks no engine for completions' tokens, and routes the same."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set(SYSTEM.replace(".", " ").split()) | {"first", "second", "question"})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", ".", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    engine_tok = Tokenizer.from_file(str(path))
+    prefixes = [f"{w} {SYSTEM}" for w in ("first", "second", "question")]
+    async with fleet(nats_server, engine_tokenizer=engine_tok, tokenizer=str(path)) as f:
+        homes = []
+        for p in prefixes:
+            r = await f.client.completions.create(model=f.model, prompt=p + " first", max_tokens=1)
+            homes.append(f.engine_of(r.id))
+        for p, home in zip(prefixes, homes):
+            ids = engine_tok.encode(p).ids
+            await wait_until(lambda: f.proxy.index.find_matches(ids).get(home.worker_id, 0) >= len(ids) // BS, 10,
+                             "the index to hold the prefix")  # fmt: skip
+            r = await f.client.completions.create(model=f.model, prompt=p + " second question", max_tokens=1)
+            assert f.engine_of(r.id) is home
+        assert sum(e.tokenize_calls for e in f.engines) == 0
+        assert f.metric("kvbridge_proxy_tokenize_seconds_count", source="local") == 6

@@ -107,6 +107,8 @@ class StandinEngine:
         self.cancelled = 0
         self.tokenize_calls = 0
         self.requests = 0
+        #: the X-data-parallel-rank header of each generation request (None: absent)
+        self.rank_headers: list[str | None] = []
         #: answer this many of the next generation requests with a 500, before any byte of a stream
         self.fail_next = 0
         self.running = 0
@@ -234,6 +236,7 @@ class StandinEngine:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
+        self.rank_headers.append(request.headers.get("X-data-parallel-rank"))
         if self.fail_next > 0:
             self.fail_next -= 1
             return _error(500, "stand-in failure (fail_next)")
