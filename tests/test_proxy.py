@@ -308,3 +308,46 @@ async def test_local_tokenizer(nats_server, tmp_path):
             assert f.engine_of(r.id) is home
         assert sum(e.tokenize_calls for e in f.engines) == 0
         assert f.metric("kvbridge_proxy_tokenize_seconds_count", source="local") == 6
+
+
+async def test_cli_proxy_with_static_workers(nats_server):
+    """`kvbridge proxy --worker ID=URL@RANK` in front of an engine that publishes nothing."""
+    import os
+    import signal
+    import sys
+
+    async with StandinEngine(model="cli-model", worker_id="static") as engine:
+        exe = os.path.join(os.path.dirname(sys.executable), "kvbridge")
+        proc = await asyncio.create_subprocess_exec(
+            exe, "proxy", "--model", "cli-model", "--servers", nats_server.url, "--listen", "127.0.0.1:0",
+            "--worker", f"static={engine.url}@3", stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            while not line.startswith(b"kvbridge proxy for"):
+                assert line, "the proxy exited before serving"
+                line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            url = line.split(b" on ")[1].split(b" ")[0].decode()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 2}) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["text"] == " w0 w1"
+                async with s.get(url + "/health") as r:
+                    health = await r.json()
+            assert health["workers"] == {"static": {"url": engine.url, "dp_rank": 3, "down": False, "source": "static"}}
+            assert engine.rank_headers == ["3"]
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+def test_advertise_url():
+    from kvbridge.engine.vllm import advertise_url
+
+    assert advertise_url({"KVBRIDGE_ADVERTISE_URL": "http://gpu-7:9000/"}, ["vllm", "serve"]) == "http://gpu-7:9000"
+    assert advertise_url({}, ["vllm", "serve", "m", "--host", "10.0.0.5", "--port=8001"]) == "http://10.0.0.5:8001"
+    assert advertise_url({}, ["vllm", "serve", "m", "--host", "::1"]) == "http://[::1]:8000"
+    assert advertise_url({}, ["python", "bench.py"]) is None
