@@ -356,15 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
     d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
-    d.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (default 4096)")
+    d.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 4096; --http: 2048)")
     d.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
     d.add_argument("--turns-per-s", type=float, default=300.0, help="chat turns per second, each served by every fleet (default 300)")
     d.add_argument(
-        "--prefill-ms-per-block", type=float, default=1.0,
-        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0)",
+        "--prefill-ms-per-block", type=float,
+        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0; "
+        "--http: 2.0, the stand-ins really wait it)",
     )  # fmt: skip
     d.add_argument("--bursts", type=int, default=4, metavar="N",
                    help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
@@ -373,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sliding-window", type=int, default=0, metavar="W",
                    help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
                    "of W tokens, as vLLM runs gpt-oss or Gemma 3 (default 0: one full-attention group)")  # fmt: skip
+    d.add_argument("--http", action="store_true",
+                   help="instead: stand-in OpenAI-compatible engines behind `kvbridge proxy`, chats sent through the "
+                   "openai client, against round-robin and random (needs the openai package)")  # fmt: skip
+    d.add_argument("--http-turns", type=int, default=120, help="with --http: chat turns per policy (default 120)")
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
@@ -449,6 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _auth_config(args)
         if args.command == "proxy":
             return asyncio.run(_proxy(args))
+        if args.num_blocks is None:
+            args.num_blocks = 2048 if args.http else 4096
+        if args.prefill_ms_per_block is None:
+            args.prefill_ms_per_block = 2.0 if args.http else 1.0
+        if args.http:
+            from kvbridge.tools.demo_http import run_http_demo
+
+            return asyncio.run(run_http_demo(args))
         from kvbridge.tools.demo import run_demo
 
         return asyncio.run(run_demo(args))

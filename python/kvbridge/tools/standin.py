@@ -107,6 +107,8 @@ class StandinEngine:
         self.cancelled = 0
         self.tokenize_calls = 0
         self.requests = 0
+        #: prompt tokens of the generation requests, and of those the ones found cached
+        self.prompt_tokens = self.cached_tokens = 0
         #: the X-data-parallel-rank header of each generation request (None: absent)
         self.rank_headers: list[str | None] = []
         #: answer this many of the next generation requests with a 500, before any byte of a stream
@@ -253,6 +255,8 @@ class StandinEngine:
         cached = self._allocate(rid, tokens, lock)
         if cached is None:
             return _error(503, "the stand-in's KV cache is full")
+        self.prompt_tokens += len(tokens)
+        self.cached_tokens += cached
         self.running += 1
         try:
             uncached = -(-len(tokens) // self.block_size) - cached // self.block_size
