@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import socket
 import time
 from typing import Any, Mapping
@@ -143,6 +144,7 @@ class KvProxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._refreshed = -1.0
+        self._index_warned = -math.inf
         self._rr = itertools.count()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -170,7 +172,8 @@ class KvProxy:
             app.router.add_route("*", "/{tail:.*}", self._not_found)
             # handler_cancellation: a client that disconnects cancels its handler, and with it the
             # upstream request (the engine then aborts it, as vLLM does on a disconnect).
-            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            # shutdown_timeout: at close, streams in flight get a few seconds to finish, not 60.
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
             await self._runner.setup()
             await web.SockSite(self._runner, self._sock).start()
         except BaseException:
@@ -307,7 +310,10 @@ class KvProxy:
             return self.index.find_matches(tokens)
         except Exception as exc:  # IndexUnavailableError, a refused query: route by load alone
             self.metrics.errors.labels("index").inc()
-            log.debug("kvbridge proxy: no overlap scores: %r", exc)
+            now = time.monotonic()
+            if now - self._index_warned >= 10.0:  # visible, but never a line per request
+                self._index_warned = now
+                log.warning("kvbridge proxy: no overlap scores, routing by load alone: %r", exc)
             return {}
 
     async def _forward(self, request: web.Request, raw: bytes, worker: str, target: Target) -> web.StreamResponse:
