@@ -16,6 +16,7 @@ from bridge_support import wait_until
 
 from kvbridge.config import Config
 from kvbridge.routing.proxy import KvProxy
+from kvbridge.routing.upstreams import Target
 from kvbridge.tools.standin import StandinEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -227,6 +228,9 @@ async def test_killed_engine_mid_run(nats_server):
             if e is not home:
                 e.token_delay_s = 0  # the retried request need not take as long again
         await home.kill()
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientConnectorError):  # the crash happened: nothing listens there
+                await s.get(home.url + "/health")
         with pytest.raises(openai.APIError, match="failed mid-stream"):
             await asyncio.wait_for(_drain(streaming), 10)
         done = await asyncio.wait_for(waiting, 20)
@@ -395,3 +399,47 @@ def _service_index() -> Any:
             return getattr(index, name)
 
     return WithoutRemote()
+
+
+async def test_vllm_plugin_reports_lead_the_proxy_to_each_dp_rank(nats_server, monkeypatch):
+    """The stat-logger plugin's load reports carry KVBRIDGE_ADVERTISE_URL and the DP rank, from the
+    start (an idle engine too); the proxy pins each rank with X-data-parallel-rank."""
+    import socket
+    from types import SimpleNamespace as NS
+
+    from kvbridge.engine import vllm as kv_vllm
+    from kvbridge.wire.subjects import sanitize_token
+
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    cfg = NS(kv_events_config=NS(enable_kv_cache_events=True, publisher="null"),
+             parallel_config=NS(data_parallel_size=2, data_parallel_size_local=2, data_parallel_index=0,
+                                _api_process_rank=0),
+             model_config=NS(served_model_name=model))  # fmt: skip
+    async with StandinEngine(model=model) as api_server:  # one API server, two DP ranks behind it
+        monkeypatch.setenv("KVBRIDGE_ADVERTISE_URL", api_server.url)
+        logger = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.1)(vllm_config=cfg,
+                                                                                          engine_indexes=[0, 1])  # fmt: skip
+        try:
+            assert logger.plan.url == api_server.url
+            async with KvProxy(_config(nats_server), model=model, port=0, block_size=BS, seed=0) as proxy:
+                host = sanitize_token(socket.gethostname())
+
+                def learned() -> bool:
+                    proxy._refresh(force=True)
+                    return len(proxy.upstreams.all) == 2
+
+                await wait_until(learned, 10, "the proxy to learn both ranks from the plugin's reports")
+                assert proxy.upstreams.all == {f"{host}-dp0": Target(api_server.url, 0),
+                                               f"{host}-dp1": Target(api_server.url, 1)}  # fmt: skip
+                async with aiohttp.ClientSession() as s:
+                    for i in range(12):
+                        async with s.post(proxy.url + "/v1/completions",
+                                          json={"model": model, "prompt": f"{i}", "max_tokens": 1}) as r:  # fmt: skip
+                            assert r.status == 200
+                # equal loads: a seeded pick between the two; each request pinned to the chosen rank
+                for rank in ("0", "1"):
+                    chosen = proxy.metrics.registry.get_sample_value(
+                        "kvbridge_proxy_worker_choices_total", {"worker": f"{host}-dp{rank}"})  # fmt: skip
+                    assert chosen and api_server.rank_headers.count(rank) == chosen
+        finally:
+            kv_vllm.shutdown()

@@ -623,8 +623,8 @@ class KvBridgeStatLogger(_AggregateBase):
             if nc is None or not nc.is_connected:
                 continue  # counters keep growing: the next report covers the outage
             for slot in slots:
-                if not slot.records:
-                    continue
+                if not slot.records and self.plan.url is None:
+                    continue  # with a URL an idle engine reports too: a gateway must know it to send it work
                 now = time.time()
                 queries, hits = slot.queries, slot.hits
                 e = slot.engine
