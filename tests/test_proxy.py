@@ -443,3 +443,13 @@ async def test_vllm_plugin_reports_lead_the_proxy_to_each_dp_rank(nats_server, m
                     assert chosen and api_server.rank_headers.count(rank) == chosen
         finally:
             kv_vllm.shutdown()
+
+
+def test_demo_http_prints_a_table_per_policy(capsys):
+    from kvbridge.tools.cli import main
+
+    assert main(["demo", "--http", "--http-turns", "12", "--workers", "2", "--prefill-ms-per-block", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["KV-aware"], ["round-robin"], ["random"])}
+    assert set(rows) == {"KV-aware", "round-robin", "random"} and all(r[1] == "12" for r in rows.values())
+    assert "TTFT" in out

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from kvbridge.bus.subscriber import KvEventSubscriber
@@ -318,7 +319,7 @@ class KvProxy:
 
     async def _forward(self, request: web.Request, raw: bytes, worker: str, target: Target) -> web.StreamResponse:
         assert self._session is not None
-        headers = _copy_headers(request.headers)
+        headers = CIMultiDict(_copy_headers(request.headers))  # the rank below replaces a client's, in any case
         if target.dp_rank is not None:
             headers["X-data-parallel-rank"] = str(target.dp_rank)
         start = time.perf_counter()
