@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import Counter
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -273,10 +274,13 @@ async def test_nats_down_keeps_serving(own_nats_server):
         server.kill()
         assert not server.running  # kill -9: the broker is gone
         await wait_until(lambda: not f.proxy.nats_up, 10, "the proxy to notice NATS is down")
+        for e in f.engines:
+            e.token_delay_s = 0.05  # each request stays in flight while the others are routed
         answers = await asyncio.gather(*(
-            f.client.completions.create(model=f.model, prompt=SYSTEM + f"q{i}", max_tokens=1) for i in range(9)
+            f.client.completions.create(model=f.model, prompt=SYSTEM + f"q{i}", max_tokens=4) for i in range(9)
         ))  # fmt: skip
-        assert len({f.engine_of(a.id).worker_id for a in answers}) > 1  # least-loaded among the last known
+        # least loaded among the last known: 9 at once, 3 to each (the proxy's own in-flight count)
+        assert sorted(Counter(f.engine_of(a.id).worker_id for a in answers).values()) == [3, 3, 3]
         async with aiohttp.ClientSession() as s:
             async with s.get(f.proxy.url + "/health") as r:
                 health = await r.json()

@@ -137,8 +137,13 @@ class KvProxy:
 
                 self.index = Index(block_size)
             self.subscriber = KvEventSubscriber(self.config, model=model, index=self.index, track_views=False)
-        loads = None if self.subscriber is None else report_loads(self.subscriber, model=model)
-        self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, loads=loads, seed=seed)
+        reported = None if self.subscriber is None else report_loads(self.subscriber, model=model)
+
+        def load(worker: str) -> float | None:
+            # Reports stop with NATS: then the proxy's own count of requests in flight decides.
+            return reported(worker) if reported is not None and self.nats_up else None
+
+        self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, loads=load, seed=seed)
         self._timeouts = (connect_timeout_s, read_timeout_s, tokenize_timeout_s)
         self._sock = socket.create_server((host, port))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
