@@ -457,3 +457,13 @@ def test_demo_http_prints_a_table_per_policy(capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["KV-aware"], ["round-robin"], ["random"])}
     assert set(rows) == {"KV-aware", "round-robin", "random"} and all(r[1] == "12" for r in rows.values())
     assert "TTFT" in out
+
+
+async def test_a_stalled_stream_ends_with_an_error_not_a_hang(nats_server):
+    async with fleet(nats_server, n=1, token_delay_s=30.0, read_timeout_s=0.3) as f:
+        stream = await f.client.completions.create(model=f.model, prompt="stall", max_tokens=5, stream=True)
+        first = await anext(aiter(stream))  # the engine sent its first chunk, then goes silent for 30 s
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await asyncio.wait_for(_drain(stream), 10)
+        engine = f.engine_of(first.id)
+        await wait_until(lambda: engine.cancelled == 1, 10, "the stalled request to be cancelled at the engine")

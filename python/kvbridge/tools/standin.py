@@ -212,18 +212,19 @@ class StandinEngine:
         return list(prompt) if isinstance(prompt, list) else self.encode(prompt)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON object sent; anything else is a ValueError (answered 400 by the callers)."""
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError as exc:
-            raise web.HTTPBadRequest(text=f"invalid JSON: {exc}") from None
+            raise ValueError(f"invalid JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text="the body must be a JSON object")
+            raise ValueError("the body must be a JSON object")
         return body
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.tokenize_calls += 1
-        body = await self._body(request)
         try:
+            body = await self._body(request)
             tokens = self._prompt(body, "messages" in body)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(400, f"cannot tokenize: {exc!r}")
@@ -242,9 +243,9 @@ class StandinEngine:
         if self.fail_next > 0:
             self.fail_next -= 1
             return _error(500, "stand-in failure (fail_next)")
-        body = await self._body(request)
         chat = request.path.endswith("/chat/completions")
         try:
+            body = await self._body(request)
             tokens = self._prompt(body, chat)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(400, f"malformed request: {exc!r}")
