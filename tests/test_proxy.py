@@ -367,7 +367,7 @@ async def test_index_service_mode(nats_server):
 
     async with fleet(nats_server, index_service=True) as f:
         assert f.proxy.index is None and f.proxy.index_client is not None
-        async with IndexService(_config(nats_server), model=f.model, index=_service_index()) as service:
+        async with IndexService(_config(nats_server), model=f.model, block_size=BS) as service:
             r = await f.client.completions.create(model=f.model, prompt=SYSTEM + "one", max_tokens=1)
             home = f.engine_of(r.id)
             ids = list(SYSTEM.encode())
@@ -376,33 +376,9 @@ async def test_index_service_mode(nats_server):
             for i in range(3):
                 r = await f.client.completions.create(model=f.model, prompt=SYSTEM + f"again {i}", max_tokens=1)
                 assert f.engine_of(r.id) is home
-            assert service.stats["queries"] >= 3
+            assert service.stats["queries"] >= 3 and service.stats["errors"] == 0
+            assert f.metric("kvbridge_proxy_errors_total", kind="index") == 0
 
-
-def _service_index() -> Any:
-    """An Index the index service can query on this build: the service passes
-    ``find_matches(remote=...)``, a keyword the native Index gains on another branch; until it
-    has it, the keyword is dropped here (the proxy itself never passes it)."""
-    from kvbridge import Index
-
-    index = Index(BS)
-    try:
-        index.find_matches([0] * BS, remote=False)
-        return index
-    except TypeError:
-        pass
-
-    class WithoutRemote:
-        def find_matches(self, *args: Any, remote: bool = False, **kw: Any) -> Any:
-            return index.find_matches(*args, **kw)
-
-        def __len__(self) -> int:
-            return len(index)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(index, name)
-
-    return WithoutRemote()
 
 
 async def test_vllm_plugin_reports_lead_the_proxy_to_each_dp_rank(nats_server, monkeypatch):

@@ -8,8 +8,8 @@ Per request (``POST /v1/completions``, ``POST /v1/chat/completions``):
 2. the prompt's token ids -- the ones the engine will hash -- come from a local ``tokenizers``
    tokenizer (completions, when one is given) or from an engine's ``POST /tokenize`` (chat: with
    its chat template applied), remembered per prompt in a bounded LRU;
-3. :class:`kvbridge.Router` weighs each worker's cached leading blocks (an in-process
-   :class:`kvbridge.Index` fed from NATS, or an index service) against its load;
+3. :class:`kvbridge.Router` weighs each worker's cached leading blocks, per storage tier (an
+   in-process :class:`kvbridge.Index` fed from NATS, or an index service), against its load;
 4. the body goes unchanged to the chosen worker's URL (with ``X-data-parallel-rank`` for a DP
    rank), and the answer comes back with the upstream's status and bytes; a stream is passed on
    event by event as it arrives.
@@ -311,9 +311,11 @@ class KvProxy:
         if not self.nats_up:
             return {}
         try:
+            # Per storage tier: the router weighs a block held in CPU memory or on disk below one
+            # on the GPU (Router.medium_weights).
             if self.index_client is not None:
-                return await self.index_client.find_matches(tokens)
-            return self.index.find_matches(tokens)
+                return await self.index_client.find_matches(tokens, by_medium=True, remote=self.router.remote)
+            return self.index.find_matches(tokens, by_medium=True, remote=self.router.remote)
         except Exception as exc:  # IndexUnavailableError, a refused query: route by load alone
             self.metrics.errors.labels("index").inc()
             now = time.monotonic()
