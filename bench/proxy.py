@@ -1,6 +1,6 @@
 """What ``kvbridge proxy`` adds to a request, beside a plain reverse proxy on the same HTTP stack.
 
-    python bench/proxy.py [--requests 2000] [--concurrency 16] [--seconds 3] [--write]
+    python bench/proxy.py [--requests 4000] [--concurrency 16] [--seconds 6] [--rounds 20] [--write]
 
 One stand-in engine (kvbridge.tools.standin, no NATS, no prefill or decode wait: it answers at
 once) in its own process; in front of it, each in its own process:
@@ -115,8 +115,11 @@ def _spawn(role: str, arg: str = "") -> tuple[subprocess.Popen, str]:
 # --- the client ------------------------------------------------------------------------------------
 
 
+_ids = itertools.count()  # a new prompt is new across rounds too
+
+
 async def _latency(session: aiohttp.ClientSession, url: str, n: int, new_prompts: bool) -> list[float]:
-    ids = itertools.count()
+    ids = _ids
     samples = []
     for i in range(n + n // 10):  # the first tenth warms connections and caches up
         prompt = f"{PROMPT}{next(ids)}" if new_prompts else PROMPT
@@ -130,7 +133,7 @@ async def _latency(session: aiohttp.ClientSession, url: str, n: int, new_prompts
 
 
 async def _throughput(session: aiohttp.ClientSession, url: str, concurrency: int, seconds: float, new_prompts: bool) -> float:
-    ids = itertools.count()
+    ids = _ids
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -227,10 +230,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--requests", type=int, default=2000, help="sequential requests per path (default 2000)")
+    parser.add_argument("--requests", type=int, default=4000, help="sequential requests per path (default 4000)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for requests/s (default 16)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds of the requests/s runs, summed (default 3)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds the paths take turns in (default 5)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="seconds of the requests/s runs, summed (default 6)")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds the paths take turns in (default 20)")
     parser.add_argument("--write", action="store_true", help="replace the Proxy section of bench/RESULTS.md")
     args = parser.parse_args()
     if args.serve:
