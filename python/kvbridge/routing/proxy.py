@@ -95,7 +95,7 @@ class KvProxy:
     ``tokenizer``: a ``tokenizers.Tokenizer`` or the path of its JSON file, for completions'
     prompts. ``index_service``: ask ``kvbridge index`` replicas instead of keeping an index here.
     Timeouts: ``connect_timeout_s`` to an upstream, ``read_timeout_s`` between its bytes (a long
-    prefill included), ``tokenize_timeout_s`` for ``/tokenize``."""
+    prefill included), ``tokenize_timeout_s`` for ``/tokenize`` and index-service queries."""
 
     def __init__(
         self,
@@ -145,8 +145,9 @@ class KvProxy:
 
         self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, loads=load, seed=seed)
         self._timeouts = (connect_timeout_s, read_timeout_s, tokenize_timeout_s)
-        self._sock = socket.create_server((host, port))
-        self.url = f"http://{host}:{self._sock.getsockname()[1]}"
+        # Bound now, so that ``url`` is known (port 0: any free port) before start().
+        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self._sock.getsockname()[1]}"
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._refreshed = -1.0
@@ -472,10 +473,14 @@ class KvProxy:
                 "source": "static" if w in self.upstreams.static else "load report"}
             for w, t in sorted(self.upstreams.all.items())
         }  # fmt: skip
-        status = "unavailable" if not workers else "ok" if nats else "degraded"
-        body = {"status": status, "model": self.model, "nats": "connected" if nats else "down",
-                "routing": "kv-aware" if nats else "least-loaded among the last known workers",
-                "workers": workers}  # fmt: skip
+        if self.subscriber is None:  # run without NATS: a least-loaded balancer by design
+            status, state, routing = "ok", "off", "least-loaded"
+        elif nats:
+            status, state, routing = "ok", "connected", "kv-aware"
+        else:
+            status, state, routing = "degraded", "down", "least-loaded among the last known workers"
+        body = {"status": "unavailable" if not workers else status, "model": self.model, "nats": state,
+                "routing": routing, "workers": workers}  # fmt: skip
         return web.Response(status=503 if not workers else 200, body=_json.encode(body), content_type="application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
