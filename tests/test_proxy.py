@@ -264,6 +264,14 @@ async def test_client_disconnect_cancels_the_upstream_request(nats_server):
         assert engine.running == 0
         await wait_until(lambda: f.metric("kvbridge_proxy_errors_total", kind="client_disconnect") == 1, 5,
                          "the proxy to count the disconnect")  # fmt: skip
+        # before any byte: a client giving up on a (non-streamed) answer cancels it at the engine too
+        waiting = asyncio.create_task(f.client.completions.create(model=f.model, prompt="slow", max_tokens=200))
+        await wait_until(lambda: sum(e.running for e in f.engines) == 1, 5, "the request to reach an engine")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await wait_until(lambda: sum(e.cancelled for e in f.engines) == 2, 10, "the engine to see it cancelled")
+        assert sum(e.running for e in f.engines) == 0
 
 
 async def test_nats_down_keeps_serving(own_nats_server):
