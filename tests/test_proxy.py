@@ -15,6 +15,7 @@ import openai
 import pytest
 from bridge_support import wait_until
 
+from kvbridge.bus.connection import ConnectError
 from kvbridge.config import Config
 from kvbridge.routing.proxy import KvProxy
 from kvbridge.routing.upstreams import Target
@@ -451,3 +452,28 @@ async def test_a_stalled_stream_ends_with_an_error_not_a_hang(nats_server):
             await asyncio.wait_for(_drain(stream), 10)
         engine = f.engine_of(first.id)
         await wait_until(lambda: engine.cancelled == 1, 10, "the stalled request to be cancelled at the engine")
+
+
+async def test_nats_unreachable_at_start_with_workers_given():
+    """Given --worker, the proxy starts without NATS, serves by load, and connects when NATS comes."""
+    import socket
+
+    from kvbridge.tools.server import NatsServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = Config(servers=[f"nats://127.0.0.1:{port}"], connect_timeout_s=0.5, reconnect_wait_s=0.2)
+    async with StandinEngine(model="early") as engine:
+        async with KvProxy(config, model="early", port=0, workers={"only": engine.url}) as proxy:
+            assert not proxy.nats_up
+            async with aiohttp.ClientSession() as session:
+                async with session.post(proxy.url + "/v1/completions", json={"model": "early", "prompt": "hi"}) as r:
+                    assert r.status == 200
+                async with session.get(proxy.url + "/health") as r:
+                    assert (await r.json())["nats"] == "down"
+            with NatsServer(port=port):
+                await wait_until(lambda: proxy.nats_up, 10, "the proxy to connect once NATS is there")
+    with pytest.raises(ConnectError):  # and without workers, nothing to serve: a clear error at start
+        async with KvProxy(config, model="early", port=0):
+            pass

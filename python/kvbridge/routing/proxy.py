@@ -18,7 +18,8 @@ Faults: a worker that refuses the connection or answers 5xx before streaming is 
 ``down_s`` and the request goes once more, to the next-best worker; a stream that breaks ends with
 an error event (``data: {"error": ...}``); a client that goes away cancels the upstream request.
 While NATS is unreachable the last known workers keep serving, least loaded first (``/health``
-and ``kvbridge_proxy_nats_connected`` say so).
+and ``kvbridge_proxy_nats_connected`` say so); unreachable at start, the proxy starts all the same
+when it was given workers, and connects in the background.
 
 Workers and their URLs come from the load reports of the vLLM plugin (``LoadReport.url`` and
 ``dp_rank``) and from ``workers=`` (``--worker ID=URL[@RANK]``), which win.
@@ -40,6 +41,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from kvbridge.bus.connection import AuthenticationError, ConnectError
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.config import Config
 from kvbridge.routing.router import Router, report_loads
@@ -149,6 +151,7 @@ class KvProxy:
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self._sock.getsockname()[1]}"
         self._session: aiohttp.ClientSession | None = None
+        self._connecting: asyncio.Task | None = None
         self._runner: web.AppRunner | None = None
         self._refreshed = -1.0
         self._index_warned = -math.inf
@@ -160,9 +163,16 @@ class KvProxy:
         connect_s, read_s, _ = self._timeouts
         try:
             if self.subscriber is not None:
-                await self.subscriber.start()
-            if self.index_client is not None:
-                await self.index_client.start()
+                try:
+                    await self._connect()
+                except ConnectError as exc:
+                    # With workers given, NATS down at start is the outage the proxy serves
+                    # through anyway; without, or with credentials refused, there is nothing to do.
+                    if not self.upstreams.static or isinstance(exc, AuthenticationError):
+                        raise
+                    log.warning("kvbridge proxy: NATS unreachable (%s): serving the given workers by load alone, "
+                                "connecting in the background", exc)  # fmt: skip
+                    self._connecting = asyncio.create_task(self._connect_later(), name="kvbridge-proxy-connect")
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
                 timeout=aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=read_s),
@@ -189,7 +199,29 @@ class KvProxy:
         self._refresh(force=True)
         return self
 
+    async def _connect(self) -> None:
+        assert self.subscriber is not None
+        await self.subscriber.start()  # a no-op once started: a retry redoes only what failed
+        if self.index_client is not None:
+            await self.index_client.start()
+
+    async def _connect_later(self) -> None:
+        assert self.config is not None
+        while True:
+            await asyncio.sleep(max(self.config.reconnect_wait_s, 0.1))
+            try:
+                await self._connect()
+            except ConnectError as exc:
+                log.debug("kvbridge proxy: NATS still unreachable: %s", exc)
+                continue
+            log.warning("kvbridge proxy: connected to NATS: routing by KV overlap")
+            return
+
     async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+            self._connecting = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
