@@ -137,16 +137,16 @@ async def test_same_prefix_goes_where_it_is_cached(nats_server):
                 assert r.usage.prompt_tokens_details.cached_tokens >= n_blocks * BS
         # chat: the template's rendering is what /tokenize answered, cached after the first call
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
-        r = await f.client.chat.completions.create(model=f.model, messages=msgs, max_tokens=1)  # type: ignore[arg-type]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs, max_tokens=1)
         home = f.engine_of(r.id).worker_id
         calls = sum(e.tokenize_calls for e in f.engines)
         await wait_until(lambda: f.proxy.index.find_matches(
             list(f"<|system|>\n{SYSTEM}\n".encode())).get(home, 0) > 0, 10, "the chat prefix to be indexed")  # fmt: skip
         msgs2 = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
-        r = await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)  # type: ignore[arg-type]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)
         assert f.engine_of(r.id).worker_id == home
         assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # a new prompt: one /tokenize
-        await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)  # type: ignore[arg-type]
+        await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)
         assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # the same again: from the LRU
         assert f.metric("kvbridge_proxy_overlap_blocks_sum") >= 9 * n_blocks
 
@@ -406,8 +406,8 @@ async def test_vllm_plugin_reports_lead_the_proxy_to_each_dp_rank(nats_server, m
              model_config=NS(served_model_name=model))  # fmt: skip
     async with StandinEngine(model=model) as api_server:  # one API server, two DP ranks behind it
         monkeypatch.setenv("KVBRIDGE_ADVERTISE_URL", api_server.url)
-        logger = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.1)(vllm_config=cfg,
-                                                                                          engine_indexes=[0, 1])  # fmt: skip
+        factory = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.1)
+        logger = factory(vllm_config=cfg, engine_indexes=[0, 1])
         try:
             assert logger.plan.url == api_server.url
             async with KvProxy(_config(nats_server), model=model, port=0, block_size=BS, seed=0) as proxy:
