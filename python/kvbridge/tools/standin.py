@@ -43,6 +43,7 @@ from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
 __all__ = ["StandinEngine", "render_chat"]
 
 _json = msgspec.json.Encoder()
+_KEEP_SENT = 4096
 
 
 def render_chat(messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
@@ -102,7 +103,7 @@ class StandinEngine:
             self.publisher.attach(self.manager)
         self._sock = socket.create_server((host, port))
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
-        #: response id -> the exact bytes sent (every SSE chunk, joined)
+        #: response id -> the exact bytes sent (every SSE chunk, joined), the latest _KEEP_SENT responses
         self.sent: dict[str, bytes] = {}
         self.cancelled = 0
         self.tokenize_calls = 0
@@ -289,6 +290,11 @@ class StandinEngine:
             if self.publisher is not None:
                 self.publisher.step()
 
+    def _record(self, rid: str, data: bytes) -> None:
+        self.sent[rid] = data
+        if len(self.sent) > _KEEP_SENT:  # a bench sends hundreds of thousands
+            del self.sent[next(iter(self.sent))]
+
     async def _respond(self, request: web.Request, body: dict[str, Any], rid: str, chat: bool, n_prompt: int,
                        cached: int) -> web.StreamResponse:  # fmt: skip
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
@@ -303,7 +309,7 @@ class StandinEngine:
             text = "".join(words)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
             data = _json.encode({**head, "choices": [{**choice, "finish_reason": "length"}], "usage": usage})
-            self.sent[rid] = data
+            self._record(rid, data)
             return web.Response(body=data, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -319,11 +325,11 @@ class StandinEngine:
             if i and self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             sent.append(chunk)
-            self.sent[rid] = b"".join(sent)
+            self._record(rid, b"".join(sent))
             await resp.write(chunk)
         last = b"data: " + _json.encode({**head, "choices": [], "usage": usage}) + b"\n\ndata: [DONE]\n\n"
         sent.append(last)
-        self.sent[rid] = b"".join(sent)
+        self._record(rid, b"".join(sent))
         await resp.write(last)
         await resp.write_eof()
         return resp
