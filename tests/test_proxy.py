@@ -108,7 +108,7 @@ async def test_completions_and_chat_byte_identical(nats_server):
         assert text == " w0 w1 w2 w3"
 
         models = await c.models.list()
-        assert [m.id for m in models.data] == [f.model]
+        assert [(m.id, m.owned_by) for m in models.data] == [(f.model, "kvbridge-standin")]  # the engine's own
         assert f.metric("kvbridge_proxy_requests_total", endpoint="chat", status="200") == 3
 
 

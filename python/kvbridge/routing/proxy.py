@@ -494,6 +494,16 @@ class KvProxy:
     # -- the other endpoints ------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
+        """An engine's own model list (vLLM's cards say max_model_len, root...), else one card."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self._timeouts[2])
+        for url in list(dict.fromkeys(t.url for t in self.upstreams.up().values()))[:2]:
+            try:
+                async with self._session.get(url + "/v1/models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return web.Response(body=await resp.read(), content_type="application/json")
+            except _UPSTREAM_ERRORS:
+                continue
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "kvbridge-proxy", "root": self.model}
         return web.Response(body=_json.encode({"object": "list", "data": [card]}), content_type="application/json")
 
