@@ -286,9 +286,10 @@ def _write(table: str, cmd: str, host: str) -> None:
         "How to read it: on loopback the cost is CPU. On a shared 2-CPU machine whose load is above 2, the "
         "latency columns move between runs by more than the proxy costs (a hop that waits for a core waits "
         "for the other processes' whole slices): compare runs by the CPU column and the last line, which "
-        "contention disturbs least. kvbridge proxy's extra CPU over the plain aiohttp proxy is its own work "
-        "(the last line) plus the bigger responses' headers; a new prompt adds one `/tokenize` round trip to "
-        "the engine (the engine's CPU for it included).\n"
+        "contention disturbs least. Of kvbridge proxy's extra CPU over the plain aiohttp proxy, its own work "
+        "is the last line; the rest is not broken down here (it forwards every client and upstream header "
+        "where the plain proxy passes one, and counts metrics). A new prompt adds one `/tokenize` round trip "
+        "to the engine (the engine's CPU for it included).\n"
     )
     text, n = re.subn(r"## Proxy\n.*?(?=\n## |\Z)", section.rstrip("\n") + "\n", text, flags=re.S)
     if not n:
