@@ -477,3 +477,20 @@ async def test_nats_unreachable_at_start_with_workers_given():
     with pytest.raises(ConnectError):  # and without workers, nothing to serve: a clear error at start
         async with KvProxy(config, model="early", port=0):
             pass
+
+
+def test_worker_specs_and_token_lru():
+    from kvbridge.routing.upstreams import TokenCache, parse_worker
+
+    assert parse_worker("gpu-0=http://10.0.0.5:8000/") == ("gpu-0", Target("http://10.0.0.5:8000"))
+    assert parse_worker("gpu-1=http://10.0.0.5:8000@1") == ("gpu-1", Target("http://10.0.0.5:8000", 1))
+    assert parse_worker("g=https://u@host:8000") == ("g", Target("https://u@host:8000"))  # user info is no rank
+    for bad in ("gpu-0", "=http://x", "gpu-0=", "gpu-0=10.0.0.5:8000"):
+        with pytest.raises(ValueError, match="--worker"):
+            parse_worker(bad)
+    lru = TokenCache(2)
+    lru.put("a", [1])
+    lru.put("b", [2])
+    assert lru.get("a") == [1]  # now the most recent: "b" goes first
+    lru.put("c", [3])
+    assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == ([1], None, [3], 2)
