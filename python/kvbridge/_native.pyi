@@ -242,8 +242,8 @@ class KVCacheManager:
 
 @final
 class Index:
-    """Per worker and medium, which KV blocks it holds; per query, how many leading blocks of a
-    prompt each worker holds. Thread-safe: queries run while other threads apply events.
+    """Per worker, medium and KV-cache group, which KV blocks it holds; per query, how many
+    leading blocks of a prompt each worker would hit. Thread-safe: queries run while other threads apply events.
 
     key="tokens" (default): blocks are keyed by the index's own chain, the xxh3 hash of
     ``hash_blocks(tokens, block_size, algo="xxh3", lora_name=..., extra_keys=...)``, computed from

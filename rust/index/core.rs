@@ -208,26 +208,26 @@ fn is_plain(kinds: &[Kind]) -> bool {
     })
 }
 
-/// The longest hit given the groups held per leading block (`masks`, as far as the main groups
-/// all hold them): the largest n such that each window group holds [max(0, n - blocks), n).
+/// The window rule one block at a time: given the groups `m` that hold block n - 1, whether a
+/// hit of n blocks has each window group hold [max(0, n - blocks), n). `runs`: per window
+/// group, how many blocks up to n - 1 it holds without a gap (kept from call to call).
+fn window_step(runs: &mut [usize], windows: &[(u8, u32)], n: usize, m: u64) -> bool {
+    let mut ok = true;
+    for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
+        *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
+        ok &= *run >= n.min(blocks as usize);
+    }
+    ok
+}
+
+/// The largest n <= masks.len() the window rule accepts (n = 0 always is).
+#[cfg(test)]
 fn window_hit(masks: &[u64], windows: &[(u8, u32)]) -> usize {
-    if windows.is_empty() {
-        return masks.len();
-    }
-    let mut runs = vec![0usize; windows.len()];
-    let mut best = 0;
-    for (i, m) in masks.iter().enumerate() {
-        let n = i + 1;
-        let mut ok = true;
-        for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
-            *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
-            ok &= *run >= n.min(blocks as usize);
-        }
-        if ok {
-            best = n;
-        }
-    }
-    best
+    let mut runs = vec![0; windows.len()];
+    (1..=masks.len())
+        .filter(|&n| window_step(&mut runs, windows, n, masks[n - 1]))
+        .last()
+        .unwrap_or(0)
 }
 
 /// The class the last event of a payload named, and how it named it: a payload's events mostly
@@ -281,6 +281,9 @@ struct Worker {
     slots: Vec<Slot>,
     /// By group: what its stores said it is.
     kinds: Vec<Kind>,
+    /// `plan(&kinds)`, kept for queries: main groups (bits) and window groups.
+    main: u64,
+    windows: Vec<(u8, u32)>,
 }
 
 pub struct Core {
@@ -470,48 +473,63 @@ impl Core {
     /// leading blocks every main group holds (all of `keys` when there is no main group), then
     /// the largest n <= F each window group accepts. One lookup per block for all of them.
     fn hybrid_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
-        struct Walk {
+        struct Walk<'c> {
             w: u32,
             main: u64,
-            windows: Vec<(u8, u32)>,
-            masks: Vec<u64>,
+            windows: &'c [(u8, u32)],
+            /// The groups whose holding decides the hit (main and window).
+            groups: u64,
+            /// Where its window groups' runs are in `runs`.
+            runs: usize,
+            best: usize,
             open: bool,
         }
         let mut walks: Vec<Walk> = Vec::new();
+        let mut n_runs = 0;
         for (word, &bits) in self.hybrid.iter().enumerate() {
             for b in Bits(bits) {
                 let w = (word * 64 + b) as u32;
                 let Some(worker) = self.workers.get(w as usize).and_then(Option::as_ref) else {
                     continue;
                 };
-                let (main, windows) = plan(&worker.kinds);
-                if main != 0 || !windows.is_empty() {
-                    walks.push(Walk { w, main, windows, masks: Vec::new(), open: true });
+                let (main, windows) = (worker.main, &worker.windows[..]);
+                let groups = windows.iter().fold(main, |g, &(x, _)| g | 1 << x);
+                if groups != 0 {
+                    walks.push(Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true });
+                    n_runs += windows.len();
                 }
             }
         }
+        let words = self.workers.len().div_ceil(64);
+        let n_groups = self.class_group.iter().max().map_or(0, |&g| g as usize + 1);
+        let mut held = vec![0u64; words * n_groups];
+        let mut runs = vec![0usize; n_runs];
         let mut open = walks.len();
-        for k in keys {
+        for (i, k) in keys.iter().enumerate() {
             if open == 0 {
                 break;
             }
-            let h = self.blocks.get(k);
+            held.fill(0);
+            if let Some(h) = self.blocks.get(k) {
+                h.groups_into(&self.slab, filter, &self.class_group, words, &mut held);
+            }
             for walk in walks.iter_mut().filter(|x| x.open) {
-                let m = h.map_or(0, |h| h.groups_of(&self.slab, walk.w, filter, &self.class_group));
+                let (word, bit) = (walk.w as usize / 64, walk.w % 64);
+                let m = Bits(walk.groups).fold(0u64, |m, g| {
+                    m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g)
+                });
                 if m & walk.main != walk.main {
                     walk.open = false;
                     open -= 1;
-                } else {
-                    walk.masks.push(m);
+                    continue;
+                }
+                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
+                if window_step(runs, walk.windows, i + 1, m) {
+                    walk.best = i + 1;
                 }
             }
         }
-        for walk in &walks {
-            let n = window_hit(&walk.masks, &walk.windows);
-            if n > 0 {
-                out.push((walk.w, n as u32));
-            }
-        }
+        out.extend(walks.iter().filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
     }
 
     /// Bytes held by the index's tables, with an estimate of the allocator's bookkeeping.
@@ -525,6 +543,7 @@ impl Core {
                     + 16
                     + w.slots.capacity() * std::mem::size_of::<Slot>()
                     + w.kinds.capacity() * std::mem::size_of::<Kind>()
+                    + w.windows.capacity() * std::mem::size_of::<(u8, u32)>()
                     + w.slots
                         .iter()
                         .map(|s| s.engine.allocation_size() + s.dups.allocation_size() + s.copies.allocation_size())
@@ -659,6 +678,8 @@ impl Core {
             name,
             slots: Vec::new(),
             kinds: Vec::new(),
+            main: 1,
+            windows: Vec::new(),
         });
         Some(w)
     }
@@ -731,6 +752,7 @@ impl Core {
             worker.kinds.resize(g as usize + 1, Kind::Unannounced);
         }
         worker.kinds[g as usize] = kind;
+        (worker.main, worker.windows) = plan(&worker.kinds);
         let hybrid = !is_plain(&worker.kinds);
         self.set_hybrid(w, hybrid);
         kind
@@ -972,6 +994,7 @@ impl Core {
         } = self;
         let worker = workers[w as usize].as_mut().expect("live worker");
         worker.kinds.clear();
+        (worker.main, worker.windows) = plan(&[]);
         if worker.slots.iter().all(|s| s.held == 0) {
             worker.slots.clear();
             return;
