@@ -541,12 +541,13 @@ impl Manager {
         }
         if full > 0 {
             let tokens = &req.tail[..full * bs];
-            let tables = std::iter::once(&req.blocks).chain(req.others.iter().map(|t| &t.blocks));
+            let (parent, lora, range) = (req.last_hash, req.lora, full0..full0 + full);
+            // Group 0 is a main group: it keeps every block.
+            core.cache(&req.blocks[range.clone()], hashes, tokens, parent, lora, 0, None);
             let mut mask = Vec::new();
-            for (g, table) in tables.enumerate() {
-                let blocks = &table[full0..full0 + full];
+            for (g, t) in (1..).zip(&req.others) {
                 let mask = self.retained(g, &req.boundaries, full0, full0 + full, &mut mask);
-                core.cache(blocks, hashes, tokens, req.last_hash, req.lora, g, mask);
+                core.cache(&t.blocks[range.clone()], hashes, tokens, parent, lora, g, mask);
             }
             req.last_hash = hashes.last().copied();
             req.tail.drain(..full * bs);
@@ -803,6 +804,7 @@ impl Manager {
 
     /// The spec's `_retained`: which of blocks [start, end) window group `g` keeps under sparse
     /// retention, in `out`; None keeps all.
+    #[inline]
     fn retained<'a>(
         &self,
         g: usize,

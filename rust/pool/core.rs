@@ -191,6 +191,7 @@ impl Core {
         self.num_free
     }
 
+    #[inline]
     fn hybrid(&self) -> bool {
         !self.windows.is_empty()
     }
