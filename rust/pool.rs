@@ -346,6 +346,7 @@ impl Manager {
         // pyo3 cannot render the `Some(..)` default; stubtest compares this with _native.pyi.
         text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True, groups=None, retention_interval=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
