@@ -1113,3 +1113,34 @@ def test_periodic_retention_and_its_validation(Manager):
         with pytest.raises(ValueError, match=message):
             Manager(8, 2, **bad)
         assert outcome(lambda: NativeKVCacheManager(8, 2, **bad)) == outcome(lambda: PyKVCacheManager(8, 2, **bad))
+
+
+def test_hybrid_snapshot_from_another_thread_while_the_engine_mutates(Manager):
+    groups = [("full_attention", None), ("sliding_window", 6)]
+    m = Manager(48, 2, groups=groups, retention_interval=0)
+    stop = threading.Event()
+    steps, errors = [], []
+
+    def engine():
+        try:
+            i = 0
+            while not (i and stop.is_set()):  # at least one step, however the threads run
+                rid = i % 6
+                if rid in m:
+                    m.free(rid)
+                if m.allocate(rid, [i % 4] * 6 + list(range(i % 9))) is not None:
+                    m.append(rid, [1, 2, 3])
+                i += 1
+                steps.append(i)
+        except Exception as exc:  # noqa: BLE001 -- reported below, not lost in the thread
+            errors.append(exc)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        # CopyView checks every event of each snapshot: each is a consistent state.
+        views = [CopyView(groups, 2).apply_all(m.snapshot()) for _ in range(100)]
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and steps and len(views) == 100
