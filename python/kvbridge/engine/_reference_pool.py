@@ -411,8 +411,8 @@ class BlockPool:
         self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any, g: int,
         mask: Sequence[bool] | None = None,
     ) -> None:
-        # vLLM's cache_full_blocks: each block enters the (group, hash) map, a second holder
-        # beside the first (BlockHashToBlockMap.insert), and all are announced.
+        # vLLM's cache_full_blocks: each kept block enters the (group, hash) map, a second
+        # holder beside the first (BlockHashToBlockMap.insert), and is announced.
         run = (parent, hashes, tokens, lora, chains, g)
         cached, meta = self._cached, self._meta
         for i, (b, h) in enumerate(zip(blocks, hashes)):
