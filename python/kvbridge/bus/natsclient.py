@@ -178,6 +178,19 @@ class Client(_nats.Client):
     async def _process_connect_init(self) -> None:
         await super()._process_connect_init()
         self._last_read = time.monotonic()  # the handshake was read without the parser
+        # The other sign of life: a socket whose buffers were full takes more (the peer
+        # acknowledged what it had). A publisher the server reads slowly (the server throttles
+        # fast producers for slow consumers) has its PONG behind its own backlog.
+        writer = getattr(self._transport, "_io_writer", None)
+        if isinstance(writer, asyncio.StreamWriter):
+            protocol = writer.transport.get_protocol()
+            resume = protocol.resume_writing
+
+            def resumed() -> None:
+                self._last_read = time.monotonic()
+                resume()
+
+            protocol.resume_writing = resumed  # type: ignore[method-assign]
 
     async def _ping_interval(self) -> None:
         """nats-py's keepalive with two changes. Any byte received counts as an answer: a
