@@ -20,7 +20,7 @@ Dead links: a path that dies without a FIN or RST (a dead node, a NAT or conntra
 leaves the socket open and swallows every write. The keepalive (``ping_interval_s``,
 ``max_outstanding_pings``) or a caller's probe (``Client.link_alive``) finds it: PINGs go
 unanswered and nothing else arrives either (a PONG queued behind a backlog is late, not lost,
-so any byte received counts as a sign of life). Then the connection is logged (which server, how
+so any byte received counts as a sign of life, and so does a full socket taking bytes again). Then the connection is logged (which server, how
 it was found), counted (``link_failures``) and replaced, its socket aborted rather than closed
 (see ``_replace_dead_link``).
 """
@@ -56,7 +56,7 @@ class Parser(_parser.Parser):
 
     async def parse(self, data: bytes = b"") -> None:
         if data:
-            self.nc._last_read = time.monotonic()  # the keepalive's sign of life
+            self.nc._last_alive = time.monotonic()  # the keepalive's sign of life
         buf = self.buf
         buf.extend(data)
         while self.state == _parser.AWAITING_CONTROL_LINE and buf:
@@ -108,7 +108,7 @@ class Client(_nats.Client):
         self._direct: dict[int, DirectHandler] = {}
         #: Connections found dead by silence (PINGs unanswered) and replaced.
         self.link_failures = 0
-        self._last_read = time.monotonic()
+        self._last_alive = time.monotonic()
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         """A plain subscription (no queue group) whose messages go to ``handler`` from the read
@@ -167,7 +167,7 @@ class Client(_nats.Client):
                 await asyncio.wait((pong,), timeout=timeout)
                 if self._transport is not transport or not self.is_connected:
                     return False  # reconnecting already: nothing to tell about the link
-                if not pong.done() and self._last_read <= since:
+                if not pong.done() and self._last_alive <= since:
                     how = f"no PONG, nothing received for {timeout:.1f} s after a probe PING ({why})"
                     await self._replace_dead_link(how)
                     return False
@@ -177,7 +177,7 @@ class Client(_nats.Client):
 
     async def _process_connect_init(self) -> None:
         await super()._process_connect_init()
-        self._last_read = time.monotonic()  # the handshake was read without the parser
+        self._last_alive = time.monotonic()  # the handshake was read without the parser
         # The other sign of life: a socket whose buffers were full takes more (the peer
         # acknowledged what it had). A publisher the server reads slowly (the server throttles
         # fast producers for slow consumers) has its PONG behind its own backlog.
@@ -187,15 +187,16 @@ class Client(_nats.Client):
             resume = protocol.resume_writing
 
             def resumed() -> None:
-                self._last_read = time.monotonic()
+                self._last_alive = time.monotonic()
                 resume()
 
             protocol.resume_writing = resumed  # type: ignore[method-assign]
 
     async def _ping_interval(self) -> None:
-        """nats-py's keepalive with two changes. Any byte received counts as an answer: a
-        subscriber far behind reads the PONG only after everything the server queued before it,
-        seconds later on a link that works; a dead path delivers nothing at all. And the PING
+        """nats-py's keepalive with two changes. Any byte received counts as an answer (and a
+        full socket taking bytes again: ``_process_connect_init``): a subscriber far behind reads
+        the PONG only after everything the server queued before it, seconds later on a link that
+        works; a dead path delivers nothing at all. And the PING
         rides with the next thing written (an idle publisher's heartbeat: one send instead of
         two), or goes alone shortly before the next tick."""
         interval = self.options["ping_interval"]
@@ -206,7 +207,7 @@ class Client(_nats.Client):
             wait = interval
             if not self.is_connected:
                 continue
-            if self._last_read > tick:
+            if self._last_alive > tick:
                 self._pings_outstanding = 0
             tick = time.monotonic()
             try:
@@ -243,7 +244,7 @@ class Client(_nats.Client):
         if isinstance(e, StaleConnectionError) and not isinstance(e, UnexpectedEOF) and self.is_connected:
             pings = self._pings_outstanding - 1  # the one that tipped it over was not sent
             if pings >= self.options["max_outstanding_pings"]:
-                silent = time.monotonic() - self._last_read
+                silent = time.monotonic() - self._last_alive
                 how = f"no PONG, nothing received for {silent:.1f} s ({pings} PINGs unanswered)"
             else:  # the server's -ERR 'Stale Connection': our PONGs stopped reaching it
                 how = "the server found this connection stale (our PONGs did not reach it)"
