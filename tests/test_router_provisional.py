@@ -227,3 +227,29 @@ async def test_a_restarted_replica_converges_and_malformed_messages_are_ignored(
     finally:
         await s1.close()
         await s2.close()
+
+
+async def test_a_worker_restart_seen_by_a_real_subscriber_drops_what_it_was_sent(nats_server):
+    """Through a real subscriber: the worker's publisher restarts (a new epoch, its cache empty),
+    and the router forgets the blocks it provisionally sent there."""
+    from kvbridge import Config, KvEventPublisher, KvEventSubscriber
+
+    cfg = Config(servers=nats_server.url, model="prov-restart", heartbeat_s=0.2, reconnect_wait_s=0.2)
+    index = Index(BS)
+    async with KvEventSubscriber(cfg, model="prov-restart", index=index) as sub:
+        pub = await KvEventPublisher(cfg.replace(worker_id="w0")).start()
+        await wait_until(lambda: ("prov-restart", "w0") in sub.worker_states(), 10, "the worker to be heard")
+        epoch = sub.worker_states()[("prov-restart", "w0")][1]
+        router = Router(index, workers=["w0"], subscriber=sub, model="prov-restart")
+        assert router.choose(PREFIX)[0] == "w0"
+        assert router.stats["provisional_entries"] == 16
+        await pub.close()
+        pub = await KvEventPublisher(cfg.replace(worker_id="w0")).start()
+        try:
+            await wait_until(lambda: sub.worker_states().get(("prov-restart", "w0"), (None, epoch))[1] != epoch,
+                             10, "the restarted worker's new epoch")  # fmt: skip
+            router.costs(PREFIX)
+            assert router.stats["restarts_seen"] == 1
+            assert router.stats["provisional_entries"] == 0
+        finally:
+            await pub.close()
