@@ -253,3 +253,23 @@ async def test_a_worker_restart_seen_by_a_real_subscriber_drops_what_it_was_sent
             assert router.stats["provisional_entries"] == 0
         finally:
             await pub.close()
+
+
+def test_an_all_blocks_cleared_drops_the_provisional_entries():
+    from kvbridge import AllBlocksCleared
+
+    index = Index(BS)
+    index.apply("w0", KVEventBatch(0.0, [BlockStored([77], None, [9, 9, 9, 9], BS, None, "GPU", None)]))
+    router = Router(index, workers=["w0"])
+    router.choose(PREFIX)
+    assert router.stats["provisional_entries"] == 16
+    router.costs(PREFIX)  # nothing cleared: the entries stay
+    assert router.stats["provisional_entries"] == 16
+    index.apply("w0", KVEventBatch(0.0, [AllBlocksCleared()]))  # the worker's cache was reset
+    assert index.clears("w0") == 1 and index.clears("nobody") is None
+    assert router.costs(PREFIX)["w0"] == 16 + 1
+    assert router.stats["provisional_reset"] == 1 and router.stats["provisional_entries"] == 0
+    # a worker the index first hears of after the choice is not "cleared" by that
+    router.choose(PREFIX, workers=["new"])
+    index.apply("new", KVEventBatch(0.0, [BlockStored([78], None, [8, 8, 8, 8], BS, None, "GPU", None)]))
+    assert router.costs(PREFIX, workers=["new"])["new"] == 0 + 1

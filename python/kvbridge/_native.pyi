@@ -303,6 +303,9 @@ class Index:
     ) -> dict[str, dict[str | None, int]]:
         """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""
     def remove_worker(self, worker: str) -> None: ...
+    def clears(self, worker: str) -> int | None:
+        """How many times ``worker``'s cache was cleared (AllBlocksCleared) since the index first
+        heard of it; None for a worker it does not know."""
     def clear(self) -> None: ...
     @property
     def workers(self) -> list[str]:
