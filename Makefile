@@ -17,8 +17,10 @@ setup: $(BIN)/maturin
 demo: setup
 	$(BIN)/kvbridge demo
 
-# cargo test: the pure-Rust parts (pickle, CBOR, the pool's core), linked against the venv's Python.
+# clippy (warnings are errors), then cargo test: the pure-Rust parts (pickle, CBOR, the pool's and the
+# index's cores), linked against the venv's Python.
 test: setup
+	PYO3_PYTHON=$(abspath $(BIN))/python cargo clippy --quiet --all-targets -- -D warnings
 	PYO3_PYTHON=$(abspath $(BIN))/python cargo test --quiet
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
