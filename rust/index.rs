@@ -8,9 +8,9 @@
 //! the GIL released, so a query thread and an applying thread never block each other on the
 //! GIL and the lock at once.
 
-mod core;
+pub(crate) mod core;
 mod holders;
-mod parse;
+pub(crate) mod parse;
 
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
