@@ -5,6 +5,7 @@
 //! indexers answer approximately and the branch-sharded one spreads a tree over shards of
 //! these; neither is measured.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use dynamo_kv_router::indexer::SyncIndexer;
@@ -18,7 +19,7 @@ use dynamo_kv_router::{
 };
 
 use crate::workload::{Ev, Step, Workload};
-use crate::{alloc, time_queries, Row, Scores};
+use crate::{alloc, timed, Builder, Built, Scores};
 
 /// Dynamo's example and test jump size for the positional indexer.
 const JUMP: usize = 32;
@@ -64,75 +65,114 @@ fn scores(o: OverlapScores) -> Scores {
     s
 }
 
-fn row(w: &Workload, name: String, secs: f64, bytes: Option<isize>, q: (u64, u64, usize)) -> Row {
-    Row {
-        name,
-        apply_per_s: if secs > 0.0 { w.block_events() as f64 / secs } else { 0.0 },
-        p50_ns: q.0,
-        p99_ns: q.1,
-        bytes_per_entry: bytes.map(|b| b as f64 / w.entries_held as f64),
-        disagree: q.2,
-    }
+fn find(f: impl FnOnce() -> OverlapScores) -> (u64, Scores) {
+    let (ns, o) = timed(f);
+    (ns, scores(o))
 }
 
-pub fn run(w: &Workload) -> Vec<Row> {
-    let mut rows = Vec::new();
-    let mut failed = 0usize;
-    let check = |i: usize, s: Scores| s == w.queries[i].expect;
-    let hashes = |_: usize, q: &crate::workload::Query| q.local_hashes();
+pub fn builders(w: &Workload) -> Vec<(String, Builder<'_>)> {
+    let mut out: Vec<(String, Builder)> = vec![
+        ("Dynamo RadixTree".into(), Box::new(move |_| radix(w))),
+        (format!("Dynamo PositionalIndexer (jump {JUMP}, 1 writer)"), Box::new(move |_| positional(w))),
+    ];
+    for threads in [1, 2] {
+        out.push((
+            format!("Dynamo ConcurrentRadixTreeCompressed ({threads} writer thread{})", if threads > 1 { "s" } else { "" }),
+            Box::new(move |bytes| pooled(w, threads, bytes, ConcurrentRadixTreeCompressed::new)),
+        ));
+    }
+    out.push((
+        format!("Dynamo PositionalIndexer (jump {JUMP}, 2 writer threads)"),
+        Box::new(move |bytes| pooled(w, 2, bytes, || PositionalIndexer::new(JUMP))),
+    ));
+    out
+}
 
-    // RadixTree: events applied in the caller's thread.
+/// Every event must apply: a store whose parent Dynamo lost would score differently.
+fn applied(ok: bool) {
+    assert!(ok, "Dynamo rejected an event");
+}
+
+/// RadixTree: events applied in the caller's thread.
+fn radix(w: &Workload) -> Built<'_> {
     let before = alloc::held();
     let evs = events(w, &w.steps, 0);
     let mut tree = RadixTree::new();
     let t = Instant::now();
     for e in evs {
-        failed += tree.apply_event(e).is_err() as usize;
+        applied(tree.apply_event(e).is_ok());
     }
     let secs = t.elapsed().as_secs_f64();
     let bytes = alloc::held() - before;
-    let q = time_queries(&w.queries, hashes, |s| scores(tree.find_matches(s, false)), check);
-    rows.push(row(w, "Dynamo RadixTree (LocalBlockHash in)".into(), secs, Some(bytes), q));
+    let tree = Rc::new(tree);
     let bs = w.block_size as u32;
-    let q = time_queries(
-        &w.queries,
-        |_, q| &q.tokens[..],
-        |t| scores(tree.find_matches(compute_block_hash_for_seq(t, bs, BlockHashOptions::default()), false)),
-        check,
-    );
-    rows.push(row(w, "Dynamo RadixTree (tokens in)".into(), 0.0, None, q));
-    drop(tree);
+    let t2 = tree.clone();
+    Built {
+        secs,
+        bytes: Some(bytes),
+        queries: vec![
+            (
+                "LocalBlockHash in".into(),
+                Box::new(move |q| {
+                    let seq = w.queries[q].local_hashes();
+                    find(|| tree.find_matches(seq, false))
+                }),
+            ),
+            (
+                "tokens in".into(),
+                Box::new(move |q| {
+                    let tokens = &w.queries[q].tokens;
+                    find(|| t2.find_matches(compute_block_hash_for_seq(tokens, bs, BlockHashOptions::default()), false))
+                }),
+            ),
+        ],
+    }
+}
 
-    // PositionalIndexer with one writer: the per-worker maps a writer thread would own.
+/// PositionalIndexer with one writer: the per-worker maps a writer thread would own.
+fn positional(w: &Workload) -> Built<'_> {
     let before = alloc::held();
     let evs = events(w, &w.steps, 0);
     let pos = PositionalIndexer::new(JUMP);
     let mut lanes = Default::default();
     let t = Instant::now();
     for e in evs {
-        failed += pos.apply_event(&mut lanes, e, None).is_err() as usize;
+        applied(pos.apply_event(&mut lanes, e, None).is_ok());
     }
     let secs = t.elapsed().as_secs_f64();
     let bytes = alloc::held() - before;
-    let q = time_queries(&w.queries, hashes, |s| scores(pos.find_matches(&s, false)), check);
-    rows.push(row(w, format!("Dynamo PositionalIndexer (jump {JUMP}, 1 writer)"), secs, Some(bytes), q));
-    drop((pos, lanes));
-
-    for threads in [1, 2] {
-        rows.push(pooled(w, "ConcurrentRadixTreeCompressed", threads, ConcurrentRadixTreeCompressed::new));
+    Built {
+        secs,
+        bytes: Some(bytes),
+        queries: vec![(
+            "LocalBlockHash in".into(),
+            Box::new(move |q| {
+                let _ = &lanes;
+                let seq = w.queries[q].local_hashes();
+                find(|| pos.find_matches(&seq, false))
+            }),
+        )],
     }
-    rows.push(pooled(w, "PositionalIndexer", 2, || PositionalIndexer::new(JUMP)));
-    if failed > 0 {
-        eprintln!("Dynamo rejected {failed} events");
-    }
-    rows
 }
 
 /// A `SyncIndexer` behind ThreadPoolIndexer with `threads` writer threads: apply timed from
 /// the first enqueue to the flush that sees the last event applied.
-fn pooled<T: SyncIndexer>(w: &Workload, name: &str, threads: usize, make: impl Fn() -> T) -> Row {
+fn pooled<T: SyncIndexer>(w: &Workload, threads: usize, measure: bool, make: impl Fn() -> T) -> Built<'_> {
     let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
     let bs = w.block_size as u32;
+    // Memory from a pass flushed every few steps: applied in one burst, the queues grow to the
+    // whole stream, and their capacity stays allocated after.
+    let bytes = measure.then(|| {
+        let before = alloc::held();
+        let pool = ThreadPoolIndexer::new(make(), threads, bs);
+        for (i, chunk) in w.steps.chunks(64).enumerate() {
+            for e in events(w, chunk, i as u64 * 1_000_000) {
+                pool.enqueue_event(e).expect("indexer running");
+            }
+            rt.block_on(pool.flush());
+        }
+        alloc::held() - before
+    });
     let evs = events(w, &w.steps, 0);
     let pool = ThreadPoolIndexer::new(make(), threads, bs);
     let t = Instant::now();
@@ -141,24 +181,15 @@ fn pooled<T: SyncIndexer>(w: &Workload, name: &str, threads: usize, make: impl F
     }
     rt.block_on(pool.flush());
     let secs = t.elapsed().as_secs_f64();
-    let q = time_queries(
-        &w.queries,
-        |_, q| q.local_hashes(),
-        |s| scores(pool.backend().find_matches(&s, false)),
-        |i, s| s == w.queries[i].expect,
-    );
-    drop(pool);
-    // Memory from a second pass flushed every few steps: applied in one burst, the queues
-    // grow to the whole stream, and their capacity stays allocated after.
-    let before = alloc::held();
-    let pool = ThreadPoolIndexer::new(make(), threads, bs);
-    for (i, chunk) in w.steps.chunks(64).enumerate() {
-        for e in events(w, chunk, i as u64 * 1_000_000) {
-            pool.enqueue_event(e).expect("indexer running");
-        }
-        rt.block_on(pool.flush());
+    Built {
+        secs,
+        bytes,
+        queries: vec![(
+            "LocalBlockHash in".into(),
+            Box::new(move |q| {
+                let seq = w.queries[q].local_hashes();
+                find(|| pool.backend().find_matches(&seq, false))
+            }),
+        )],
     }
-    let bytes = alloc::held() - before;
-    drop(pool);
-    row(w, format!("Dynamo {name} ({threads} writer thread{})", if threads > 1 { "s" } else { "" }), secs, Some(bytes), q)
 }

@@ -1,12 +1,13 @@
 //! kvbridge's index core through its native API (rust/native.rs), in both key modes.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use _native::native::NativeIndex;
 
 use crate::msgpack::Writer;
 use crate::workload::{Ev, Step, Workload};
-use crate::{alloc, time_queries, Row, Scores};
+use crate::{alloc, timed, Builder, Built, Querier, Scores};
 
 /// A step as the worker publishes it: a msgpack KVEventBatch `[ts, [events], dp_rank]` with
 /// vLLM's positional events.
@@ -72,77 +73,72 @@ fn scores(idx: &NativeIndex, found: Vec<(u32, u32)>) -> Scores {
     s
 }
 
-pub fn run(w: &Workload) -> Vec<Row> {
-    let names: Vec<String> = (0..w.workers).map(name).collect();
-    let mut rows = Vec::new();
-    for engine in [true, false] {
-        let before = alloc::held();
-        let payloads: Vec<Vec<u8>> = w.steps.iter().enumerate().map(|(i, s)| payload(w, s, i as f64)).collect();
-        let mut idx = NativeIndex::new(w.block_size, engine);
-        let t = Instant::now();
-        for (s, p) in w.steps.iter().zip(&payloads) {
-            idx.apply(&names[s.worker as usize], p);
-        }
-        let secs = t.elapsed().as_secs_f64();
-        drop(payloads);
-        let bytes = (alloc::held() - before) as f64;
-        let mode = if engine { "engine" } else { "tokens" };
-        eprintln!(
-            "kvbridge key={mode}: {:.0} B allocated, memory_bytes() says {} ({} blocks)",
-            bytes,
-            idx.memory_bytes(),
-            idx.len()
-        );
-        let check = |i: usize, found: Vec<(u32, u32)>| scores(&idx, found) == w.queries[i].expect;
-        let (p50, p99, disagree) = if engine {
-            time_queries(&w.queries, |_, q| &q.seq[..], |k| find(&idx, k), check)
-        } else {
-            let mut keys = Vec::new();
-            let keyed: Vec<Vec<u64>> = w
-                .queries
-                .iter()
-                .map(|q| {
-                    idx.hash_tokens(&q.tokens, &mut keys);
-                    keys.clone()
-                })
-                .collect();
-            time_queries(&w.queries, |i, _| &keyed[i][..], |k| find(&idx, k), check)
-        };
-        rows.push(Row {
-            name: format!("kvbridge key={mode} ({} in)", if engine { "engine hashes" } else { "its keys" }),
-            apply_per_s: w.block_events() as f64 / secs,
-            p50_ns: p50,
-            p99_ns: p99,
-            bytes_per_entry: Some(bytes / w.entries_held as f64),
-            disagree,
-        });
-        if !engine {
-            let mut keys = Vec::new();
-            let (p50, p99, disagree) = time_queries(
-                &w.queries,
-                |_, q| &q.tokens[..],
-                |t| {
-                    let mut out = Vec::new();
-                    idx.find_matches_tokens(t, &mut keys, &mut out);
-                    out
-                },
-                check,
-            );
-            rows.push(Row {
-                name: "kvbridge key=tokens (tokens in)".into(),
-                apply_per_s: 0.0,
-                p50_ns: p50,
-                p99_ns: p99,
-                bytes_per_entry: None,
-                disagree,
-            });
-        }
-    }
-    rows
+pub fn builders(w: &Workload) -> Vec<(String, Builder<'_>)> {
+    [true, false]
+        .into_iter()
+        .map(|engine| {
+            let name = format!("kvbridge key={}", if engine { "engine" } else { "tokens" });
+            let b: Builder = Box::new(move |_| build(w, engine));
+            (name, b)
+        })
+        .collect()
 }
 
-fn find(idx: &NativeIndex, keys: &[u64]) -> Vec<(u32, u32)> {
-    let mut out = Vec::new();
-    idx.find_matches(keys, &mut out);
-    out
+fn build(w: &Workload, engine: bool) -> Built<'_> {
+    let names: Vec<String> = (0..w.workers).map(name).collect();
+    let before = alloc::held();
+    let payloads: Vec<Vec<u8>> = w.steps.iter().enumerate().map(|(i, s)| payload(w, s, i as f64)).collect();
+    let mut idx = NativeIndex::new(w.block_size, engine);
+    let t = Instant::now();
+    for (s, p) in w.steps.iter().zip(&payloads) {
+        idx.apply(&names[s.worker as usize], p);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    drop(payloads);
+    let bytes = alloc::held() - before;
+    let idx = Rc::new(idx);
+    let mut queries: Vec<(String, Querier)> = Vec::new();
+    if engine {
+        let i = idx.clone();
+        queries.push(("engine hashes in".into(), Box::new(move |q| find(&i, &w.queries[q].seq))));
+    } else {
+        let mut keys = Vec::new();
+        let keyed: Vec<Vec<u64>> = w
+            .queries
+            .iter()
+            .map(|q| {
+                idx.hash_tokens(&q.tokens, &mut keys);
+                keys.clone()
+            })
+            .collect();
+        let i = idx.clone();
+        queries.push(("its keys in".into(), Box::new(move |q| find(&i, &keyed[q]))));
+        let i = idx.clone();
+        let mut keys = Vec::new();
+        queries.push((
+            "tokens in".into(),
+            Box::new(move |q| {
+                let (ns, out) = timed(|| {
+                    let mut out = Vec::new();
+                    i.find_matches_tokens(&w.queries[q].tokens, &mut keys, &mut out);
+                    out
+                });
+                (ns, scores(&i, out))
+            }),
+        ));
+    }
+    Built {
+        secs,
+        bytes: Some(bytes),
+        queries,
+    }
+}
+
+fn find(idx: &NativeIndex, keys: &[u64]) -> (u64, Scores) {
+    let (ns, out) = timed(|| {
+        let mut out = Vec::new();
+        idx.find_matches(keys, &mut out);
+        out
+    });
+    (ns, scores(idx, out))
 }

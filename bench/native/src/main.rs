@@ -17,57 +17,77 @@ mod workload;
 
 use std::time::Instant;
 
-use workload::{Query, Workload};
+use workload::Workload;
 
-/// One indexer's figures from one run.
-pub struct Row {
-    pub name: String,
-    /// Block events (blocks stored + block hashes removed) per second, whole stream.
-    pub apply_per_s: f64,
-    /// Per query, ns: p50 and p99.
-    pub p50_ns: u64,
-    pub p99_ns: u64,
-    /// Allocator-counted bytes held after the stream, per (block, worker) entry held.
-    pub bytes_per_entry: Option<f64>,
-    /// Queries whose scores differ from brute force.
-    pub disagree: usize,
+/// One index built from the stream, and the ways it is queried.
+pub struct Built<'w> {
+    /// Seconds to apply the whole stream.
+    pub secs: f64,
+    /// Allocator-counted bytes the index holds after the stream (when asked for).
+    pub bytes: Option<isize>,
+    /// (label, query i -> (ns spent in the indexer's call, its scores)).
+    pub queries: Vec<(String, Querier<'w>)>,
 }
+
+pub type Querier<'w> = Box<dyn FnMut(usize) -> (u64, Scores) + 'w>;
+
+/// Builds one kind of index from the stream; `bytes`: measure its memory.
+pub type Builder<'w> = Box<dyn Fn(bool) -> Built<'w> + 'w>;
 
 /// Scores as (worker index, leading blocks held), sorted: the form every answer is compared in.
 pub type Scores = Vec<(u32, u32)>;
 
-pub fn percentiles(mut ns: Vec<u64>) -> (u64, u64) {
-    ns.sort_unstable();
-    let at = |q: f64| ns[((ns.len() as f64 * q) as usize).min(ns.len() - 1)];
-    (at(0.50), at(0.99))
+/// `f`'s result and the ns it took.
+#[inline]
+pub fn timed<R>(f: impl FnOnce() -> R) -> (u64, R) {
+    let t = Instant::now();
+    let r = std::hint::black_box(f());
+    (t.elapsed().as_nanos() as u64, r)
 }
 
-/// Times `f` once per query; `prep` builds its input first, off the clock (Dynamo's
-/// `RadixTree::find_matches` takes its sequence by value).
-pub fn time_queries<'q, I, R>(
-    queries: &'q [Query],
-    mut prep: impl FnMut(usize, &'q Query) -> I,
-    mut f: impl FnMut(I) -> R,
-    mut check: impl FnMut(usize, R) -> bool,
-) -> (u64, u64, usize) {
-    let mut ns = Vec::with_capacity(queries.len());
-    let mut disagree = 0;
-    for (i, q) in queries.iter().enumerate() {
-        let input = prep(i, q);
-        let t = Instant::now();
-        let r = std::hint::black_box(f(input));
-        ns.push(t.elapsed().as_nanos() as u64);
-        if !check(i, r) {
-            disagree += 1;
-        }
+struct Row {
+    name: String,
+    /// Block events per second, one per repetition of the build.
+    apply: Vec<f64>,
+    bytes_per_entry: Option<f64>,
+    /// Per round, ns per query.
+    ns: Vec<Vec<u64>>,
+    disagree: usize,
+}
+
+impl Row {
+    fn apply_median(&self) -> Option<f64> {
+        let mut a = self.apply.clone();
+        a.sort_by(f64::total_cmp);
+        a.get(a.len() / 2).copied()
     }
-    let (p50, p99) = percentiles(ns);
-    (p50, p99, disagree)
+
+    /// p50 and p99 of each round, the median round of each: one preempted round (the machine
+    /// is shared) moves neither.
+    fn percentiles(&self) -> (u64, u64) {
+        let mut p50 = Vec::new();
+        let mut p99 = Vec::new();
+        for round in &self.ns {
+            let mut ns = round.clone();
+            ns.sort_unstable();
+            let at = |q: f64| ns[((ns.len() as f64 * q) as usize).min(ns.len() - 1)];
+            p50.push(at(0.50));
+            p99.push(at(0.99));
+        }
+        p50.sort_unstable();
+        p99.sort_unstable();
+        (p50[p50.len() / 2], p99[p99.len() / 2])
+    }
 }
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let cfg = if quick { workload::Config::quick() } else { workload::Config::full() };
+    // The machine is shared: each build is repeated (the median shown), and the query set runs
+    // in rounds, each indexer in turn answering all of it, so a change in load falls on every
+    // indexer alike. Not query by query in turn: each index would then answer from caches the
+    // others just emptied, which a router's index, queried all the time, does not.
+    let (reps, rounds) = if quick { (1, 2) } else { (3, 5) };
     let t = Instant::now();
     let w = Workload::generate(&cfg);
     eprintln!(
@@ -84,34 +104,68 @@ fn main() {
         w.entries_held,
         t.elapsed().as_secs_f64()
     );
-    let mut rows = Vec::new();
-    rows.extend(kvb::run(&w));
-    rows.extend(dynamo::run(&w));
-    print_table(&w, &rows);
+    let builders: Vec<(String, Builder)> = kvb::builders(&w).into_iter().chain(dynamo::builders(&w)).collect();
+    let mut rows: Vec<Row> = Vec::new();
+    let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); builders.len()];
+    let mut kept: Vec<Option<Built>> = builders.iter().map(|_| None).collect();
+    for rep in 0..reps {
+        for (k, (name, build)) in builders.iter().enumerate() {
+            kept[k] = None;
+            let b = build(rep == 0);
+            if rep == 0 {
+                for (label, _) in &b.queries {
+                    rows_of[k].push(rows.len());
+                    rows.push(Row {
+                        name: format!("{name} ({label})"),
+                        apply: Vec::new(),
+                        bytes_per_entry: b.bytes.map(|x| x as f64 / w.entries_held as f64),
+                        ns: Vec::new(),
+                        disagree: 0,
+                    });
+                }
+            }
+            for &r in &rows_of[k] {
+                rows[r].apply.push(w.block_events() as f64 / b.secs);
+            }
+            kept[k] = Some(b);
+        }
+    }
+    // In row order: builders in order, each one's queries in order.
+    let mut queriers: Vec<Querier> = kept.into_iter().flatten().flat_map(|b| b.queries).map(|(_, q)| q).collect();
+    for round in 0..rounds {
+        for (row, q) in rows.iter_mut().zip(queriers.iter_mut()) {
+            let mut times = Vec::with_capacity(w.queries.len());
+            for i in 0..w.queries.len() {
+                let (ns, scores) = q(i);
+                times.push(ns);
+                if round == 0 && scores != w.queries[i].expect {
+                    row.disagree += 1;
+                }
+            }
+            row.ns.push(times);
+        }
+    }
+    print_table(&w, &rows, reps, rounds);
 }
 
-fn print_table(w: &Workload, rows: &[Row]) {
+fn print_table(w: &Workload, rows: &[Row], reps: usize, rounds: usize) {
     println!(
-        "| indexer | apply (M block events/s) | find_matches p50 / p99 (us) | B per (block, worker) | scores |"
+        "apply: median of {reps} builds; find_matches: {} queries x {rounds} rounds, the indexers in turn each round, p50 and p99 of the median round",
+        w.queries.len()
     );
+    println!();
+    println!("| indexer (query input) | apply (M block events/s) | find_matches p50 / p99 (us) | B per (block, worker) | scores vs brute force |");
     println!("|---|---|---|---|---|");
     for r in rows {
+        let (p50, p99) = r.percentiles();
         let mem = r.bytes_per_entry.map_or("-".to_string(), |b| format!("{b:.0}"));
         let agree = if r.disagree == 0 {
-            format!("agree ({}/{})", w.queries.len(), w.queries.len())
+            format!("agree ({0}/{0})", w.queries.len())
         } else {
             format!("DISAGREE on {}", r.disagree)
         };
-        let apply = if r.apply_per_s > 0.0 { format!("{:.2}", r.apply_per_s / 1e6) } else { "-".into() };
-        println!(
-            "| {} | {} | {:.2} / {:.2} | {} | {} |",
-            r.name,
-            apply,
-            r.p50_ns as f64 / 1e3,
-            r.p99_ns as f64 / 1e3,
-            mem,
-            agree
-        );
+        let apply = r.apply_median().map_or("-".to_string(), |a| format!("{:.2}", a / 1e6));
+        println!("| {} | {apply} | {:.2} / {:.2} | {mem} | {agree} |", r.name, p50 as f64 / 1e3, p99 as f64 / 1e3);
     }
     ratios(rows);
     if rows.iter().any(|r| r.disagree > 0) {
@@ -120,7 +174,7 @@ fn print_table(w: &Workload, rows: &[Row]) {
     }
 }
 
-/// kvbridge against the best Dynamo figure of each kind (>1: kvbridge better).
+/// Each kvbridge row against the best Dynamo figure of each column.
 fn ratios(rows: &[Row]) {
     let (ours, theirs): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.name.starts_with("kvbridge"));
     let best = |f: &dyn Fn(&Row) -> Option<f64>, lower: bool| -> Option<(f64, String)> {
@@ -129,25 +183,26 @@ fn ratios(rows: &[Row]) {
             .filter_map(|r| f(r).map(|v| (v, r.name.clone())))
             .min_by(|a, b| if lower { a.0.total_cmp(&b.0) } else { b.0.total_cmp(&a.0) })
     };
-    let apply = best(&|r| (r.apply_per_s > 0.0).then_some(r.apply_per_s), false);
-    let p50 = best(&|r| Some(r.p50_ns as f64), true);
-    let p99 = best(&|r| Some(r.p99_ns as f64), true);
+    let apply = best(&|r| r.apply_median(), false);
+    let p50 = best(&|r| Some(r.percentiles().0 as f64), true);
+    let p99 = best(&|r| Some(r.percentiles().1 as f64), true);
     let mem = best(&|r| r.bytes_per_entry, true);
     println!();
-    println!("ratios against the best Dynamo indexer of each column (apply, speed: >1 is kvbridge faster; memory: <1 is kvbridge smaller)");
+    println!("against the best Dynamo indexer of each column (apply and find_matches: >1 is kvbridge faster; memory: <1 is kvbridge smaller):");
     for r in ours {
+        let (o50, o99) = r.percentiles();
         let mut parts = Vec::new();
-        if let (Some((v, n)), true) = (&apply, r.apply_per_s > 0.0) {
-            parts.push(format!("apply {:.2}x ({n})", r.apply_per_s / v));
+        if let (Some((v, n)), Some(a)) = (&apply, r.apply_median()) {
+            parts.push(format!("apply {:.2}x [{n}]", a / v));
         }
         if let Some((v, n)) = &p50 {
-            parts.push(format!("p50 {:.2}x ({n})", v / r.p50_ns as f64));
+            parts.push(format!("p50 {:.2}x [{n}]", v / o50 as f64));
         }
         if let Some((v, n)) = &p99 {
-            parts.push(format!("p99 {:.2}x ({n})", v / r.p99_ns as f64));
+            parts.push(format!("p99 {:.2}x [{n}]", v / o99 as f64));
         }
         if let (Some((v, n)), Some(b)) = (&mem, r.bytes_per_entry) {
-            parts.push(format!("memory {:.2}x ({n})", b / v));
+            parts.push(format!("memory {:.2}x [{n}]", b / v));
         }
         println!("- {}: {}", r.name, parts.join(", "));
     }
