@@ -23,6 +23,7 @@ use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Holders, Removed, Slab, MAX_MEDIA, MAX_WORKERS};
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored};
+use super::table::Table;
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -60,6 +61,10 @@ impl Hasher for MixHasher {
 }
 
 type Map<V> = HashMap<u64, V, Mix>;
+
+/// How far ahead `find_matches` prefetches blocks' slots, and their slab entries.
+const AHEAD: usize = 16;
+const HALF: usize = AHEAD / 2;
 
 /// Worker names (from subjects: anyone who may publish chooses them), looked up once per
 /// payload: xxh3 rather than std's SipHash, which took a tenth of a one-event payload's apply.
@@ -153,7 +158,7 @@ struct Worker {
 pub struct Core {
     pub block_size: usize,
     pub mode: Mode,
-    blocks: Map<Holders>,
+    blocks: Table<Holders>,
     slab: Slab,
     workers: Vec<Option<Worker>>,
     ids: HashMap<Arc<str>, u32, NameHash>,
@@ -170,7 +175,7 @@ impl Core {
         Core {
             block_size,
             mode,
-            blocks: Map::default(),
+            blocks: Table::default(),
             slab: Slab::default(),
             workers: Vec::new(),
             ids: HashMap::default(),
@@ -209,34 +214,36 @@ impl Core {
             },
         };
         let n_words = self.workers.len().div_ceil(64);
+        // The lookups are independent of each other: the slots of the blocks AHEAD on are
+        // requested early, and the slab entries (popular blocks) of those HALF on, whose slots
+        // have arrived by then, so the cache misses overlap instead of coming one after another.
+        for k in keys.iter().take(AHEAD) {
+            self.blocks.prefetch(*k);
+        }
+        for k in keys.iter().take(HALF) {
+            if let Some(h) = self.blocks.get(k) {
+                h.prefetch(&self.slab);
+            }
+        }
         let Some(first) = keys.first().and_then(|k| self.blocks.get(k)) else {
             return;
         };
         if n_words == 1 {
-            // Up to 64 workers: one word per block. The lookups of a chunk of blocks are
-            // independent of each other, so they are done first and their cache misses overlap;
-            // the walk over the words then stops at the first chunk where nobody is left.
-            const CHUNK: usize = 16;
+            // Up to 64 workers: one word per block; the walk stops at the first block nobody
+            // is left holding.
             let mut active = [0u64];
             first.workers_into(&self.slab, filter, &mut active);
             let mut active = active[0];
             let mut i = 1;
             while i < keys.len() && active != 0 {
-                let chunk = &keys[i..keys.len().min(i + CHUNK)];
-                let mut cur = [[0u64]; CHUNK];
-                for (c, k) in cur.iter_mut().zip(chunk) {
-                    if let Some(h) = self.blocks.get(k) {
-                        h.workers_into(&self.slab, filter, c);
-                    }
+                self.prefetch_ahead(keys, i);
+                let mut cur = [0u64];
+                if let Some(h) = self.blocks.get(&keys[i]) {
+                    h.workers_into(&self.slab, filter, &mut cur);
                 }
-                for c in &cur[..chunk.len()] {
-                    emit(out, 0, active & !c[0], i);
-                    active &= c[0];
-                    i += 1;
-                    if active == 0 {
-                        break;
-                    }
-                }
+                emit(out, 0, active & !cur[0], i);
+                active &= cur[0];
+                i += 1;
             }
             emit(out, 0, active, keys.len());
         } else {
@@ -244,6 +251,7 @@ impl Core {
             let mut cur = vec![0u64; n_words];
             first.workers_into(&self.slab, filter, &mut active);
             for (i, k) in keys.iter().enumerate().skip(1) {
+                self.prefetch_ahead(keys, i);
                 cur.fill(0);
                 if let Some(h) = self.blocks.get(k) {
                     h.workers_into(&self.slab, filter, &mut cur);
@@ -263,6 +271,16 @@ impl Core {
             }
         }
         out.sort_unstable();
+    }
+
+    #[inline]
+    fn prefetch_ahead(&self, keys: &[u64], i: usize) {
+        if let Some(k) = keys.get(i + AHEAD) {
+            self.blocks.prefetch(*k);
+        }
+        if let Some(h) = keys.get(i + HALF).and_then(|k| self.blocks.get(k)) {
+            h.prefetch(&self.slab);
+        }
     }
 
     /// Bytes held by the index's tables, with an estimate of the allocator's bookkeeping.
@@ -577,7 +595,7 @@ impl Core {
     }
 
     /// The block map, the holder slab and worker `w`'s slot `si`, borrowed together.
-    fn parts(&mut self, w: u32, si: usize) -> (&mut Map<Holders>, &mut Slab, &mut Slot) {
+    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot) {
         let worker = self.workers[w as usize].as_mut().expect("live worker");
         (&mut self.blocks, &mut self.slab, &mut worker.slots[si])
     }
@@ -643,28 +661,29 @@ fn strip_lora(keys: Vec<Option<Value>>, lora_name: Option<&str>) -> Vec<Option<V
 }
 
 /// Removes holder `e` from block `k`, dropping the block when it was the last; whether it held.
-fn remove_entry(blocks: &mut Map<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
-    let hashbrown::hash_map::Entry::Occupied(mut o) = blocks.entry(k) else {
+fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
+    let Some(h) = blocks.get_mut(&k) else {
         return false;
     };
-    match o.get_mut().remove(slab, e) {
+    match h.remove(slab, e) {
         Removed::NotHeld => false,
         Removed::Kept => true,
         Removed::Empty => {
-            o.remove().release(slab);
+            if let Some(h) = blocks.remove(&k) {
+                h.release(slab);
+            }
             true
         }
     }
 }
 
 /// Engine mode: `slot` holds block `k` (once).
-fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    match blocks.entry(k) {
-        hashbrown::hash_map::Entry::Vacant(v) => {
-            v.insert(Holders::one(e));
+fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+    match blocks.get_mut(&k) {
+        None => {
+            blocks.insert(k, Holders::one(e));
         }
-        hashbrown::hash_map::Entry::Occupied(mut o) => {
-            let h = o.get_mut();
+        Some(h) => {
             if h.contains(slab, e) {
                 return;
             }
@@ -674,7 +693,7 @@ fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: En
     slot.held += 1;
 }
 
-fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
     let found = remove_entry(blocks, slab, e, k);
     if found {
         slot.held -= 1;
@@ -683,7 +702,7 @@ fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: E
 }
 
 /// Tokens mode: one more engine hash of `slot` stands for index hash `k`.
-fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+fn add_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
     let held_before = slot.held;
     add_holder(blocks, slab, slot, e, k);
     if slot.held == held_before {
@@ -692,7 +711,7 @@ fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry
 }
 
 /// Tokens mode: one engine hash of `slot` standing for `k` is gone.
-fn drop_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+fn drop_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
     if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
         *d -= 1;
         if *d == 0 {
