@@ -230,10 +230,13 @@ impl Core {
         };
         if n_words == 1 {
             // Up to 64 workers: one word per block; the walk stops at the first block nobody
-            // is left holding.
+            // is left holding. Counts go by worker id, so the answer comes out in id order
+            // without a sort (a tenth of a query with tens of workers).
             let mut active = [0u64];
             first.workers_into(&self.slab, filter, &mut active);
-            let mut active = active[0];
+            let holding = active[0];
+            let mut active = holding;
+            let mut counts = [0u32; 64];
             let mut i = 1;
             while i < keys.len() && active != 0 {
                 self.prefetch_ahead(keys, i);
@@ -241,11 +244,17 @@ impl Core {
                 if let Some(h) = self.blocks.get(&keys[i]) {
                     h.workers_into(&self.slab, filter, &mut cur);
                 }
-                emit(out, 0, active & !cur[0], i);
+                for b in Bits(active & !cur[0]) {
+                    counts[b] = i as u32;
+                }
                 active &= cur[0];
                 i += 1;
             }
-            emit(out, 0, active, keys.len());
+            for b in Bits(active) {
+                counts[b] = keys.len() as u32;
+            }
+            out.extend(Bits(holding).map(|b| (b as u32, counts[b])));
+            return;
         } else {
             let mut active = vec![0u64; n_words];
             let mut cur = vec![0u64; n_words];
