@@ -121,8 +121,8 @@ fn radix(w: &Workload) -> Built<'_> {
             (
                 "tokens in".into(),
                 Box::new(move |q| {
-                    let tokens = &w.queries[q].tokens;
-                    find(|| t2.find_matches(compute_block_hash_for_seq(tokens, bs, BlockHashOptions::default()), false))
+                    let tokens = w.queries[q].tokens.clone();
+                    find(|| t2.find_matches(compute_block_hash_for_seq(&tokens, bs, BlockHashOptions::default()), false))
                 }),
             ),
         ],

@@ -100,7 +100,7 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
     let mut queries: Vec<(String, Querier)> = Vec::new();
     if engine {
         let i = idx.clone();
-        queries.push(("engine hashes in".into(), Box::new(move |q| find(&i, &w.queries[q].seq))));
+        queries.push(("engine hashes in".into(), Box::new(move |q| find(&i, &w.queries[q].seq.clone()))));
     } else {
         let mut keys = Vec::new();
         let keyed: Vec<Vec<u64>> = w
@@ -112,15 +112,16 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
             })
             .collect();
         let i = idx.clone();
-        queries.push(("its keys in".into(), Box::new(move |q| find(&i, &keyed[q]))));
+        queries.push(("its keys in".into(), Box::new(move |q| find(&i, &keyed[q].clone()))));
         let i = idx.clone();
         let mut keys = Vec::new();
         queries.push((
             "tokens in".into(),
             Box::new(move |q| {
+                let tokens = w.queries[q].tokens.clone();
                 let (ns, out) = timed(|| {
                     let mut out = Vec::new();
-                    i.find_matches_tokens(&w.queries[q].tokens, &mut keys, &mut out);
+                    i.find_matches_tokens(&tokens, &mut keys, &mut out);
                     out
                 });
                 (ns, scores(&i, out))
