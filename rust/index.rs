@@ -11,7 +11,6 @@
 pub(crate) mod core;
 mod holders;
 pub(crate) mod parse;
-mod table;
 
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
@@ -144,8 +143,11 @@ impl Index {
     /// `hash_blocks(tokens, block_size, algo="xxh3", lora_name=..., extra_keys=...)` for
     /// key="tokens", the engines' hashes for key="engine"). `extra_keys`: one entry per full
     /// block (None or a tuple of the block's multimodal / cache-salt keys, without the LoRA
-    /// name). `medium`: count only blocks held in that medium.
-    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None))]
+    /// name). `medium`: count only blocks held in that medium. `remote`: credit copies whose
+    /// events said locality="REMOTE". `by_medium`: `{worker: {medium: count}}`, each medium
+    /// scored on its own residency.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false))]
     fn find_matches<'py>(
         &self,
         py: Python<'py>,
@@ -154,6 +156,8 @@ impl Index {
         lora_name: Option<&Bound<'py, PyAny>>,
         extra_keys: Option<&Bound<'py, PyAny>>,
         medium: Option<&Bound<'py, PyAny>>,
+        by_medium: bool,
+        remote: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = tokens.filter(|t| !t.is_none());
         let block_hashes = block_hashes.filter(|t| !t.is_none());
@@ -189,30 +193,42 @@ impl Index {
                 self.hash_tokens(py, t, lora_name, extra_keys)?
             }
         };
+        let long = keys.len() >= DETACH_MIN_TOKENS / 16;
+        let out = PyDict::new(py);
+        if by_medium {
+            type Row = (u32, Arc<str>, Option<String>, u32);
+            let rows: Vec<Row> = self.read(py, long, |core| {
+                core.find_matches_by_medium(&keys, medium, remote)
+                    .into_iter()
+                    .map(|(w, m, n)| (w, core.name(w).clone(), core.medium_name(m).map(str::to_string), n))
+                    .collect()
+            });
+            let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            for (w, name, m, n) in rows {
+                let key = name_obj(py, &mut cache, w, name);
+                let inner = match out.get_item(&key)? {
+                    Some(d) => d.cast_into::<PyDict>()?,
+                    None => {
+                        let d = PyDict::new(py);
+                        out.set_item(&key, &d)?;
+                        d
+                    }
+                };
+                inner.set_item(m, n)?;
+            }
+            return Ok(out);
+        }
         let mut found = Vec::new();
-        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, keys.len() >= DETACH_MIN_TOKENS / 16, |core| {
-            core.find_matches(&keys, medium, &mut found);
+        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, long, |core| {
+            core.find_matches(&keys, medium.map(Some), remote, &mut found);
             found
                 .iter()
                 .map(|&(w, n)| (w, core.name(w).clone(), n))
                 .collect()
         });
-        let out = PyDict::new(py);
         let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
         for (w, name, n) in names {
-            let w = w as usize;
-            if cache.len() <= w {
-                cache.resize_with(w + 1, || None);
-            }
-            let key = match &cache[w] {
-                Some((known, s)) if Arc::ptr_eq(known, &name) => s.bind(py).clone(),
-                _ => {
-                    let s = PyString::new(py, &name);
-                    cache[w] = Some((name, s.clone().unbind()));
-                    s
-                }
-            };
-            out.set_item(key, n)?;
+            out.set_item(name_obj(py, &mut cache, w, name), n)?;
         }
         Ok(out)
     }
@@ -263,8 +279,10 @@ impl Index {
 
     /// Counters: payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
     /// block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
-    /// bad_extra_keys, bad_token_ids, too_many_media, too_many_workers; and the gauges blocks,
-    /// workers.
+    /// bad_extra_keys, bad_token_ids, too_many_media (more than 256 (medium, group, locality)
+    /// classes), too_many_workers, bad_groups, bad_windows, unknown_kinds,
+    /// unscored_group_events, unresolved_placeholders, unresolved_hashes; and the gauges
+    /// blocks, workers.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (pairs, blocks, workers) = self.read(py, false, |core| {
@@ -345,6 +363,23 @@ impl Index {
             chain.run_words(full, extras.as_deref(), |k| keys.push(k));
         }
         Ok(keys)
+    }
+}
+
+/// The Python str for worker `w`'s name, made once per worker (the Arc tells whether the id
+/// still names the same worker).
+fn name_obj<'py>(py: Python<'py>, cache: &mut Vec<Option<NameCache>>, w: u32, name: Arc<str>) -> Bound<'py, PyString> {
+    let w = w as usize;
+    if cache.len() <= w {
+        cache.resize_with(w + 1, || None);
+    }
+    match &cache[w] {
+        Some((known, s)) if Arc::ptr_eq(known, &name) => s.bind(py).clone(),
+        _ => {
+            let s = PyString::new(py, &name);
+            cache[w] = Some((name, s.clone().unbind()));
+            s
+        }
     }
 }
 

@@ -40,17 +40,18 @@ impl NativeIndex {
         }
     }
 
-    /// (worker id, leading blocks held) for each worker holding the first of `keys`, in worker
-    /// id order; `worker_name` turns the id into the name the worker's payloads came under.
+    /// (worker id, leading blocks held) for each worker with a hit, in worker id order, as
+    /// `Index.find_matches` answers with its defaults (any medium, no remote copies);
+    /// `worker_name` turns the id into the name the worker's payloads came under.
     pub fn find_matches(&self, keys: &[u64], out: &mut Vec<(u32, u32)>) {
-        self.core.find_matches(keys, None, out);
+        self.core.find_matches(keys, None, false, out);
     }
 
     /// `find_matches` from token ids (full blocks only), hashed the way `key="tokens"` keys its
     /// blocks; `keys` is scratch space for the hashes.
     pub fn find_matches_tokens(&self, tokens: &[u32], keys: &mut Vec<u64>, out: &mut Vec<(u32, u32)>) {
         self.hash_tokens(tokens, keys);
-        self.core.find_matches(keys, None, out);
+        self.core.find_matches(keys, None, false, out);
     }
 
     /// The `key="tokens"` index keys of `tokens`' full blocks (no LoRA, no extra keys).

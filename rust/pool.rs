@@ -24,7 +24,7 @@ use std::sync::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::cpython::{self, Layout};
 use crate::hash::algo::{Algo, Chain, Digest};
@@ -37,6 +37,13 @@ use self::events::{Classes, Context, Ints, Lora};
 
 /// From this many tokens on, hashing runs with the GIL released (as `hash_blocks` does).
 const DETACH_MIN_TOKENS: usize = 1 << 16;
+
+/// The spec's MAIN_KINDS / WINDOW_KINDS / MAX_GROUPS (python/kvbridge/engine/_reference_pool.py).
+const MAIN_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+const WINDOW_KINDS: [&str; 2] = ["sliding_window", "sliding_window_mla"];
+const MAX_GROUPS: usize = 64;
+/// A window group's table entry for a block it released (vLLM's null block).
+const NULL_BLOCK: u32 = u32::MAX;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Manager>()
@@ -53,6 +60,69 @@ struct Request {
     lora: u32,
     /// `(lora_name,)` per block when LoRA salts the hash through extra keys; grown on demand.
     extras: Option<(Value, Vec<Option<Value>>)>,
+    /// A hybrid pool's tables of groups 1.. (`blocks` is group 0's, a main group's).
+    others: Vec<Table>,
+}
+
+struct Table {
+    blocks: Vec<u32>,
+    /// Leading entries released by the window (`NULL_BLOCK`).
+    skipped: usize,
+}
+
+/// The spec's `check_groups`, with its messages: (kind, window object, window) per group.
+#[allow(clippy::type_complexity)]
+fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyAny>, Option<usize>)>> {
+    let bad = |msg: String| Err(PyValueError::new_err(msg));
+    if !(groups.is_instance_of::<PyList>() || groups.is_instance_of::<PyTuple>()) {
+        return bad(format!(
+            "groups must be a list of (kind, window) pairs or None, got {}",
+            groups.repr()?
+        ));
+    }
+    let len = groups.len()?;
+    if len == 0 || len > MAX_GROUPS {
+        return bad(format!("groups must hold 1 to {MAX_GROUPS} groups, got {len}"));
+    }
+    let all_kinds = [&MAIN_KINDS[..], &WINDOW_KINDS[..]].concat().join(", ");
+    let mut out = Vec::with_capacity(len);
+    for i in 0..len {
+        let group = groups.get_item(i)?;
+        let pair = group.is_instance_of::<PyList>() || group.is_instance_of::<PyTuple>();
+        if !pair || group.len()? != 2 {
+            return bad(format!("groups[{i}] must be a (kind, window) pair, got {}", group.repr()?));
+        }
+        let (kind, window) = (group.get_item(0)?, group.get_item(1)?);
+        let name = kind.extract::<String>().ok();
+        let main = MAIN_KINDS.iter().find(|k| name.as_deref() == Some(**k));
+        let win = WINDOW_KINDS.iter().find(|k| name.as_deref() == Some(**k));
+        let (kind_str, size) = match (main, win) {
+            (Some(k), _) if window.is_none() => (*k, None),
+            (Some(k), _) => {
+                return bad(format!("groups[{i}]: {k} takes no window (None), got {}", window.repr()?))
+            }
+            (_, Some(k)) => {
+                if !window.is_exact_instance_of::<PyInt>() || window.lt(1)? {
+                    return bad(format!(
+                        "groups[{i}]: {k} needs a window, an int >= 1 (tokens), got {}",
+                        window.repr()?
+                    ));
+                }
+                // Beyond usize no prompt reaches the window's end: the same as usize::MAX.
+                (*k, Some(window.extract::<usize>().unwrap_or(usize::MAX)))
+            }
+            _ => return bad(format!("groups[{i}]: kind must be one of {all_kinds}, got {}", kind.repr()?)),
+        };
+        if i == 0 && size.is_some() {
+            return bad(format!(
+                "groups[0] must be a main-attention kind ({}), got {}",
+                MAIN_KINDS.join(", "),
+                kind.repr()?
+            ));
+        }
+        out.push((kind_str, window.unbind(), size));
+    }
+    Ok(out)
 }
 
 struct State {
@@ -87,6 +157,11 @@ pub struct Manager {
     layout: Layout,
     algo: Algo,
     lora_in_extra_keys: bool,
+    /// A hybrid pool's (kind, window) per group, for its events; empty: a single group.
+    group_fields: Vec<(Py<PyAny>, Py<PyAny>)>,
+    /// The groups as the spec's `check_groups` returns them (a tuple of pairs) or None.
+    #[pyo3(get)]
+    groups: Py<PyAny>,
     #[pyo3(get)]
     num_blocks: usize,
     #[pyo3(get)]
@@ -226,6 +301,7 @@ impl Manager {
             medium: &self.medium,
             block_size: self.block_size,
             loras: &loras,
+            groups: (!self.group_fields.is_empty()).then_some(&self.group_fields[..]),
         };
         let mut ints = lock(&self.ints, py)?;
         Ok(events::build(py, rec, &cx, &mut ints)?.unbind())
@@ -236,9 +312,9 @@ impl Manager {
 impl Manager {
     #[new]
     #[pyo3(
-        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true),
+        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true, groups = None),
         // pyo3 cannot render the `Some(..)` default; stubtest compares this with _native.pyi.
-        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True)"
+        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True, groups=None)"
     )]
     fn new(
         py: Python<'_>,
@@ -248,7 +324,10 @@ impl Manager {
         seed: Option<&Bound<'_, PyAny>>,
         medium: Option<String>,
         enable_events: bool,
+        groups: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        // The spec checks the groups first too.
+        let groups = groups.filter(|g| !g.is_none()).map(check_groups).transpose()?;
         let num_blocks = positive("num_blocks", num_blocks)?;
         let block_size = positive("block_size", block_size)?;
         if algo == "dynamo" {
@@ -264,9 +343,23 @@ impl Manager {
         }
         let root = new_chain(algo, block_size as i64, seed, None, None)?;
         let algo = root.algo;
+        let groups = groups.unwrap_or_default();
+        let windows = groups.iter().map(|g| g.2).collect();
+        let mut group_fields = Vec::with_capacity(groups.len());
+        for (kind, window, _) in &groups {
+            let kind = PyString::new(py, kind).into_any().unbind();
+            group_fields.push((kind, window.clone_ref(py)));
+        }
+        let groups_obj = match group_fields.is_empty() {
+            true => py.None(),
+            false => {
+                let pairs = group_fields.iter().map(|(k, w)| PyTuple::new(py, [k, w]));
+                PyTuple::new(py, pairs.collect::<PyResult<Vec<_>>>()?)?.into_any().unbind()
+            }
+        };
         Ok(Manager {
             state: Mutex::new(State {
-                core: Core::new(num_blocks, block_size, enable_events),
+                core: Core::new(num_blocks, block_size, enable_events, windows),
                 requests: PyDict::new(py).unbind(),
                 slots: Vec::new(),
                 free_slots: Vec::new(),
@@ -288,6 +381,8 @@ impl Manager {
             layout: cpython::layout(py),
             algo,
             lora_in_extra_keys: algo != Algo::DynamoSeq,
+            group_fields,
+            groups: groups_obj,
             num_blocks,
             block_size,
             seed: seed.map_or_else(|| py.None(), |s| s.clone().unbind()),
@@ -374,7 +469,10 @@ impl Manager {
         let req = slots[slot].as_mut().expect("live slot");
         let num_tokens = req.num_tokens + tokens.len();
         let num_new = num_tokens.div_ceil(bs).saturating_sub(req.blocks.len());
-        if num_new > core.num_free() {
+        // Hybrid: the window blocks go first, even if the rest then does not fit (as vLLM's
+        // allocate_slots); every group takes the same number of new blocks.
+        release_window(core, req);
+        if num_new * (1 + req.others.len()) > core.num_free() {
             return Ok(false);
         }
         req.tail.extend_from_slice(tokens);
@@ -399,15 +497,16 @@ impl Manager {
         let full0 = req.num_tokens / bs;
         req.num_tokens = num_tokens;
         core.new_blocks(num_new, &mut req.blocks);
+        for t in &mut req.others {
+            core.new_blocks(num_new, &mut t.blocks);
+        }
         if full > 0 {
-            let blocks = &req.blocks[full0..full0 + full];
-            core.cache(
-                blocks,
-                hashes,
-                &req.tail[..full * bs],
-                req.last_hash,
-                req.lora,
-            );
+            let tokens = &req.tail[..full * bs];
+            let tables = std::iter::once(&req.blocks).chain(req.others.iter().map(|t| &t.blocks));
+            for (g, table) in tables.enumerate() {
+                let blocks = &table[full0..full0 + full];
+                core.cache(blocks, hashes, tokens, req.last_hash, req.lora, g);
+            }
             req.last_hash = hashes.last().copied();
             req.tail.drain(..full * bs);
         }
@@ -422,7 +521,11 @@ impl Manager {
         st.requests.bind(py).del_item(request_id)?;
         let req = st.slots[slot].take().expect("live slot");
         st.free_slots.push(slot);
+        // Group by group, as KVCacheCoordinator.free; a window group without its null blocks.
         st.core.free_reversed(&req.blocks);
+        for t in &req.others {
+            st.core.free_reversed(&t.blocks[t.skipped..]);
+        }
         Ok(())
     }
 
@@ -448,6 +551,46 @@ impl Manager {
         let st = lock(&self.state, py)?;
         let slot = self.slot(&st, request_id)?;
         Ok(st.slots[slot].as_ref().expect("live slot").blocks.clone())
+    }
+
+    /// The request's block table per group; None where a window group released a block.
+    fn get_group_block_ids(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Vec<Option<u32>>>> {
+        let st = lock(&self.state, py)?;
+        let slot = self.slot(&st, request_id)?;
+        let req = st.slots[slot].as_ref().expect("live slot");
+        let table = |t: &[u32]| t.iter().map(|&b| (b != NULL_BLOCK).then_some(b)).collect();
+        let mut out = vec![table(&req.blocks)];
+        out.extend(req.others.iter().map(|t| table(&t.blocks)));
+        Ok(out)
+    }
+
+    /// How many leading blocks `allocate(.., token_ids, lora_name=..)` would hit now; changes
+    /// nothing.
+    #[pyo3(signature = (token_ids, *, lora_name = None))]
+    fn hit_blocks(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&Bound<'_, PyString>>,
+    ) -> PyResult<usize> {
+        let token_list = as_token_list(token_ids)?;
+        let mut guard = lock(&self.state, py)?;
+        let st = &mut *guard;
+        let mut tokens = std::mem::take(&mut st.tokens);
+        let result = read_tokens(&token_list, self.layout, &mut tokens).and_then(|()| {
+            let num_full = tokens.len() / self.block_size;
+            let (mut chain, extras) = self.chain_for(py, st, lora_name, num_full)?;
+            let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
+            let full = &tokens[..num_full * self.block_size];
+            hash_into(py, &mut chain, full, per_block, &mut st.digests, &mut st.hashes);
+            Ok(self.hit(st, tokens.len()))
+        });
+        st.tokens = tokens;
+        result
     }
 
     fn num_tokens(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -514,29 +657,7 @@ impl Manager {
         read_tokens(token_list, self.layout, tokens)?;
         let bs = self.block_size;
         let num_full = tokens.len() / bs;
-        let mut chain = match lora_name {
-            Some(name) if self.algo == Algo::DynamoSeq => {
-                let name = name.to_str()?;
-                match st.salted_roots.get(name) {
-                    Some(root) => root.clone(),
-                    None => {
-                        let root = new_chain(self.algo.name(), bs as i64, None, Some(name), None)?;
-                        st.salted_roots.insert(name.to_string(), root.clone());
-                        root
-                    }
-                }
-            }
-            _ => st.root.clone(),
-        };
-        // vLLM salts a LoRA block's hash with extra keys (lora_name,), one per block.
-        let mut extras = match lora_name {
-            Some(name) if self.lora_in_extra_keys => {
-                let key =
-                    Value::from_py(PyTuple::new(py, [name])?.as_any(), self.algo.cbor_extras())?;
-                Some((key.clone(), vec![Some(key); num_full]))
-            }
-            _ => None,
-        };
+        let (mut chain, mut extras) = self.chain_for(py, st, lora_name, num_full)?;
         let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
         hash_into(
             py,
@@ -546,12 +667,31 @@ impl Manager {
             &mut st.digests,
             &mut st.hashes,
         );
-        let hashes = &st.hashes;
+        // Group 0's hit, then each further group's: the blocks its window still needs.
         let mut blocks = Vec::with_capacity(tokens.len().div_ceil(bs));
-        st.core.find_cached_prefix(hashes, &mut blocks);
-        let num_hit = blocks.len();
+        let mut others = Vec::new();
+        let hashes = &st.hashes;
+        let mut hits = Vec::new(); // every group's hit blocks: what `touch` takes (hybrid)
+        let num_hit = if self.group_fields.is_empty() {
+            st.core.find_cached_prefix(hashes, &mut blocks);
+            blocks.len()
+        } else {
+            let n = self.hit(st, tokens.len());
+            let lookup = |g: usize, i: usize| st.core.lookup(g, hashes[i]).expect("a hit is held");
+            blocks.extend((0..n).map(|i| lookup(0, i)));
+            hits.extend_from_slice(&blocks);
+            for g in 1..self.group_fields.len() {
+                let skipped = st.core.skipped_blocks(g, n * bs);
+                let mut t = vec![NULL_BLOCK; skipped];
+                t.extend((skipped..n).map(|i| lookup(g, i)));
+                hits.extend_from_slice(&t[skipped..]);
+                others.push(Table { blocks: t, skipped });
+            }
+            n
+        };
         let num_new = tokens.len().div_ceil(bs) - num_hit;
-        if !st.core.can_take(&blocks, num_new) {
+        let hits = if others.is_empty() { &blocks[..] } else { &hits[..] };
+        if !st.core.can_take(hits, num_new * (1 + others.len())) {
             return Ok(None);
         }
         let lora_id = match (lora_name, lora_id) {
@@ -566,19 +706,20 @@ impl Manager {
             (_, id) => id,
         };
         let lora = self.lora(st, py, lora_name, lora_id)?;
-        st.core.touch(&blocks);
+        st.core.touch(hits);
         st.core.new_blocks(num_new, &mut blocks);
+        for t in &mut others {
+            st.core.new_blocks(num_new, &mut t.blocks);
+        }
         let hashes = &st.hashes;
         if num_full > num_hit {
             let parent = num_hit.checked_sub(1).map(|i| hashes[i]);
             let cached_tokens = &tokens[num_hit * bs..num_full * bs];
-            st.core.cache(
-                &blocks[num_hit..num_full],
-                &hashes[num_hit..],
-                cached_tokens,
-                parent,
-                lora,
-            );
+            let tables = std::iter::once(&blocks).chain(others.iter().map(|t| &t.blocks));
+            for (g, table) in tables.enumerate() {
+                let new = &table[num_hit..num_full];
+                st.core.cache(new, &hashes[num_hit..], cached_tokens, parent, lora, g);
+            }
         }
         if let Some((_, per_block)) = extras.as_mut() {
             per_block.clear();
@@ -591,6 +732,7 @@ impl Manager {
             last_hash: hashes.last().copied(),
             lora,
             extras,
+            others,
         };
         let slot = match st.free_slots.pop() {
             Some(s) => {
@@ -605,4 +747,67 @@ impl Manager {
         st.requests.bind(py).set_item(request_id, slot)?;
         Ok(Some(num_hit * bs))
     }
+
+    /// Leading blocks of `st.hashes` (a `num_tokens`-token sequence's) a new request hits: the
+    /// cached prefix, or in a hybrid pool the coordinator's hit below the last token.
+    fn hit(&self, st: &State, num_tokens: usize) -> usize {
+        if self.group_fields.is_empty() {
+            let mut found = Vec::new();
+            st.core.find_cached_prefix(&st.hashes, &mut found);
+            return found.len();
+        }
+        let max_blocks = num_tokens.saturating_sub(1) / self.block_size;
+        st.core.longest_hit(&st.hashes, max_blocks)
+    }
+
+    /// A new request's chain (LoRA-salted for dynamo_seq) and, when LoRA salts through extra
+    /// keys, its per-block `(lora_name,)` for `num_full` blocks.
+    #[allow(clippy::type_complexity)]
+    fn chain_for(
+        &self,
+        py: Python<'_>,
+        st: &mut State,
+        lora_name: Option<&Bound<'_, PyString>>,
+        num_full: usize,
+    ) -> PyResult<(Chain, Option<(Value, Vec<Option<Value>>)>)> {
+        let bs = self.block_size;
+        let chain = match lora_name {
+            Some(name) if self.algo == Algo::DynamoSeq => {
+                let name = name.to_str()?;
+                match st.salted_roots.get(name) {
+                    Some(root) => root.clone(),
+                    None => {
+                        let root = new_chain(self.algo.name(), bs as i64, None, Some(name), None)?;
+                        st.salted_roots.insert(name.to_string(), root.clone());
+                        root
+                    }
+                }
+            }
+            _ => st.root.clone(),
+        };
+        // vLLM salts a LoRA block's hash with extra keys (lora_name,), one per block.
+        let extras = match lora_name {
+            Some(name) if self.lora_in_extra_keys => {
+                let key =
+                    Value::from_py(PyTuple::new(py, [name])?.as_any(), self.algo.cbor_extras())?;
+                Some((key.clone(), vec![Some(key); num_full]))
+            }
+            _ => None,
+        };
+        Ok((chain, extras))
+    }
 }
+
+/// SingleTypeKVCacheManager.remove_skipped_blocks for each window group of a request: frees
+/// what left the window by its tokens so far, last block first, and nulls it in the table.
+fn release_window(core: &mut Core, req: &mut Request) {
+    for (i, t) in req.others.iter_mut().enumerate() {
+        let end = core.skipped_blocks(i + 1, req.num_tokens).min(t.blocks.len());
+        if end > t.skipped {
+            core.free_reversed(&t.blocks[t.skipped..end]);
+            t.blocks[t.skipped..end].fill(NULL_BLOCK);
+            t.skipped = end;
+        }
+    }
+}
+

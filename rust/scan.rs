@@ -1,7 +1,9 @@
-//! A hash-only reading of a msgpack `KVEventBatch`, for consumers that keep sets of block hashes.
+//! A hash-only reading of a msgpack `KVEventBatch`, for consumers that keep views of block hashes.
 //!
 //! A full decode builds a Python int for every token id (16 per block), which is most of what a
-//! subscriber spends; a view needs only the block hashes, in order, per event kind. This reader
+//! subscriber spends; a view needs only the block hashes, in order, per event kind, and the few
+//! fields its rule reads (kvbridge.wire.residency: medium, group_idx, spec kind and window, whether
+//! a store's parent is None), once per run of events that agree on them. This reader
 //! walks the bytes once, validates the whole payload against the schema msgspec decodes with
 //! (`kvbridge.events`), and only then builds Python objects: the ops and the counts.
 //!
@@ -12,7 +14,7 @@
 //! positional events, SGLang fields, JSON, garbage -- which the caller then decodes in full.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 /// Deeper `Any` values than this (inside extra_keys / metadata) are left to msgspec.
 const MAX_DEPTH: u32 = 32;
@@ -327,20 +329,22 @@ impl<'a> Reader<'a> {
         Some(())
     }
 
-    /// One event; its hashes go to `hashes`. Returns its kind.
-    fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<u8> {
+    /// One event; its hashes go to `hashes`. Returns its kind and what a view's rule reads of it.
+    fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<(u8, Attrs<'a>)> {
         let n = self.map_len()?;
         if n == 0 || self.raw_str()? != b"type" {
             return None;
         }
-        let (kind, fields) = match self.raw_str()? {
-            b"BlockStored" => (STORED, STORED_FIELDS),
-            b"BlockRemoved" => (REMOVED, REMOVED_FIELDS),
-            b"AllBlocksCleared" => (CLEARED, &[][..]),
+        let (kind, fields, slots) = match self.raw_str()? {
+            b"BlockStored" => (STORED, STORED_FIELDS, STORED_SLOTS),
+            b"BlockRemoved" => (REMOVED, REMOVED_FIELDS, REMOVED_SLOTS),
+            b"AllBlocksCleared" => (CLEARED, &[][..], &[][..]),
             _ => return None,
         };
         let mut seen = 0u32;
         let mut next = 0;
+        // Where each attribute's value starts: read again once the event has been validated.
+        let mut at = [usize::MAX; N_SLOTS];
         for _ in 1..n {
             let key = self.raw_str()?;
             // Writers emit fields in declaration order: try the next one before searching.
@@ -354,6 +358,9 @@ impl<'a> Reader<'a> {
                 return None;
             }
             seen |= 1 << i;
+            if let Some(&(_, slot)) = slots.iter().find(|s| s.0 == i) {
+                at[slot as usize] = self.p;
+            }
             self.value(fields[i].1, hashes)?;
         }
         for (i, f) in fields.iter().enumerate() {
@@ -361,20 +368,96 @@ impl<'a> Reader<'a> {
                 return None;
             }
         }
-        Some(kind)
+        Some((kind, self.attrs(&at)))
+    }
+
+    /// The attributes at `at` (validated already: a `None` here is an absent or nil field).
+    fn attrs(&self, at: &[usize; N_SLOTS]) -> Attrs<'a> {
+        let b = self.b;
+        let read = |slot: Slot| {
+            let p = at[slot as usize];
+            (p != usize::MAX && b[p] != 0xc0).then_some(Reader { b, p })
+        };
+        let parent = at[Slot::Parent as usize];
+        Attrs {
+            medium: read(Slot::Medium).and_then(|mut r| r.str()),
+            group: read(Slot::Group).and_then(|mut r| r.int()),
+            spec: read(Slot::Spec).and_then(|mut r| r.str()),
+            window: read(Slot::Window).and_then(|mut r| r.int()),
+            root: parent != usize::MAX && b[parent] == 0xc0,
+        }
     }
 }
 
-struct Scan {
+/// The attributes a view's rule (kvbridge.wire.residency) reads, each in a slot of `at`.
+#[derive(Clone, Copy)]
+enum Slot {
+    Parent,
+    Medium,
+    Group,
+    Spec,
+    Window,
+}
+const N_SLOTS: usize = 5;
+// (field index, slot)
+const STORED_SLOTS: &[(usize, Slot)] = &[
+    (1, Slot::Parent),
+    (5, Slot::Medium),
+    (8, Slot::Group),
+    (9, Slot::Spec),
+    (10, Slot::Window),
+];
+const REMOVED_SLOTS: &[(usize, Slot)] = &[(1, Slot::Medium), (2, Slot::Group)];
+
+#[derive(Clone, Copy)]
+struct Attrs<'a> {
+    medium: Option<&'a [u8]>,
+    group: Option<Hash>,
+    spec: Option<&'a [u8]>,
+    window: Option<Hash>,
+    /// A store with parent None: the re-announce rule looks at it alone.
+    root: bool,
+}
+
+fn int_value(h: Option<Hash>) -> Option<i128> {
+    match h? {
+        Hash::U(v) => Some(v as i128),
+        Hash::I(v) => Some(v as i128),
+        Hash::B(..) => None,
+    }
+}
+
+impl Attrs<'_> {
+    /// Whether an event with these attributes extends an op that began with `self`'s.
+    fn joins(&self, op: &Attrs<'_>) -> bool {
+        !self.root
+            && self.medium == op.medium
+            && self.spec == op.spec
+            && int_value(self.group) == int_value(op.group)
+            && int_value(self.window) == int_value(op.window)
+    }
+}
+
+struct Op<'a> {
+    kind: u8,
+    /// End index into `Scan::hashes`.
+    end: usize,
+    attrs: Attrs<'a>,
+    /// Leading hashes from a parent-None store (the first event's, when `attrs.root`).
+    root: usize,
+    n_events: usize,
+}
+
+struct Scan<'a> {
     ts: f64,
     rank: Option<Hash>,
     n_events: usize,
     hashes: Vec<Hash>,
-    /// (kind, end index into `hashes`): consecutive events of one kind merged into one op.
-    ops: Vec<(u8, usize)>,
+    /// Consecutive events of one kind and the same attributes merged into one op.
+    ops: Vec<Op<'a>>,
 }
 
-fn scan(b: &[u8]) -> Option<Scan> {
+fn scan(b: &[u8]) -> Option<Scan<'_>> {
     let mut r = Reader { b, p: 0 };
     let len = r.array_len()?;
     if !(2..=3).contains(&len) {
@@ -387,12 +470,22 @@ fn scan(b: &[u8]) -> Option<Scan> {
     };
     let n_events = r.array_len()?;
     let mut hashes = Vec::new();
-    let mut ops: Vec<(u8, usize)> = Vec::new();
+    let mut ops: Vec<Op> = Vec::new();
     for _ in 0..n_events {
-        let kind = r.event(&mut hashes)?;
+        let start = hashes.len();
+        let (kind, attrs) = r.event(&mut hashes)?;
         match ops.last_mut() {
-            Some(last) if last.0 == kind => last.1 = hashes.len(),
-            _ => ops.push((kind, hashes.len())),
+            Some(last) if last.kind == kind && attrs.joins(&last.attrs) => {
+                last.end = hashes.len();
+                last.n_events += 1;
+            }
+            _ => ops.push(Op {
+                kind,
+                end: hashes.len(),
+                attrs,
+                root: if attrs.root { hashes.len() - start } else { 0 },
+                n_events: 1,
+            }),
         }
     }
     let rank = if len == 3 && !r.nil() {
@@ -420,9 +513,26 @@ fn hash_obj<'py>(py: Python<'py>, b: &[u8], h: Hash) -> PyResult<Bound<'py, PyAn
     })
 }
 
+fn opt_obj<'py>(py: Python<'py>, b: &[u8], h: Option<Hash>) -> PyResult<Bound<'py, PyAny>> {
+    match h {
+        Some(h) => hash_obj(py, b, h),
+        None => Ok(py.None().into_bound(py)),
+    }
+}
+
+fn opt_str<'py>(py: Python<'py>, s: Option<&[u8]>) -> Bound<'py, PyAny> {
+    match s.and_then(|s| std::str::from_utf8(s).ok()) {
+        Some(s) => PyString::new(py, s).into_any(),
+        None => py.None().into_bound(py),
+    }
+}
+
 /// `(ts, data_parallel_rank, n_events, n_blocks, ops)` for a vLLM-shaped msgpack batch, where
-/// `ops` is a list of `(kind, hashes)` in event order (0 stored, 1 removed, 2 all cleared;
-/// consecutive events of one kind merged) -- or `None` when the payload needs a full decode.
+/// `ops` is a list of `(kind, hashes, medium, group_idx, root, spec_kind, window, n_events)` in
+/// event order (kind 0 stored, 1 removed, 2 all cleared; consecutive events of one kind and the
+/// same attributes merged, a parent-None store always starting an op: `root` is its length) --
+/// or `None` when the payload needs a full decode. kvbridge.wire.residency.ops_of is the same
+/// for decoded events.
 #[pyfunction]
 fn scan_batch_msgpack<'py>(
     py: Python<'py>,
@@ -434,18 +544,26 @@ fn scan_batch_msgpack<'py>(
     };
     let ops = PyList::empty(py);
     let mut start = 0;
-    for &(kind, end) in &s.ops {
+    for op in &s.ops {
         let list = PyList::empty(py);
-        for &h in &s.hashes[start..end] {
+        for &h in &s.hashes[start..op.end] {
             list.append(hash_obj(py, b, h)?)?;
         }
-        ops.append((kind, list))?;
-        start = end;
+        let a = &op.attrs;
+        let item = (
+            op.kind,
+            list,
+            opt_str(py, a.medium),
+            opt_obj(py, b, a.group)?,
+            op.root,
+            opt_str(py, a.spec),
+            opt_obj(py, b, a.window)?,
+            op.n_events,
+        );
+        ops.append(item)?;
+        start = op.end;
     }
-    let rank = match s.rank {
-        Some(h) => hash_obj(py, b, h)?,
-        None => py.None().into_bound(py),
-    };
+    let rank = opt_obj(py, b, s.rank)?;
     let out = (s.ts, rank, s.n_events, s.hashes.len(), ops).into_pyobject(py)?;
     Ok(Some(out))
 }

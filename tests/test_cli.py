@@ -12,6 +12,8 @@ import pytest
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 from kvbridge.tools.cli import build_parser, describe_events
 
+from bridge_support import wait_until
+
 
 def test_describe_events_reads_like_the_stream():
     line = describe_events(
@@ -54,28 +56,66 @@ def test_watch_bad_config_is_a_clear_error():
     assert "configuration error" in proc.stderr and "servers" in proc.stderr
 
 
-async def test_watch_prints_each_batch_in_order(nats_server):
+async def watch_lines(server, model: str, batches: list) -> list[str]:
+    """``kvbridge watch --count 3`` run as a user runs it, while worker w0 publishes ``batches`` (one
+    message each, a heartbeat first); its output lines."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvbridge", "watch", "--servers", nats_server.url, "--model", "cli-m", "--count", "3",
+        sys.executable, "-m", "kvbridge", "watch", "--servers", server.url, "--model", model, "--count", "3",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
         await asyncio.wait_for(proc.stderr.readline(), 20)  # "watching ..." once subscribed
-        async with KvEventPublisher(servers=[nats_server.url], model="cli-m", worker_id="w0") as pub:
-            pub.publish([BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)])
-            await asyncio.sleep(0.3)
-            pub.publish([BlockRemoved([2], "GPU")])
+        async with KvEventPublisher(servers=[server.url], model=model, worker_id="w0") as pub:
+            for i, events in enumerate(batches):
+                pub.publish(events)
+                # its own message (seq i + 1, after the heartbeat) before the next hand-off
+                await wait_until(lambda: pub.stats["messages"] >= i + 2, 20, f"batch {i} to be sent")
             out, _ = await asyncio.wait_for(proc.communicate(), 20)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    lines = out.decode().splitlines()
+    return out.decode().splitlines()
+
+
+async def test_watch_prints_each_batch_in_order(nats_server):
+    lines = await watch_lines(nats_server, "cli-m", [[BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None)],
+                                                     [BlockRemoved([2], "GPU")]])  # fmt: skip
     assert len(lines) == 3
     assert "cli-m/w0" in lines[0] and "view reset" in lines[0]
     # seq 0 is the publisher's first heartbeat: watch leaves heartbeats out unless --heartbeats.
     assert lines[1].endswith("seq=1 +2 stored (root -> 0000000000000002)")
     assert lines[2].endswith("seq=2 -1 removed")
+
+
+def test_describe_events_names_medium_and_group_for_a_hybrid_worker():
+    from kvbridge.bus.subscriber import WorkerView
+    from kvbridge.tools.cli import residency_columns
+
+    events = [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, group_idx=1),
+              BlockStored([], None, [], 0, None, None, None, kv_cache_spec_kind="mamba"), BlockRemoved([5], "CPU")]  # fmt: skip
+    assert describe_events(events, by_group=True) == (
+        "+2 stored GPU/g1 (root -> 0000000000000002), +0 stored -/g0, -1 removed CPU/g0"
+    )
+    view = WorkerView()
+    view.apply_events(events[:1])
+    assert residency_columns(view) == ""  # one medium and group: the line as it always was
+    view.apply_events([BlockStored([3], None, [0] * 16, 16, None, "GPU", None), BlockStored([4], None, [0] * 16, 16,
+                                                                                             None, "CPU", None)])
+    assert residency_columns(view) == "  [held: CPU/g0 1, GPU/g0 1, GPU/g1 2]"
+
+
+async def test_watch_shows_a_hybrid_workers_blocks_per_group(nats_server):
+    window = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 16}
+    lines = await watch_lines(nats_server, "cli-h", [
+        [BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, group_idx=0),
+         BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, group_idx=1, **window)],
+        [BlockRemoved([1], "GPU", group_idx=1)],
+    ])  # fmt: skip
+    assert len(lines) == 3
+    assert lines[1].endswith("seq=1 +2 stored GPU/g0 (root -> 0000000000000002), "
+                             "+2 stored GPU/g1 (root -> 0000000000000002)  [held: GPU/g0 2, GPU/g1 2]")  # fmt: skip
+    assert lines[2].endswith("seq=2 -1 removed GPU/g1  [held: GPU/g0 2, GPU/g1 1]")
 
 
 def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
@@ -126,8 +166,9 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
     assert "TTFT estimate: prefill only, 1 ms per 16-token block" in out
     # Bursts sharing a new prefix: provisional residency keeps each on one worker, where the same
     # router without it, round-robin and random spread it (each worker prefills the prefix).
-    burst = re.search(r"bursts: .*?mean of 4 bursts of 12 requests: KV-aware ([\d.]+) \(a router without "
-                      r"provisional residency would have used ([\d.]+)\), round-robin ([\d.]+), random ([\d.]+)", out)
+    num = r"(\d+\.\d)"
+    burst = re.search(rf"bursts: .*?mean of 4 bursts of 12 requests: KV-aware {num} \(a router without "
+                      rf"provisional residency would have used {num}\), round-robin {num}, random {num}\.", out)
     assert burst is not None, out
     kv, shadow, rr, rnd = map(float, burst.groups())
     assert kv == 1.0 and shadow > 1.5 and rr == 3.0 and rnd > 1.5, burst.group(0)
@@ -135,6 +176,23 @@ def test_demo_kv_aware_routing_beats_round_robin_and_random():
     port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
+
+
+def test_demo_with_a_hybrid_model_keeps_every_group_exact():
+    """--sliding-window: pools with a full-attention and a sliding-window group (vLLM's hybrid
+    rules); through a broker kill, every view equals its pool per (medium, group) with copies, and
+    every index scores each probe exactly as the pools' own coordinator hit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "demo", "--duration", "4", "--seed", "5", "--sliding-window", "64",
+         "--bursts", "1"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "broker SIGKILLed" in out and "broker restarted" in out
+    assert "every view equals its pool and every index scores like the pools: yes" in out
+    rows = _routing_rows(out)
+    assert all(cells[-1] == "0" for cells in rows.values()), rows  # events lost
 
 
 def test_watch_jetstream_without_js_server_is_one_line(own_nats_server):

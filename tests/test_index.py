@@ -1,9 +1,10 @@
 """kvbridge.Index against a plain-Python model of its rules, and its argument checks.
 
-The model (``RefIndex``) is the spec in dicts and sets: per (worker, medium) a dict engine hash ->
-index key (key="tokens", the key being ``hash_blocks(..., algo="xxh3")`` of the event's tokens
-chained on the parent's key) or a set of engine hashes (key="engine"). ``find_matches`` is then
-brute force over it.
+The model (``RefIndex``) is the spec in dicts: per (worker, medium) a dict engine hash ->
+[index key, copies] (key="tokens", the key being ``hash_blocks(..., algo="xxh3")`` of the event's
+tokens chained on the parent's key) or engine hash -> copies (key="engine"); a store of a chain
+from block 0 that the slot already holds whole is vLLM's re-announce, not a copy.
+``find_matches`` is then brute force over it. tests/test_index_hybrid.py covers groups.
 """
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ class RefIndex:
                 for h in map(engine_key, ev.block_hashes):
                     if slot is not None and h in slot:
                         if self.key == "tokens":
-                            del slot[h]
+                            slot[h][1] -= 1
+                            if not slot[h][1]:
+                                del slot[h]
                         else:
-                            slot.discard(h)
+                            slot[h] -= 1
+                            if not slot[h]:
+                                del slot[h]
                         self.stats["blocks_removed"] += 1
                     else:
                         self.stats["unknown_removes"] += 1
@@ -111,7 +116,10 @@ class RefIndex:
                 p = engine_key(ev.parent_block_hash)
                 if not any(p in s for s in slots.values()):
                     self.stats["unknown_parents"] += 1
-            slots.setdefault(ev.medium, set()).update(engine)
+            slot = slots.setdefault(ev.medium, {})
+            if not (ev.parent_block_hash is None and all(e in slot for e in engine)):
+                for e in engine:
+                    slot[e] = slot.get(e, 0) + 1
         else:
             if ev.extra_keys is not None and len(ev.extra_keys) != n:
                 self.stats["bad_extra_keys"] += 1
@@ -120,13 +128,19 @@ class RefIndex:
             if ev.parent_block_hash is not None:
                 p = engine_key(ev.parent_block_hash)
                 same = [slots[ev.medium]] if ev.medium in slots else []
-                found = [s[p] for s in same + [s for m, s in slots.items() if m != ev.medium] if p in s]
+                found = [s[p][0] for s in same + [s for m, s in slots.items() if m != ev.medium] if p in s]
                 if not found:
                     self.stats["unknown_parents"] += 1
                     return
                 parent = found[0]
             keys = index_keys(ev.token_ids, parent, ev.lora_name, ev.extra_keys)
-            slots.setdefault(ev.medium, {}).update(zip(engine, keys))
+            slot = slots.setdefault(ev.medium, {})
+            if not (ev.parent_block_hash is None and all(e in slot for e in engine)):
+                for e, k in zip(engine, keys):
+                    if e in slot and slot[e][0] == k:
+                        slot[e][1] += 1
+                    else:
+                        slot[e] = [k, 1]
         self.stats["blocks_stored"] += n
 
     def remove_worker(self, worker: str) -> None:
@@ -141,7 +155,7 @@ class RefIndex:
             for m, slot in slots.items():
                 if medium is not ... and m != medium:
                     continue
-                for k in slot.values() if self.key == "tokens" else slot:
+                for k in (v[0] for v in slot.values()) if self.key == "tokens" else slot:
                     out.setdefault(k, set()).add(w)
         return out
 

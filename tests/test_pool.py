@@ -727,3 +727,165 @@ def test_native_manager_rejects_what_the_spec_rejects():
         )
     for args in [(0, 4), (4, 0), (4.0, 4), (True, 4)]:
         assert outcome(lambda: NativeKVCacheManager(*args)) == outcome(lambda: PyKVCacheManager(*args))
+
+
+# --- hybrid KV-cache groups (vLLM 0.33's coordinator; see kvbridge.engine.pool) -----------------
+
+HYBRID = [("full_attention", None), ("sliding_window", 4)]
+
+
+def group_events(events, group_idx):
+    return [e for e in events if e.group_idx == group_idx]
+
+
+def removed_keys(events):
+    return [(e.group_idx, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+
+
+def test_hybrid_stores_once_per_group_with_its_kind_and_window(Manager):
+    m = Manager(16, 2, groups=HYBRID)
+    prompt = [1, 2, 3, 4, 5]
+    assert m.allocate("a", prompt) == 0
+    full, window = m.take_events()
+    hashes = chain(prompt, 2)
+    common = dict(block_hashes=hashes, parent_block_hash=None, token_ids=prompt[:4], block_size=2,
+                  lora_id=None, medium="GPU", lora_name=None)
+    # block_pool.py cache_full_blocks: the same block hash in every group (get_block_hash);
+    # kv_cache_manager.py take_events: kind and window annotated per group.
+    assert full == BlockStored(**common, group_idx=0, kv_cache_spec_kind="full_attention")
+    assert window == BlockStored(
+        **common, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4
+    )
+    ids = m.get_group_block_ids("a")
+    assert len(ids) == 2 and ids[0] == m.get_block_ids("a") and set(ids[0]).isdisjoint(ids[1])
+    assert m.groups == (("full_attention", None), ("sliding_window", 4))
+
+
+def test_hybrid_window_releases_blocks_that_left_it_and_evicts_them_later(Manager):
+    # W=4, block size 2: once 7 tokens are computed, tokens before 7 - 4 + 1 = 4 are outside
+    # the window (SlidingWindowManager.get_num_skipped_tokens): blocks 0 and 1 go.
+    m = Manager(12, 2, groups=HYBRID)
+    m.allocate("a", [1, 2, 3, 4, 5, 6, 7])
+    hashes = chain([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    window_ids = m.get_group_block_ids("a")[1]
+    m.take_events()
+    assert m.append("a", [8])  # remove_skipped_blocks runs with the 7 tokens computed so far
+    assert m.get_group_block_ids("a")[1] == [None, None, *window_ids[2:]]
+    # Released last block first (_remove_blocks_in_range), at the free queue's tail: cached.
+    assert m.pool.free_block_ids()[-2:] == [window_ids[1], window_ids[0]]
+    full, window = m.take_events()
+    assert (full.group_idx, window.group_idx, window.block_hashes) == (0, 1, [hashes[3]])
+    # Taking every free block evicts the released ones, each its own BlockRemoved of group 1.
+    assert m.allocate("b", [9] * 5) == 0
+    events = m.take_events()
+    assert removed_keys(events) == [(1, hashes[1]), (1, hashes[0])]
+    assert [e for e in events if isinstance(e, BlockRemoved)][0] == BlockRemoved(
+        block_hashes=[hashes[1]], medium="GPU", group_idx=1
+    )
+
+
+def test_hybrid_hit_is_cut_back_to_where_the_window_holds_its_blocks(Manager):
+    # W=4, block size 2: a hit of n blocks needs the window group to hold blocks [n-2, n).
+    m = Manager(17, 2, groups=HYBRID)
+    prompt = list(range(1, 12))  # 5 full blocks and one token
+    hashes = chain(prompt, 2)
+    m.allocate("a", prompt)
+    m.append("a", [0])  # the window group releases blocks 3, 2, 1, 0 (that order)
+    m.take_events()
+    # 5 fresh blocks + 1: "b" takes 3 per group, evicting the window group's block 3.
+    assert m.allocate("b", [50, 51, 52, 53, 54, 55]) == 0
+    assert removed_keys(m.take_events()) == [(1, hashes[3])]
+    # Full attention holds 5 blocks; the window group holds 0, 1, 2 and 4 (a's, in use).
+    # n=5 needs [3, 5): block 3 is gone; n=4 needs [2, 4): gone; n=3 needs [1, 3): held.
+    assert m.hit_blocks(prompt) == 3
+    assert m.take_events() == [] and m.pool.num_free_blocks == 3
+    m.free("b")
+    assert m.allocate("c", prompt) == 6
+    table = m.get_group_block_ids("c")[1]
+    # Only the hit's blocks inside the window are taken (add_local_computed_blocks): 1 and 2.
+    assert table[0] is None and None not in table[1:]
+    # Blocks 3 and 4 were recomputed: group 0 holds them twice now, and says so (no
+    # de-duplication in vLLM's BlockHashToBlockMap).
+    stored_full = [e for e in stored(m.take_events()) if e.group_idx == 0]
+    assert [h for e in stored_full for h in e.block_hashes] == hashes[3:5]
+    snap0 = [h for e in m.snapshot() if e.group_idx == 0 for h in e.block_hashes]
+    assert sorted(snap0) == sorted(chain(prompt + [0], 2) + hashes[3:5])  # a's 6 blocks too
+
+
+def test_hybrid_last_token_is_never_a_hit_so_whole_block_prompts_duplicate(Manager):
+    m = Manager(8, 2, groups=HYBRID)
+    prompt = [1, 2, 3, 4]
+    m.allocate("a", prompt)
+    assert m.hit_blocks(prompt) == 1 and m.hit_blocks(prompt + [5]) == 2
+    assert m.allocate("b", prompt) == 2  # get_computed_blocks: max hit num_tokens - 1
+    h = chain(prompt, 2)
+    second = stored(m.take_events())[2:]
+    assert [(e.group_idx, e.block_hashes, e.parent_block_hash) for e in second] == [
+        (0, [h[1]], h[0]), (1, [h[1]], h[0])
+    ]
+    assert [(e.group_idx, e.block_hashes) for e in m.snapshot()] == [
+        (0, h), (0, [h[1]]), (1, h), (1, [h[1]])
+    ]
+    assert m.pool.num_cached_blocks == 4  # (group, hash) keys
+    m.free("a")
+    m.free("b")
+    m.allocate("c", [9] * 7)  # every block: each copy's eviction is its own removal
+    assert sorted(removed_keys(m.take_events())) == sorted(
+        [(0, h[0]), (0, h[1]), (0, h[1]), (1, h[0]), (1, h[1]), (1, h[1])]
+    )
+    assert m.snapshot() == [] or all(e.block_hashes != h for e in m.snapshot())
+
+
+def test_hybrid_main_groups_only_and_failed_append(Manager):
+    m = Manager(6, 2, groups=[("full_attention", None), ("mla_attention", None)])
+    m.allocate("a", [1, 2, 3])
+    assert [e.kv_cache_spec_kind for e in m.take_events()] == ["full_attention", "mla_attention"]
+    assert m.hit_blocks([1, 2, 3]) == 1 and m.hit_blocks([1, 2]) == 0
+    assert m.append("a", [4, 5, 6, 7, 8]) is False  # 2 more blocks per group: 4 > 2 free
+    assert m.num_tokens("a") == 3 and m.take_events() == []
+    assert m.append("a", [4]) is True and m.pool.num_free_blocks == 2
+
+
+def test_hit_blocks_single_group_changes_nothing(Manager):
+    m = Manager(8, 2)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    m.take_events()
+    free = m.pool.free_block_ids()
+    assert m.hit_blocks([1, 2, 3, 4]) == 2 and m.hit_blocks([1, 2, 9]) == 1 and m.hit_blocks([]) == 0
+    assert m.hit_blocks([1, 2], lora_name="x") == 0
+    assert m.take_events() == [] and m.pool.free_block_ids() == free
+    assert m.allocate("b", [1, 2, 3, 4]) == 2 * 2
+    assert m.get_group_block_ids("b") == [m.get_block_ids("b")] and m.groups is None
+
+
+BAD_GROUPS = [
+    ("full_attention", r"groups must be a list of \(kind, window\) pairs or None, got .full_attention."),
+    ([], "groups must hold 1 to 64 groups, got 0"),
+    ([("full_attention", None)] * 65, "groups must hold 1 to 64 groups, got 65"),
+    ([("full_attention",)], r"groups\[0\] must be a \(kind, window\) pair, got \('full_attention',\)"),
+    ([("full_attention", None), "sliding_window"], r"groups\[1\] must be a \(kind, window\) pair"),
+    ([("full_attention", 128)], r"groups\[0\]: full_attention takes no window \(None\), got 128"),
+    ([("sliding_window", 128)], r"groups\[0\] must be a main-attention kind \(full_attention, mla_attention, sink_full_attention\), got 'sliding_window'"),
+    ([("full_attention", None), ("sliding_window", None)], r"groups\[1\]: sliding_window needs a window, an int >= 1 \(tokens\), got None"),
+    ([("full_attention", None), ("sliding_window", 0)], r"groups\[1\]: sliding_window needs a window.*got 0"),
+    ([("full_attention", None), ("sliding_window", True)], r"groups\[1\]: sliding_window needs a window.*got True"),
+    ([("full_attention", None), ("sliding_window", 4.0)], r"groups\[1\]: sliding_window needs a window.*got 4.0"),
+    ([("full_attention", None), ("mamba", None)], r"groups\[1\]: kind must be one of full_attention, mla_attention, sink_full_attention, sliding_window, sliding_window_mla, got 'mamba'"),
+    ([(None, None)], r"groups\[0\]: kind must be one of .*, got None"),
+]
+
+
+@pytest.mark.parametrize("groups, message", BAD_GROUPS)
+def test_groups_are_validated_with_the_position_and_what_was_expected(Manager, groups, message):
+    with pytest.raises(ValueError, match=message):
+        Manager(8, 2, groups=groups)
+    assert outcome(lambda: NativeKVCacheManager(8, 2, groups=groups)) == outcome(
+        lambda: PyKVCacheManager(8, 2, groups=groups)
+    )
+
+
+def test_accepted_groups(Manager):
+    for groups in ([["sink_full_attention", None]], (("full_attention", None), ("sliding_window_mla", 1), ("sliding_window", 10**30))):
+        m = Manager(8, 2, groups=groups)
+        assert m.groups == tuple(tuple(g) for g in groups)
+        assert m.allocate("a", [1, 2, 3]) == 0

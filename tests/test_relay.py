@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from bridge_support import stop_process, wait_until
+from hybrid_support import Stream
 from engine_shapes import (
     SglAllBlocksCleared,
     SglBatch,
@@ -29,7 +31,16 @@ from engine_shapes import (
     VllmBlockRemoved,
     VllmBlockStored,
 )
-from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, Config, KvEventSubscriber, decode_batch
+from kvbridge import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Config,
+    KVEventBatch,
+    KvEventSubscriber,
+    decode_batch,
+    encode_batch,
+)
 from kvbridge.config import ConfigError
 from kvbridge.tools.cli import build_parser
 from kvbridge.bus.subscriber import WorkerView
@@ -173,7 +184,7 @@ def assert_one_hole(col: Collector, before: list[bytes], after: list[bytes]) -> 
 
 
 def relay_hashes(relay: Relay) -> set:
-    return {h for _, h in relay.view.blocks}
+    return relay.view.blocks
 
 
 # --- the wire ------------------------------------------------------------------------------------
@@ -467,6 +478,35 @@ async def test_a_batch_over_max_payload_is_split_and_counted(zctx, tmp_path):
     assert relay.stats["split_batches"] == 1 and relay.stats["lost_batches"] == 0
 
 
+async def test_hybrid_frames_a_late_subscriber_gets_every_group_from_the_relays_snapshot(zctx, nats_sub, nats_server):
+    """An engine with three KV-cache groups and two media (copies, re-announces, evictions in one
+    group only): its frames go out byte-identical, and a subscriber that joins late rebuilds, from
+    the relay's snapshot, the engine's residency per (medium, group)."""
+    stream = Stream(random.Random(7), n_groups=3)
+    payloads = [encode_batch(KVEventBatch(float(i), events, 0)) for i, events in enumerate(stream.batches(120))]
+    held, kinds = stream.model.residency(), stream.model.kinds
+    assert len({g for _, g in held}) == 3 and any(c > 1 for blocks in held.values() for c in blocks.values())
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-hybrid")
+    cfg = relay_config(nats_server, "w-hybrid")
+    key = ("m-relay", "w-hybrid")
+    async with Relay(cfg, endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for seq, payload in enumerate(payloads[:-1]):
+            await engine.send(TOPIC, seq, payload)
+        await wait_until(lambda: len(col.msgs) == len(payloads) - 1, WAIT, "the frames on NATS")
+        async with KvEventSubscriber(cfg.replace(request_timeout_s=WAIT), model="m-relay", worker="w-hybrid") as sub:
+            await engine.send(TOPIC, len(payloads) - 1, payloads[-1])  # a live message: the late subscriber asks
+            await wait_until(lambda: sub.in_sync() and key in sub.views and sub.views[key].seq == len(payloads) - 1,
+                             WAIT, "the late subscriber to sync")  # fmt: skip
+            view = sub.views[key]
+            assert (view.held, view.residency.kinds) == (held, kinds)
+            assert sub.stats["snapshots"] == 1 and relay.publisher.stats["snapshots"] == 1
+        assert (relay.view.residency.held, relay.view.residency.kinds) == (held, kinds)
+        assert relay.stats["view_skipped_events"] > 0  # the stream's bad events, counted and skipped
+    assert [m.data for m in col.msgs] == payloads
+
+
 # --- a quiet tail --------------------------------------------------------------------------------------
 
 
@@ -533,7 +573,7 @@ def test_view_snapshot_puts_parents_first_and_keeps_chains_whole():
     assert snap[1].token_ids == list(range(4, 12)) and snap[1].extra_keys == [None, ("c",)]
     replayed = RelayView()
     replayed.apply(snap)
-    assert replayed.blocks.keys() == view.blocks.keys()
+    assert replayed.residency == view.residency
     view.apply([AllBlocksCleared()])
     assert view.snapshot() == [] and view.take_events() == []
 

@@ -104,12 +104,14 @@ def test_an_unconfirmed_entry_expires_after_its_ttl():
 
 def test_the_cap_drops_the_oldest_entries_and_counts_them():
     p = ProvisionalResidency(2.0, max_entries=20)
-    p.add("a", range(16))
-    p.add("b", range(100, 116))
-    assert len(p) == 20
-    assert p.stats["dropped"] == 12
-    assert p.scores(list(range(16))) == {}  # a's first blocks went first: its prefix is broken
+    p.add("a", list(range(16)))
+    p.add("b", list(range(100, 116)))
+    assert len(p) == 16  # a's decision, the oldest, went whole
+    assert p.stats["dropped"] == 16
+    assert p.scores(list(range(16))) == {}
     assert p.scores(list(range(100, 116))) == {"b": 16}
+    p.add("b", list(range(100, 108)) + [7])  # a renewed prefix and one more block: within the cap
+    assert len(p) == 17 and p.scores(list(range(100, 108)) + [7]) == {"b": 9}
     with pytest.raises(ValueError, match="provisional_ttl_s must be a number of seconds >= 0"):
         ProvisionalResidency(-1)
     with pytest.raises(ValueError, match="max_provisional must be an int >= 1"):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from event_strategies import batches
 from kvbridge import _native
-from kvbridge.bus.subscriber import _ops_of
+from kvbridge.wire.residency import ops_of as _ops_of
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
 
 
@@ -65,7 +65,43 @@ def test_scan_merges_runs_and_keeps_order():
     ]
     ts, rank, n_events, n_blocks, ops = _native.scan_batch_msgpack(encode_batch(KVEventBatch(2.5, events, 3)))
     assert (ts, rank, n_events, n_blocks) == (2.5, 3, 5, 5)
-    assert ops == [(0, [1, 2, 3]), (1, [1]), (2, []), (0, [b"\x00" * 32])]
+    assert ops == [
+        (0, [1, 2, 3], "GPU", None, 2, None, None, 2),
+        (1, [1], "GPU", None, 0, None, None, 1),
+        (2, [], None, None, 0, None, None, 1),
+        (0, [b"\x00" * 32], None, None, 1, None, None, 1),
+    ]
+
+
+def test_scan_splits_runs_where_the_residency_rule_reads_differently():
+    def stored(hashes, parent, **kw):
+        return BlockStored(hashes, parent, [0] * 4 * len(hashes), 4, None, kw.pop("medium", "GPU"), None, **kw)
+
+    events = [
+        stored([1], None, group_idx=0, kv_cache_spec_kind="full_attention"),
+        stored([2], 1, group_idx=0, kv_cache_spec_kind="full_attention"),  # joins: same attributes, a parent
+        stored([1], None, group_idx=0, kv_cache_spec_kind="full_attention"),  # parent None: an op of its own
+        stored([1], None, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=8),
+        stored([2], 1, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16),
+        stored([3], 2, group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16),
+        stored([4], 3, group_idx=1, medium="CPU", kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16),
+        BlockRemoved([2], "GPU", group_idx=1),
+        BlockRemoved([1], "GPU", group_idx=0),
+        BlockRemoved([5], "GPU", group_idx=-3),
+    ]
+    payload = encode_batch(KVEventBatch(1.0, events))
+    ops = _native.scan_batch_msgpack(payload)[4]
+    assert ops == [
+        (0, [1, 2], "GPU", 0, 1, "full_attention", None, 2),
+        (0, [1], "GPU", 0, 1, "full_attention", None, 1),
+        (0, [1], "GPU", 1, 1, "sliding_window", 8, 1),
+        (0, [2, 3], "GPU", 1, 0, "sliding_window", 16, 2),
+        (0, [4], "CPU", 1, 0, "sliding_window", 16, 1),
+        (1, [2], "GPU", 1, 0, None, None, 1),
+        (1, [1], "GPU", 0, 0, None, None, 1),
+        (1, [5], "GPU", -3, 0, None, None, 1),
+    ]
+    assert _check_agrees(payload)
 
 
 def test_scan_declines_other_shapes():

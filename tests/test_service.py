@@ -336,3 +336,38 @@ async def test_two_replicas_one_killed_mid_stream_no_query_lost(nats_server):
             if proc is not None:
                 await stop_process(proc, 20)
         await fleet.close()
+
+
+async def test_per_medium_answers_and_remote_blocks_over_nats(nats_server):
+    """Tiers through the service: a worker's GPU and CPU copies answered per medium (what the
+    router weighs), a block on another node (locality REMOTE) credited only when asked."""
+    from kvbridge import BlockStored
+    from kvbridge.routing.router import Router
+
+    model = "svc-tiers"
+    tokens = list(range(8 * BS))
+    hashes = list(range(1, 9))
+    ev = lambda blocks, medium, **kw: BlockStored(  # noqa: E731
+        hashes[:blocks], None, tokens[: blocks * BS], BS, None, medium, None, **kw
+    )
+    service = IndexService(cfg(nats_server, model, "svc"))
+    async with service, IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
+        async with KvEventPublisher(cfg(nats_server, model, "gpu-cpu")) as a, \
+                KvEventPublisher(cfg(nats_server, model, "far")) as b:  # fmt: skip
+            a.publish([ev(2, "GPU"), ev(6, "CPU")])
+            b.publish([ev(8, "GPU", locality="REMOTE")])
+
+            async def arrived() -> bool:
+                return await client.find_matches(tokens, remote=True) == {"gpu-cpu": 6, "far": 8}
+
+            await _eventually(arrived, "both workers' events at the service")
+            assert await client.find_matches(tokens) == {"gpu-cpu": 6}
+            assert await client.find_matches(tokens, medium="GPU") == {"gpu-cpu": 2}
+            media = await client.find_matches(tokens, by_medium=True)
+            assert media == {"gpu-cpu": {"GPU": 2, "CPU": 6}}
+            assert await client.find_matches(tokens, by_medium=True, remote=True) == {
+                "gpu-cpu": {"GPU": 2, "CPU": 6}, "far": {"GPU": 8},
+            }  # fmt: skip
+            # a router weighing the service's per-medium answer: 2 blocks at 1.0 + 4 at 0.75
+            router = Router(block_size=BS, workers=["gpu-cpu", "other"], provisional_ttl_s=0)
+            assert router.costs_from_scores(media, 8)["gpu-cpu"] == 8 - (2 + 4 * 0.75)

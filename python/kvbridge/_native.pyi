@@ -144,12 +144,20 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 
 # --- hash-only batch reading (rust/scan.rs; used by kvbridge.bus.subscriber) ----------------------
 
-#: (ts, data_parallel_rank, n_events, n_blocks, [(kind, hashes), ...]) with kind 0 = stored,
-#: 1 = removed, 2 = all cleared, consecutive events of one kind merged; None when the payload is
-#: not vLLM's msgpack shape and needs a full decode.
+#: (ts, data_parallel_rank, n_events, n_blocks, ops), each op (kind, hashes, medium, group_idx,
+#: root, spec_kind, window, n_events) with kind 0 = stored, 1 = removed, 2 = all cleared;
+#: consecutive events of one kind and the same medium, group_idx, spec kind and window merged, a
+#: parent-None store always starting an op (root: its length, else 0) -- kvbridge.wire.residency.Op.
+#: None when the payload is not vLLM's msgpack shape and needs a full decode.
 def scan_batch_msgpack(
     payload: bytes
-) -> tuple[float, int | None, int, int, list[tuple[int, list[int | bytes]]]] | None: ...
+) -> tuple[
+    float,
+    int | None,
+    int,
+    int,
+    list[tuple[int, list[int | bytes], str | None, int | None, int, str | None, int | None, int]],
+] | None: ...
 
 # --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.bus.natsclient) -------------------
 
@@ -193,7 +201,10 @@ class KVCacheManager:
         seed: Seed | None = None,
         medium: str | None = "GPU",
         enable_events: bool = True,
+        groups: Sequence[tuple[str, int | None] | list[Any]] | None = None,
     ) -> KVCacheManager: ...
+    @property
+    def groups(self) -> tuple[tuple[str, int | None], ...] | None: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -213,6 +224,8 @@ class KVCacheManager:
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
     def snapshot(self) -> list[BlockStored]: ...
     def get_block_ids(self, request_id: Hashable) -> list[int]: ...
+    def get_group_block_ids(self, request_id: Hashable) -> list[list[int | None]]: ...
+    def hit_blocks(self, token_ids: Tokens, *, lora_name: str | None = None) -> int: ...
     def num_tokens(self, request_id: Hashable) -> int: ...
     def __contains__(self, request_id: Hashable, /) -> bool: ...
     def __len__(self) -> int: ...
@@ -239,6 +252,15 @@ class Index:
     instead), and an empty extra-key entry counts as None. key="engine": keyed by the engines'
     block hashes (bytes hashes reduced as vLLM does: the last 8 bytes, big-endian); queries then
     pass ``block_hashes``. Removing a block removes that block only.
+
+    Residency is per (worker, medium, KV-cache group, locality); ``group_idx`` None is group 0.
+    A block stored twice (vLLM does not de-duplicate) needs two removals, except a chain from
+    block 0 that the (worker, medium, group) already holds whole (vLLM's full-report
+    re-announce). Token-less placeholders (``block_size`` 0) and sparse window/mamba stores are
+    keyed through the worker's earlier stores of the same engine hash (key="tokens"). A worker's
+    hit is vLLM's: the blocks all its full-attention groups hold, cut back to the largest n
+    where each sliding-window group holds its last cdiv(W - 1, block_size) blocks before n (a
+    mamba group: block n - 1); other kinds are kept, not scored.
     """
 
     def __new__(cls, block_size: int = 16, key: Literal["tokens", "engine"] = "tokens") -> Index: ...
@@ -250,6 +272,7 @@ class Index:
     ) -> int:
         """Applies one payload (msgpack or JSON; None = JSON if it starts with '[' or '{') or a
         decoded batch; returns its number of events, 0 if it is not a batch (counted)."""
+    @overload
     def find_matches(
         self,
         tokens: Tokens | None = None,
@@ -258,8 +281,24 @@ class Index:
         lora_name: str | None = None,
         extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
         medium: str | None = None,
+        by_medium: Literal[False] = False,
+        remote: bool = False,
     ) -> dict[str, int]:
-        """{worker: leading blocks held} for each worker holding at least the first block."""
+        """{worker: leading blocks it would hit} for each worker with a hit; ``medium``: in that
+        medium only; ``remote``: credit copies stored with locality "REMOTE"."""
+    @overload
+    def find_matches(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        block_hashes: Iterable[int | bytes] | None = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
+        medium: str | None = None,
+        by_medium: Literal[True],
+        remote: bool = False,
+    ) -> dict[str, dict[str | None, int]]:
+        """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""
     def remove_worker(self, worker: str) -> None: ...
     def clear(self) -> None: ...
     @property
@@ -275,7 +314,9 @@ class Index:
     def stats(self) -> dict[str, int]:
         """payloads, events, blocks_stored, blocks_removed, cleared, unknown_parents,
         block_size_mismatches, events_without_tokens, malformed_payloads, unknown_removes,
-        bad_extra_keys, bad_token_ids, too_many_media, too_many_workers (counters since
+        bad_extra_keys, bad_token_ids, too_many_media (over 256 (medium, group, locality)
+        classes), too_many_workers, bad_groups, bad_windows, unknown_kinds,
+        unscored_group_events, unresolved_placeholders, unresolved_hashes (counters since
         creation, kept by clear()); blocks, workers (now)."""
     def __len__(self) -> int:
         """Distinct blocks held by any worker."""

@@ -79,6 +79,10 @@ RELAY_METRICS = {
     "replay_failures": ("kvbridge_relay_replay_failures", "Replay requests that failed or timed out", "counter"),
     "engine_restarts": ("kvbridge_relay_engine_restarts", "Engine restarts seen (each starts a new epoch)", "counter"),
     "view_blocks": ("kvbridge_relay_view_blocks", "Blocks in the relay's view of the engine's cache", "gauge"),
+    "view_skipped_events": ("kvbridge_relay_view_skipped_events",
+                            "Engine events the view skipped: a bad group_idx, an unknown kind, a bad window", "counter"),
+    "view_unknown_removes": ("kvbridge_relay_view_unknown_removes", "Removals of blocks the view did not hold",
+                             "counter"),
 }
 
 

@@ -1,13 +1,17 @@
 //! The index's state and its rules, on plain Rust data (no Python, no lock).
 //!
-//! - `blocks`: block key -> the (worker, medium) pairs holding it (`Holders`, 8 bytes inline).
-//!   The key is the index's own chained xxh3 hash (`Mode::Tokens`) or the engine's block hash
-//!   (`Mode::Engine`).
-//! - per worker, per medium a `Slot`; in tokens mode it maps each engine hash to the index hash
+//! - `blocks`: block key -> the (worker, class) pairs holding it (`Holders`, 8 bytes inline); a
+//!   class is a (medium, KV-cache group, remote?) triple. The key is the index's own chained
+//!   xxh3 hash (`Mode::Tokens`) or the engine's block hash (`Mode::Engine`).
+//! - per worker, per class a `Slot`; in tokens mode it maps each engine hash to the index hash
 //!   it stands for, which is how removals and parents (both given as engine hashes) are found.
 //!   Two engine hashes may stand for one index hash (engines hash things the index leaves out,
 //!   e.g. the LoRA path): `dups` counts the extra ones, so the block stays held until the last
-//!   engine hash for it is removed.
+//!   engine hash for it is removed. `copies` counts physical copies past the first of one
+//!   engine hash (vLLM does not de-duplicate blocks).
+//! - per worker, per group the kind its stores announced; a worker whose hit is not simply its
+//!   group 0's leading run (a window group, several main groups) is "hybrid" and scored on its
+//!   own (vLLM's HybridKVCacheCoordinator rule); the others share one bitset walk, as before.
 //!
 //! Removing a block removes that block only: a hole in a chain keeps its children, and a
 //! query's prefix simply stops at the hole.
@@ -21,9 +25,8 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use super::holders::{entry, Bits, Entry, Holders, Removed, Slab, MAX_MEDIA, MAX_WORKERS};
-use super::parse::{eq_bytes, Batch, Event, Spare, Stored};
-use super::table::Table;
+use super::holders::{entry, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
+use super::parse::{eq_bytes, Batch, Event, Spare, Stored, Window, BAD_GROUP};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -61,10 +64,6 @@ impl Hasher for MixHasher {
 }
 
 type Map<V> = HashMap<u64, V, Mix>;
-
-/// How far ahead `find_matches` prefetches blocks' slots, and their slab entries.
-const AHEAD: usize = 16;
-const HALF: usize = AHEAD / 2;
 
 /// Worker names (from subjects: anyone who may publish chooses them), looked up once per
 /// payload: xxh3 rather than std's SipHash, which took a tenth of a one-event payload's apply.
@@ -137,15 +136,119 @@ stats!(
     bad_token_ids,
     too_many_media,
     too_many_workers,
+    bad_groups,
+    bad_windows,
+    unknown_kinds,
+    unscored_group_events,
+    unresolved_placeholders,
+    unresolved_hashes,
 );
+
+/// What a (worker, group) is, as its BlockStored events said (`kv_cache_spec_kind`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Kind {
+    #[default]
+    Unannounced,
+    /// Full attention (and MLA, sink): a hit needs every block of the prefix.
+    Main,
+    /// A hit of n blocks needs blocks [max(0, n - blocks), n): vLLM's
+    /// `SlidingWindowManager._contiguous_blocks_for_hit` (cdiv(W - 1, block_size)); mamba is
+    /// `blocks = 1` (`MambaManager.find_longest_cache_hit`: the block at the hit point).
+    Window { blocks: u32 },
+    /// Known to vLLM but not scored (chunked local, encoder-only, cross attention, unknown).
+    Unscored,
+}
+
+enum BadKind {
+    Kind,
+    Window,
+}
+
+/// A kind name from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py).
+fn kind_of(name: &[u8], window: Window, block_size: usize) -> Result<Kind, BadKind> {
+    Ok(match name {
+        b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
+        // At least one block: vLLM's finder stops at the first held block from the right, so a
+        // window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block at the hit.
+        b"sliding_window" | b"sliding_window_mla" => match window {
+            Window::Int(w) if w >= 1 => Kind::Window {
+                blocks: u32::try_from((w as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
+            },
+            _ => return Err(BadKind::Window),
+        },
+        b"mamba" => Kind::Window { blocks: 1 },
+        b"chunked_local_attention" | b"encoder_only_attention" | b"cross_attention" | b"unknown" => {
+            Kind::Unscored
+        }
+        _ => return Err(BadKind::Kind),
+    })
+}
+
+/// Main groups (a bitset) and window groups (group, blocks) of a worker's kinds. An unannounced
+/// group 0 is main: the group every engine without groups writes to.
+fn plan(kinds: &[Kind]) -> (u64, Vec<(u8, u32)>) {
+    let mut main = u64::from(kinds.first().is_none_or(|k| *k == Kind::Unannounced));
+    let mut windows = Vec::new();
+    for (g, k) in kinds.iter().enumerate() {
+        match k {
+            Kind::Main => main |= 1 << g,
+            Kind::Window { blocks } => windows.push((g as u8, *blocks)),
+            _ => {}
+        }
+    }
+    (main, windows)
+}
+
+/// Whether a worker's hit is its group 0's leading run, as for a single-group engine.
+fn is_plain(kinds: &[Kind]) -> bool {
+    kinds.iter().enumerate().all(|(g, k)| match k {
+        Kind::Unannounced => true,
+        Kind::Main => g == 0,
+        Kind::Window { .. } => false,
+        Kind::Unscored => g != 0,
+    })
+}
+
+/// The longest hit given the groups held per leading block (`masks`, as far as the main groups
+/// all hold them): the largest n such that each window group holds [max(0, n - blocks), n).
+fn window_hit(masks: &[u64], windows: &[(u8, u32)]) -> usize {
+    if windows.is_empty() {
+        return masks.len();
+    }
+    let mut runs = vec![0usize; windows.len()];
+    let mut best = 0;
+    for (i, m) in masks.iter().enumerate() {
+        let n = i + 1;
+        let mut ok = true;
+        for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
+            *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
+            ok &= *run >= n.min(blocks as usize);
+        }
+        if ok {
+            best = n;
+        }
+    }
+    best
+}
+
+/// A residency class: the (medium, group, remote?) a holder entry names in its low byte.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Class {
+    medium: u8,
+    group: u8,
+    remote: bool,
+}
 
 #[derive(Default)]
 struct Slot {
-    medium: u8,
+    class: u8,
     /// Tokens mode: engine hash -> index hash.
     engine: Map<u64>,
     /// Index hashes that more than one engine hash stands for: the number of extra ones.
     dups: Map<u32>,
+    /// Physical copies past the first (vLLM stores a chain again after an eviction left a
+    /// hole), by engine hash: each removal takes one before the block goes.
+    copies: Map<u32>,
     /// Distinct blocks held.
     held: usize,
 }
@@ -153,17 +256,25 @@ struct Slot {
 struct Worker {
     name: Arc<str>,
     slots: Vec<Slot>,
+    /// By group: what its stores said it is.
+    kinds: Vec<Kind>,
 }
 
 pub struct Core {
     pub block_size: usize,
     pub mode: Mode,
-    blocks: Table<Holders>,
+    blocks: Map<Holders>,
     slab: Slab,
     workers: Vec<Option<Worker>>,
     ids: HashMap<Arc<str>, u32, NameHash>,
     free_ids: Vec<u32>,
     media: Vec<Option<Box<str>>>,
+    classes: Vec<Class>,
+    /// By class: its group (what `Holders::groups_of` maps a class to).
+    class_group: Vec<u8>,
+    /// Workers whose hit is not their group 0's leading run (a bitset over worker ids): scored
+    /// one by one, apart from the bitset walk.
+    hybrid: Vec<u64>,
     pub stats: Stats,
     /// One stored event's index hashes (kept for its allocation).
     digests: Vec<u64>,
@@ -175,12 +286,15 @@ impl Core {
         Core {
             block_size,
             mode,
-            blocks: Table::default(),
+            blocks: Map::default(),
             slab: Slab::default(),
             workers: Vec::new(),
             ids: HashMap::default(),
             free_ids: Vec::new(),
             media: Vec::new(),
+            classes: Vec::new(),
+            class_group: Vec::new(),
+            hybrid: Vec::new(),
             stats: Stats::default(),
             digests: Vec::new(),
             spare: Spare::default(),
@@ -202,65 +316,113 @@ impl Core {
         &self.workers[id as usize].as_ref().expect("live worker").name
     }
 
-    /// Per worker holding the first block: how many leading blocks of `keys` it holds (in
-    /// `medium`, or in any medium when None), as (worker id, count) in worker id order.
-    pub fn find_matches(&self, keys: &[u64], medium: Option<&str>, out: &mut Vec<(u32, u32)>) {
-        out.clear();
-        let filter = match medium {
+    pub fn medium_name(&self, id: u8) -> Option<&str> {
+        self.media[id as usize].as_deref()
+    }
+
+    /// The classes a query counts, for the bitset walk over plain workers (group 0 only) and
+    /// for hybrid ones (every group): in `medium` (`None`: any; `Some(None)`: the medium None),
+    /// remote copies only if `remote`. None when no class can match.
+    fn filters(&self, medium: Option<Option<&str>>, remote: bool) -> Option<(Filter, Filter)> {
+        let m = match medium {
             None => None,
-            Some(m) => match self.find_medium(Some(m)) {
-                Some(id) => Some(id),
-                None => return,
-            },
+            Some(name) => Some(self.find_medium(name)?),
         };
-        let n_words = self.workers.len().div_ceil(64);
-        // The lookups are independent of each other: the slots of the blocks AHEAD on are
-        // requested early, and the slab entries (popular blocks) of those HALF on, whose slots
-        // have arrived by then, so the cache misses overlap instead of coming one after another.
-        for k in keys.iter().take(AHEAD) {
-            self.blocks.prefetch(*k);
-        }
-        for k in keys.iter().take(HALF) {
-            if let Some(h) = self.blocks.get(k) {
-                h.prefetch(&self.slab);
+        let none = Filter { all: false, mask: [0; 4] };
+        let (mut plain, mut any) = (none, none);
+        let mut all = true;
+        for (i, c) in self.classes.iter().enumerate() {
+            if m.is_some_and(|m| m != c.medium) || (c.remote && !remote) {
+                all = false;
+                continue;
+            }
+            any.set(i as u8);
+            if c.group == 0 {
+                plain.set(i as u8);
+            } else {
+                all = false;
             }
         }
+        plain.all = all;
+        Some((plain, any))
+    }
+
+    /// Per worker with a hit: how many leading blocks of `keys` it would hit (see `filters` for
+    /// `medium` and `remote`), as (worker id, count) in worker id order.
+    pub fn find_matches(&self, keys: &[u64], medium: Option<Option<&str>>, remote: bool, out: &mut Vec<(u32, u32)>) {
+        out.clear();
+        let Some((plain, any)) = self.filters(medium, remote) else {
+            return;
+        };
+        self.plain_matches(keys, &plain, out);
+        if self.hybrid.iter().any(|&w| w != 0) {
+            self.hybrid_matches(keys, &any, out);
+        }
+        out.sort_unstable();
+    }
+
+    /// `find_matches` once per medium (or for `medium` only): (worker id, medium id, count).
+    pub fn find_matches_by_medium(
+        &self,
+        keys: &[u64],
+        medium: Option<&str>,
+        remote: bool,
+    ) -> Vec<(u32, u8, u32)> {
+        let mut out = Vec::new();
+        let mut one = Vec::new();
+        for (m, name) in self.media.iter().enumerate() {
+            if medium.is_some_and(|want| name.as_deref().is_none_or(|n| !eq_bytes(n.as_bytes(), want.as_bytes()))) {
+                continue;
+            }
+            self.find_matches(keys, Some(name.as_deref()), remote, &mut one);
+            out.extend(one.iter().map(|&(w, n)| (w, m as u8, n)));
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// The leading run of group 0 of the workers that are not hybrid: one bitset walk.
+    fn plain_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
+        let n_words = self.workers.len().div_ceil(64);
         let Some(first) = keys.first().and_then(|k| self.blocks.get(k)) else {
             return;
         };
+        let plain_word = |w: usize| !self.hybrid.get(w).copied().unwrap_or(0);
         if n_words == 1 {
-            // Up to 64 workers: one word per block; the walk stops at the first block nobody
-            // is left holding. Counts go by worker id, so the answer comes out in id order
-            // without a sort (a tenth of a query with tens of workers).
+            // Up to 64 workers: one word per block. The lookups of a chunk of blocks are
+            // independent of each other, so they are done first and their cache misses overlap;
+            // the walk over the words then stops at the first chunk where nobody is left.
+            const CHUNK: usize = 16;
             let mut active = [0u64];
             first.workers_into(&self.slab, filter, &mut active);
-            let holding = active[0];
-            let mut active = holding;
-            let mut counts = [0u32; 64];
+            let mut active = active[0] & plain_word(0);
             let mut i = 1;
             while i < keys.len() && active != 0 {
-                self.prefetch_ahead(keys, i);
-                let mut cur = [0u64];
-                if let Some(h) = self.blocks.get(&keys[i]) {
-                    h.workers_into(&self.slab, filter, &mut cur);
+                let chunk = &keys[i..keys.len().min(i + CHUNK)];
+                let mut cur = [[0u64]; CHUNK];
+                for (c, k) in cur.iter_mut().zip(chunk) {
+                    if let Some(h) = self.blocks.get(k) {
+                        h.workers_into(&self.slab, filter, c);
+                    }
                 }
-                for b in Bits(active & !cur[0]) {
-                    counts[b] = i as u32;
+                for c in &cur[..chunk.len()] {
+                    emit(out, 0, active & !c[0], i);
+                    active &= c[0];
+                    i += 1;
+                    if active == 0 {
+                        break;
+                    }
                 }
-                active &= cur[0];
-                i += 1;
             }
-            for b in Bits(active) {
-                counts[b] = keys.len() as u32;
-            }
-            out.extend(Bits(holding).map(|b| (b as u32, counts[b])));
-            return;
+            emit(out, 0, active, keys.len());
         } else {
             let mut active = vec![0u64; n_words];
             let mut cur = vec![0u64; n_words];
             first.workers_into(&self.slab, filter, &mut active);
+            for (w, a) in active.iter_mut().enumerate() {
+                *a &= plain_word(w);
+            }
             for (i, k) in keys.iter().enumerate().skip(1) {
-                self.prefetch_ahead(keys, i);
                 cur.fill(0);
                 if let Some(h) = self.blocks.get(k) {
                     h.workers_into(&self.slab, filter, &mut cur);
@@ -279,16 +441,53 @@ impl Core {
                 emit(out, w, *a, keys.len());
             }
         }
-        out.sort_unstable();
     }
 
-    #[inline]
-    fn prefetch_ahead(&self, keys: &[u64], i: usize) {
-        if let Some(k) = keys.get(i + AHEAD) {
-            self.blocks.prefetch(*k);
+    /// Hybrid workers, vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`: F = the
+    /// leading blocks every main group holds (all of `keys` when there is no main group), then
+    /// the largest n <= F each window group accepts. One lookup per block for all of them.
+    fn hybrid_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
+        struct Walk {
+            w: u32,
+            main: u64,
+            windows: Vec<(u8, u32)>,
+            masks: Vec<u64>,
+            open: bool,
         }
-        if let Some(h) = keys.get(i + HALF).and_then(|k| self.blocks.get(k)) {
-            h.prefetch(&self.slab);
+        let mut walks: Vec<Walk> = Vec::new();
+        for (word, &bits) in self.hybrid.iter().enumerate() {
+            for b in Bits(bits) {
+                let w = (word * 64 + b) as u32;
+                let Some(worker) = self.workers.get(w as usize).and_then(Option::as_ref) else {
+                    continue;
+                };
+                let (main, windows) = plan(&worker.kinds);
+                if main != 0 || !windows.is_empty() {
+                    walks.push(Walk { w, main, windows, masks: Vec::new(), open: true });
+                }
+            }
+        }
+        let mut open = walks.len();
+        for k in keys {
+            if open == 0 {
+                break;
+            }
+            let h = self.blocks.get(k);
+            for walk in walks.iter_mut().filter(|x| x.open) {
+                let m = h.map_or(0, |h| h.groups_of(&self.slab, walk.w, filter, &self.class_group));
+                if m & walk.main != walk.main {
+                    walk.open = false;
+                    open -= 1;
+                } else {
+                    walk.masks.push(m);
+                }
+            }
+        }
+        for walk in &walks {
+            let n = window_hit(&walk.masks, &walk.windows);
+            if n > 0 {
+                out.push((walk.w, n as u32));
+            }
         }
     }
 
@@ -302,9 +501,10 @@ impl Core {
                 w.name.len()
                     + 16
                     + w.slots.capacity() * std::mem::size_of::<Slot>()
+                    + w.kinds.capacity() * std::mem::size_of::<Kind>()
                     + w.slots
                         .iter()
-                        .map(|s| s.engine.allocation_size() + s.dups.allocation_size())
+                        .map(|s| s.engine.allocation_size() + s.dups.allocation_size() + s.copies.allocation_size())
                         .sum::<usize>()
             })
             .sum();
@@ -314,6 +514,8 @@ impl Core {
             + self.workers.capacity() * std::mem::size_of::<Option<Worker>>()
             + self.ids.capacity() * (std::mem::size_of::<(Arc<str>, u32)>() + 1)
             + self.free_ids.capacity() * 4
+            + self.classes.capacity() * (std::mem::size_of::<Class>() + 1)
+            + self.hybrid.capacity() * 8
             + slots
     }
 
@@ -336,7 +538,9 @@ impl Core {
         for ev in events.drain(..) {
             match ev {
                 Event::Stored(s) => self.stored(w, s, hashes, tokens),
-                Event::Removed { hashes: r, medium } => self.removed(w, &hashes[r], medium),
+                Event::Removed { hashes: r, medium, group, remote } => {
+                    self.removed(w, &hashes[r], medium, group, remote)
+                }
                 Event::Cleared => {
                     self.stats.cleared += 1;
                     self.clear_worker(w);
@@ -361,15 +565,15 @@ impl Core {
             return;
         };
         for ev in events {
-            let (range, medium, parent) = match ev {
-                Event::Stored(s) => (&s.hashes, s.medium, s.parent),
-                Event::Removed { hashes, medium } => (hashes, *medium, None),
+            let (range, medium, group, remote, parent) = match ev {
+                Event::Stored(s) => (&s.hashes, s.medium, s.group, s.remote, s.parent),
+                Event::Removed { hashes, medium, group, remote } => (hashes, *medium, *group, *remote, None),
                 Event::Cleared => continue,
             };
-            let Some(m) = self.find_medium(medium) else {
+            let Some(c) = self.find_class(medium, group, remote) else {
                 continue;
             };
-            let Some(slot) = worker.slots.iter().find(|s| s.medium == m) else {
+            let Some(slot) = worker.slots.iter().find(|s| s.class == c) else {
                 continue;
             };
             // The parent's index hash is looked up first thing when the event is applied.
@@ -429,6 +633,7 @@ impl Core {
         self.workers[w as usize] = Some(Worker {
             name,
             slots: Vec::new(),
+            kinds: Vec::new(),
         });
         Some(w)
     }
@@ -443,28 +648,42 @@ impl Core {
             .map(|i| i as u8)
     }
 
-    fn medium_id(&mut self, medium: Option<&str>) -> Option<u8> {
-        if let Some(m) = self.find_medium(medium) {
-            return Some(m);
+    fn find_class(&self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
+        let medium = self.find_medium(medium)?;
+        let want = Class { medium, group, remote };
+        self.classes.iter().position(|c| *c == want).map(|i| i as u8)
+    }
+
+    fn class_id(&mut self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
+        if let Some(c) = self.find_class(medium, group, remote) {
+            return Some(c);
         }
-        if self.media.len() >= MAX_MEDIA {
+        if self.classes.len() >= MAX_CLASSES {
             return None;
         }
-        self.media.push(medium.map(Into::into));
-        Some((self.media.len() - 1) as u8)
+        let medium = match self.find_medium(medium) {
+            Some(m) => m,
+            None => {
+                self.media.push(medium.map(Into::into));
+                (self.media.len() - 1) as u8
+            }
+        };
+        self.classes.push(Class { medium, group, remote });
+        self.class_group.push(group);
+        Some((self.classes.len() - 1) as u8)
     }
 
     fn worker(&mut self, w: u32) -> &mut Worker {
         self.workers[w as usize].as_mut().expect("live worker")
     }
 
-    fn slot_index(&mut self, w: u32, m: u8) -> usize {
+    fn slot_index(&mut self, w: u32, c: u8) -> usize {
         let slots = &mut self.worker(w).slots;
-        match slots.iter().position(|s| s.medium == m) {
+        match slots.iter().position(|s| s.class == c) {
             Some(i) => i,
             None => {
                 slots.push(Slot {
-                    medium: m,
+                    class: c,
                     ..Slot::default()
                 });
                 slots.len() - 1
@@ -472,19 +691,89 @@ impl Core {
         }
     }
 
+    /// Records what a store said group `g` is (None: unchanged) and returns its kind now.
+    fn learn(&mut self, w: u32, g: u8, kind: Option<Kind>) -> Kind {
+        let worker = self.workers[w as usize].as_mut().expect("live worker");
+        let Some(kind) = kind else {
+            return worker.kinds.get(g as usize).copied().unwrap_or_default();
+        };
+        if worker.kinds.get(g as usize) == Some(&kind) {
+            return kind;
+        }
+        if worker.kinds.len() <= g as usize {
+            worker.kinds.resize(g as usize + 1, Kind::Unannounced);
+        }
+        worker.kinds[g as usize] = kind;
+        let hybrid = !is_plain(&worker.kinds);
+        self.set_hybrid(w, hybrid);
+        kind
+    }
+
+    fn set_hybrid(&mut self, w: u32, on: bool) {
+        let (word, bit) = (w as usize / 64, 1u64 << (w % 64));
+        if on {
+            if self.hybrid.len() <= word {
+                self.hybrid.resize(word + 1, 0);
+            }
+            self.hybrid[word] |= bit;
+        } else if let Some(x) = self.hybrid.get_mut(word) {
+            *x &= !bit;
+        }
+    }
+
+    fn kind(&self, w: u32, g: u8) -> Kind {
+        let worker = self.workers[w as usize].as_ref().expect("live worker");
+        worker.kinds.get(g as usize).copied().unwrap_or_default()
+    }
+
     fn stored(&mut self, w: u32, s: Stored, hashes: &[u64], tokens: &[u32]) {
         let keys = &hashes[s.hashes.clone()];
         let tokens = &tokens[s.tokens.clone()];
         let n = keys.len();
         let bs = self.block_size;
+        if s.group == BAD_GROUP {
+            self.stats.bad_groups += 1;
+            return;
+        }
+        let kind = match s.kind.map(|name| kind_of(name, s.window, bs)).transpose() {
+            Ok(k) => k,
+            Err(BadKind::Kind) => {
+                self.stats.unknown_kinds += 1;
+                return;
+            }
+            Err(BadKind::Window) => {
+                self.stats.bad_windows += 1;
+                return;
+            }
+        };
+        // The offload connector's token-less placeholder (offloading/events.py
+        // `_placeholder_stored`): only a hash, block_size 0.
+        let placeholder = s.block_size == 0 && tokens.is_empty();
+        if !placeholder && s.block_size != bs as i64 {
+            // An event with no blocks changes nothing, wrong size or not (counted as before).
+            self.stats.block_size_mismatches += u64::from(n > 0);
+            return;
+        }
+        let kind = self.learn(w, s.group, kind);
+        if kind == Kind::Unscored {
+            self.stats.unscored_group_events += 1;
+        }
         if n == 0 {
             return;
         }
-        if s.block_size != bs as i64 || !(tokens.is_empty() || tokens.len() == n * bs) {
+        let dense = tokens.len() == n * bs;
+        // A window or mamba group lists only the blocks it retains (block_pool.py
+        // `cache_full_blocks` skips null blocks) while its token ids cover the whole range.
+        let sparse = !dense
+            && !tokens.is_empty()
+            && matches!(kind, Kind::Window { .. } | Kind::Unscored)
+            && tokens.len() > n * bs
+            && tokens.len().is_multiple_of(bs);
+        if !(placeholder || tokens.is_empty() || dense || sparse) {
             self.stats.block_size_mismatches += 1;
             return;
         }
-        if tokens.is_empty() {
+        if tokens.is_empty() && !placeholder {
             self.stats.events_without_tokens += 1;
             if self.mode == Mode::Tokens {
                 return;
@@ -492,20 +781,27 @@ impl Core {
         }
         if s.bad_tokens {
             self.stats.bad_token_ids += 1;
-            if self.mode == Mode::Tokens {
+            if self.mode == Mode::Tokens && dense {
                 return;
             }
         }
         if self.mode == Mode::Tokens
+            && dense
             && (s.bad_extra_keys || s.extra_keys.as_ref().is_some_and(|e| e.len() != n))
         {
             self.stats.bad_extra_keys += 1;
             return;
         }
-        let Some(m) = self.medium_id(s.medium) else {
+        let Some(c) = self.class_id(s.medium, s.group, s.remote) else {
             self.stats.too_many_media += 1;
             return;
         };
+        let si = self.slot_index(w, c);
+        let mut digests = std::mem::take(&mut self.digests);
+        digests.clear();
+        let mut skipped = 0;
+        // The engine hashes that go with `digests`: `keys` but for the unresolved ones.
+        let mut resolved = None;
         match self.mode {
             Mode::Engine => {
                 if let Some(p) = s.parent {
@@ -518,21 +814,17 @@ impl Core {
                         self.stats.unknown_parents += 1;
                     }
                 }
-                let si = self.slot_index(w, m);
-                let e = entry(w, m);
-                let (blocks, slab, slot) = self.parts(w, si);
-                for &k in keys {
-                    add_holder(blocks, slab, slot, e, k);
-                }
+                digests.extend_from_slice(keys);
             }
-            Mode::Tokens => {
+            Mode::Tokens if dense => {
                 let parent = match s.parent {
                     None => None,
-                    Some(p) => match self.parent_key(w, m, p) {
+                    Some(p) => match self.engine_key(w, c, p) {
                         Some(k) => Some(k),
                         None => {
                             // The chain cannot be continued without the parent's index hash.
                             self.stats.unknown_parents += 1;
+                            self.digests = digests;
                             return;
                         }
                     },
@@ -540,44 +832,73 @@ impl Core {
                 let extras = s.extra_keys.map(|e| strip_lora(e, s.lora_name));
                 let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, s.lora_name, None);
                 chain.parent = parent.map(Digest::from_u64);
-                let mut digests = std::mem::take(&mut self.digests);
-                digests.clear();
                 chain.run_words(tokens, extras.as_deref(), |k| digests.push(k));
                 for k in &digests {
                     std::hint::black_box(self.blocks.get(k));
                 }
-                let si = self.slot_index(w, m);
-                let e = entry(w, m);
-                let (blocks, slab, slot) = self.parts(w, si);
-                for (&engine, &k) in keys.iter().zip(&digests) {
-                    match slot.engine.insert(engine, k) {
-                        Some(old) if old == k => {}
-                        Some(old) => {
-                            drop_ref(blocks, slab, slot, e, old);
-                            add_ref(blocks, slab, slot, e, k);
+            }
+            Mode::Tokens => {
+                // Placeholders and sparse groups: each hash stands for the block the worker
+                // stored under it with tokens (the same hash in another group or medium).
+                let mut engines = Vec::with_capacity(n);
+                for &e in keys {
+                    match self.engine_key(w, c, e) {
+                        Some(k) => {
+                            engines.push(e);
+                            digests.push(k);
                         }
-                        None => add_ref(blocks, slab, slot, e, k),
+                        None => skipped += 1,
                     }
                 }
-                self.digests = digests;
+                resolved = Some(engines);
+                if placeholder {
+                    self.stats.unresolved_placeholders += skipped;
+                } else {
+                    self.stats.unresolved_hashes += skipped;
+                }
             }
         }
-        self.stats.blocks_stored += n as u64;
+        let mode = self.mode;
+        let e = entry(w, c);
+        let (blocks, slab, slot) = self.parts(w, si);
+        // vLLM's kv_cache_report_mode="full" re-announces reused prefix blocks from block 0
+        // (block_pool.py `emit_cached_block_events`) without storing anything: not a copy.
+        let reannounce = s.parent.is_none()
+            && skipped == 0
+            && keys.iter().all(|k| match mode {
+                Mode::Engine => blocks.get(k).is_some_and(|h| h.contains(slab, e)),
+                Mode::Tokens => slot.engine.contains_key(k),
+            });
+        if !reannounce {
+            for (&engine, &k) in resolved.as_deref().unwrap_or(keys).iter().zip(&digests) {
+                add_copy(blocks, slab, slot, e, mode, engine, k);
+            }
+        }
+        self.digests = digests;
+        self.stats.blocks_stored += n as u64 - skipped;
     }
 
-    /// The index hash of engine hash `p` in worker `w`: its medium `m` first, then the others.
-    fn parent_key(&self, w: u32, m: u8, p: u64) -> Option<u64> {
+    /// The index hash worker `w` stored engine hash `p` under: class `c` first, then its
+    /// others (groups share hashes; a parent may be held in another medium).
+    fn engine_key(&self, w: u32, c: u8, p: u64) -> Option<u64> {
         let slots = &self.workers[w as usize].as_ref()?.slots;
-        let same = slots.iter().find(|s| s.medium == m);
+        let same = slots.iter().find(|s| s.class == c);
         same.into_iter()
-            .chain(slots.iter().filter(|s| s.medium != m))
+            .chain(slots.iter().filter(|s| s.class != c))
             .find_map(|s| s.engine.get(&p).copied())
     }
 
-    fn removed(&mut self, w: u32, keys: &[u64], medium: Option<&str>) {
-        let slot_i = self.find_medium(medium).and_then(|m| {
+    fn removed(&mut self, w: u32, keys: &[u64], medium: Option<&str>, group: u8, remote: bool) {
+        if group == BAD_GROUP {
+            self.stats.bad_groups += 1;
+            return;
+        }
+        if self.kind(w, group) == Kind::Unscored {
+            self.stats.unscored_group_events += 1;
+        }
+        let slot_i = self.find_class(medium, group, remote).and_then(|c| {
             let slots = &self.workers[w as usize].as_ref()?.slots;
-            slots.iter().position(|s| s.medium == m)
+            slots.iter().position(|s| s.class == c)
         });
         let Some(si) = slot_i else {
             self.stats.unknown_removes += keys.len() as u64;
@@ -585,32 +906,24 @@ impl Core {
         };
         let mode = self.mode;
         let (blocks, slab, slot) = self.parts(w, si);
-        let e = entry(w, slot.medium);
+        let e = entry(w, slot.class);
         let mut found = 0;
         for &engine in keys {
-            found += match mode {
-                Mode::Tokens => match slot.engine.remove(&engine) {
-                    Some(k) => {
-                        drop_ref(blocks, slab, slot, e, k);
-                        1
-                    }
-                    None => 0,
-                },
-                Mode::Engine => drop_holder(blocks, slab, slot, e, engine) as u64,
-            };
+            found += u64::from(drop_copy(blocks, slab, slot, e, mode, engine));
         }
         self.stats.blocks_removed += found;
         self.stats.unknown_removes += keys.len() as u64 - found;
     }
 
     /// The block map, the holder slab and worker `w`'s slot `si`, borrowed together.
-    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot) {
+    fn parts(&mut self, w: u32, si: usize) -> (&mut Map<Holders>, &mut Slab, &mut Slot) {
         let worker = self.workers[w as usize].as_mut().expect("live worker");
         (&mut self.blocks, &mut self.slab, &mut worker.slots[si])
     }
 
-    /// Drops everything worker `w` holds, in every medium.
+    /// Drops everything worker `w` holds, in every class, and what its groups were.
     fn clear_worker(&mut self, w: u32) {
+        self.set_hybrid(w, false);
         let Core {
             blocks,
             slab,
@@ -619,6 +932,7 @@ impl Core {
             ..
         } = self;
         let worker = workers[w as usize].as_mut().expect("live worker");
+        worker.kinds.clear();
         if worker.slots.iter().all(|s| s.held == 0) {
             worker.slots.clear();
             return;
@@ -626,7 +940,7 @@ impl Core {
         match mode {
             Mode::Tokens => {
                 for slot in &worker.slots {
-                    let e = entry(w, slot.medium);
+                    let e = entry(w, slot.class);
                     for &k in slot.engine.values() {
                         remove_entry(blocks, slab, e, k);
                     }
@@ -670,39 +984,39 @@ fn strip_lora(keys: Vec<Option<Value>>, lora_name: Option<&str>) -> Vec<Option<V
 }
 
 /// Removes holder `e` from block `k`, dropping the block when it was the last; whether it held.
-fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
-    let Some(h) = blocks.get_mut(&k) else {
+fn remove_entry(blocks: &mut Map<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
+    let hashbrown::hash_map::Entry::Occupied(mut o) = blocks.entry(k) else {
         return false;
     };
-    match h.remove(slab, e) {
+    match o.get_mut().remove(slab, e) {
         Removed::NotHeld => false,
         Removed::Kept => true,
         Removed::Empty => {
-            if let Some(h) = blocks.remove(&k) {
-                h.release(slab);
-            }
+            o.remove().release(slab);
             true
         }
     }
 }
 
-/// Engine mode: `slot` holds block `k` (once).
-fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    match blocks.get_mut(&k) {
-        None => {
-            blocks.insert(k, Holders::one(e));
+/// `slot` holds block `k` (once); whether it did not before.
+fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+    match blocks.entry(k) {
+        hashbrown::hash_map::Entry::Vacant(v) => {
+            v.insert(Holders::one(e));
         }
-        Some(h) => {
+        hashbrown::hash_map::Entry::Occupied(mut o) => {
+            let h = o.get_mut();
             if h.contains(slab, e) {
-                return;
+                return false;
             }
             h.insert(slab, e);
         }
     }
     slot.held += 1;
+    true
 }
 
-fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
     let found = remove_entry(blocks, slab, e, k);
     if found {
         slot.held -= 1;
@@ -710,17 +1024,60 @@ fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e:
     found
 }
 
+/// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
+fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
+    let fresh = match mode {
+        Mode::Engine => add_holder(blocks, slab, slot, e, k),
+        Mode::Tokens => match slot.engine.insert(engine, k) {
+            Some(old) if old == k => false,
+            Some(old) => {
+                // The engine hash now stands for other content: its copies of the old go.
+                slot.copies.remove(&engine);
+                drop_ref(blocks, slab, slot, e, old);
+                add_ref(blocks, slab, slot, e, k);
+                true
+            }
+            None => {
+                add_ref(blocks, slab, slot, e, k);
+                true
+            }
+        },
+    };
+    if !fresh {
+        *slot.copies.entry(engine).or_insert(0) += 1;
+    }
+}
+
+/// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
+fn drop_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
+    if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
+        *n -= 1;
+        if *n == 0 {
+            slot.copies.remove(&engine);
+        }
+        return true;
+    }
+    match mode {
+        Mode::Engine => drop_holder(blocks, slab, slot, e, engine),
+        Mode::Tokens => match slot.engine.remove(&engine) {
+            Some(k) => {
+                drop_ref(blocks, slab, slot, e, k);
+                true
+            }
+            None => false,
+        },
+    }
+}
+
 /// Tokens mode: one more engine hash of `slot` stands for index hash `k`.
-fn add_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    let held_before = slot.held;
-    add_holder(blocks, slab, slot, e, k);
-    if slot.held == held_before {
+fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+    if !add_holder(blocks, slab, slot, e, k) {
         *slot.dups.entry(k).or_insert(0) += 1;
     }
 }
 
 /// Tokens mode: one engine hash of `slot` standing for `k` is gone.
-fn drop_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+fn drop_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
     if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
         *d -= 1;
         if *d == 0 {
@@ -753,7 +1110,7 @@ mod tests {
 
     fn scores(core: &Core, keys: &[u64]) -> Vec<(String, u32)> {
         let mut out = Vec::new();
-        core.find_matches(keys, None, &mut out);
+        core.find_matches(keys, None, false, &mut out);
         out.into_iter()
             .map(|(w, n)| (core.name(w).to_string(), n))
             .collect()
@@ -802,6 +1159,110 @@ mod tests {
         assert_eq!(core.worker_names().len(), 1);
     }
 
+    fn grouped(hashes: &[u64], parent: Option<u64>, tokens: &[u32], group: u8, kind: &str, window: i64) -> String {
+        let parent = parent.map_or("null".to_string(), |p| p.to_string());
+        format!(
+            r#"{{"type": "BlockStored", "block_hashes": {hashes:?}, "parent_block_hash": {parent},
+                "token_ids": {tokens:?}, "block_size": 2, "lora_id": null, "medium": "GPU",
+                "lora_name": null, "group_idx": {group}, "kv_cache_spec_kind": "{kind}",
+                "kv_cache_spec_sliding_window": {window}}}"#
+        )
+    }
+
+    fn removed(hashes: &[u64], group: u8) -> String {
+        format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU", "group_idx": {group}}}"#)
+    }
+
+    #[test]
+    fn window_hit_is_the_largest_prefix_every_window_accepts() {
+        let g1 = |held: &[bool]| held.iter().map(|&h| 1 | (u64::from(h) << 1)).collect::<Vec<u64>>();
+        // One window group (bit 1) needing 2 blocks.
+        assert_eq!(window_hit(&g1(&[true, true, true, true]), &[(1, 2)]), 4);
+        assert_eq!(window_hit(&g1(&[false, false, true, true]), &[(1, 2)]), 4);
+        assert_eq!(window_hit(&g1(&[false, true, true, false]), &[(1, 2)]), 3);
+        assert_eq!(window_hit(&g1(&[true, false, false, false]), &[(1, 2)]), 1); // fewer at the start
+        assert_eq!(window_hit(&g1(&[false, true, false, false]), &[(1, 2)]), 0);
+        assert_eq!(window_hit(&g1(&[true, true, false]), &[]), 3);
+        // Two windows: the largest n both accept.
+        let masks = [0b011, 0b111, 0b101, 0b011];
+        assert_eq!(window_hit(&masks, &[(1, 1), (2, 1)]), 2);
+        assert_eq!(window_hit(&masks, &[(1, 1), (2, 2)]), 0); // group 2 lacks block 0
+        assert_eq!(window_hit(&masks, &[(2, 2)]), 3);
+    }
+
+    #[test]
+    fn kinds_decide_the_plan() {
+        assert_eq!(kind_of(b"sliding_window", Window::Int(5), 2).ok(), Some(Kind::Window { blocks: 2 }));
+        assert_eq!(kind_of(b"sliding_window", Window::Int(1), 2).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(b"mamba", Window::None, 16).ok(), Some(Kind::Window { blocks: 1 }));
+        assert!(matches!(kind_of(b"sliding_window_mla", Window::Int(0), 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(b"sliding_window", Window::Bad, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(b"swa", Window::Int(4), 2), Err(BadKind::Kind)));
+        assert!(is_plain(&[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced]));
+        assert!(!is_plain(&[Kind::Main, Kind::Main]) && !is_plain(&[Kind::Unscored]));
+        assert!(!is_plain(&[Kind::Unannounced, Kind::Window { blocks: 1 }]));
+        assert_eq!(plan(&[Kind::Unannounced, Kind::Main, Kind::Window { blocks: 3 }]), (0b11, vec![(2, 3)]));
+        assert_eq!(plan(&[Kind::Window { blocks: 3 }]), (0, vec![(0, 3)]));
+    }
+
+    #[test]
+    fn hybrid_workers_score_apart_from_plain_ones() {
+        for mode in [Mode::Engine, Mode::Tokens] {
+            let mut core = Core::new(2, mode);
+            let toks = [1, 2, 3, 4, 5, 6, 7, 8];
+            let full = grouped(&[1, 2, 3, 4], None, &toks, 0, "full_attention", 0);
+            apply_json(&mut core, "plain", &format!("[0, [{full}]]"));
+            // W = 3: cdiv(2, 2) = 1 block; the window group holds blocks 0 and 2 (sparse).
+            let window = grouped(&[1, 3], None, &toks, 1, "sliding_window", 3);
+            apply_json(&mut core, "hybrid", &format!("[0, [{full}, {window}]]"));
+            let keys: Vec<u64> = match mode {
+                Mode::Engine => vec![1, 2, 3, 4],
+                Mode::Tokens => {
+                    let mut d = Vec::new();
+                    Chain::new(Algo::Xxh3, 2, 0, None, None, None).run(&toks, None, 0, &mut d);
+                    d.iter().map(|x| x.event_hash()).collect()
+                }
+            };
+            assert_eq!(scores(&core, &keys), vec![("plain".into(), 4), ("hybrid".into(), 3)], "{mode:?}");
+            apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[1], 1)));
+            assert_eq!(scores(&core, &keys)[1], ("hybrid".into(), 3));
+            apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[3], 1)));
+            assert_eq!(scores(&core, &keys), vec![("plain".into(), 4)]);
+            assert_eq!(core.stats.unresolved_hashes, 0);
+        }
+    }
+
+    #[test]
+    fn copies_and_the_re_announce() {
+        for mode in [Mode::Engine, Mode::Tokens] {
+            let mut core = Core::new(2, mode);
+            let chain = stored(&[1, 2], None, &[1, 2, 3, 4], "GPU");
+            apply_json(&mut core, "a", &format!("[0, [{chain}]]"));
+            apply_json(&mut core, "a", &format!("[0, [{chain}]]")); // re-announced: no copy
+            apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[2], Some(1), &[3, 4], "GPU")));
+            let one = r#"{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}"#;
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.len(), 2, "{mode:?}: the second copy of block 1 is held");
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.len(), 1, "{mode:?}");
+            apply_json(&mut core, "a", &format!("[0, [{one}]]"));
+            assert_eq!(core.stats.unknown_removes, 1);
+        }
+    }
+
+    #[test]
+    fn bad_groups_change_nothing() {
+        let mut core = Core::new(2, Mode::Engine);
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1], None, &[1, 2], "GPU")));
+        for bad in ["-1", "64", "true", "1.5", "\"0\""] {
+            let ev = format!(r#"{{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": {bad}}}"#);
+            assert_eq!(apply_json(&mut core, "a", &format!("[0, [{ev}]]")), 1, "{bad}");
+        }
+        assert_eq!(core.stats.bad_groups, 5);
+        assert_eq!(core.stats.malformed_payloads, 0);
+        assert_eq!(scores(&core, &[1]), vec![("a".into(), 1)]);
+    }
+
     #[test]
     fn many_workers_use_several_words() {
         let mut core = Core::new(2, Mode::Engine);
@@ -812,12 +1273,12 @@ mod tests {
             apply_json(&mut core, &format!("w{w}"), &format!("[0, [{}]]", stored(&hashes, None, &tokens, "GPU")));
         }
         let mut out = Vec::new();
-        core.find_matches(&[0, 1, 2], None, &mut out);
+        core.find_matches(&[0, 1, 2], None, false, &mut out);
         assert_eq!(out.len(), 150);
         for &(w, n) in &out {
             assert_eq!(n, 1 + w % 3);
         }
-        core.find_matches(&[0], Some("CPU"), &mut out);
+        core.find_matches(&[0], Some(Some("CPU")), false, &mut out);
         assert!(out.is_empty());
     }
 }

@@ -1,16 +1,35 @@
-//! Which (worker, medium) pairs hold one block.
+//! Which (worker, class) pairs hold one block; a class is an interned (medium, KV-cache group,
+//! remote?) triple, so single-group data costs what a medium did.
 //!
 //! Most blocks are held by one or two workers: those fit in the map's 8-byte value. A block held
-//! by more moves to a slab entry with one worker bitset per medium, so a popular prefix costs a
+//! by more moves to a slab entry with one worker bitset per class, so a popular prefix costs a
 //! bit per worker and a query ANDs whole words of workers at a time.
 
-/// A holder: worker id in the high 24 bits, medium id in the low 8.
+/// A holder: worker id in the high 24 bits, class id in the low 8.
 pub type Entry = u32;
 
 /// Worker ids stay below this, so no entry collides with the two sentinels below.
 pub const MAX_WORKERS: u32 = (1 << 24) - 1;
-/// Medium ids are a byte.
-pub const MAX_MEDIA: usize = 256;
+/// Class ids are a byte.
+pub const MAX_CLASSES: usize = 256;
+
+/// The classes a query counts: `all` skips the bit test in the common case.
+#[derive(Clone, Copy)]
+pub struct Filter {
+    pub all: bool,
+    pub mask: [u64; 4],
+}
+
+impl Filter {
+    #[inline(always)]
+    pub fn accepts(&self, c: u8) -> bool {
+        self.all || (self.mask[(c >> 6) as usize] >> (c & 63)) & 1 != 0
+    }
+
+    pub fn set(&mut self, c: u8) {
+        self.mask[(c >> 6) as usize] |= 1 << (c & 63);
+    }
+}
 
 const NONE: u32 = u32::MAX;
 const MANY: u32 = u32::MAX - 1;
@@ -354,38 +373,43 @@ impl Holders {
         }
     }
 
-    /// Asks the CPU to bring the slab entry of a set of more than two into cache (a query reads
-    /// it a little later; the block's slot was read first, so its miss would come second).
+    /// ORs into `out` (a bitset over worker ids) the workers holding this block in a class
+    /// `filter` accepts.
     #[inline]
-    pub fn prefetch(&self, slab: &Slab) {
-        #[cfg(target_arch = "x86_64")]
-        if self.a == MANY {
-            if let Some(m) = slab.many.get(self.b as usize) {
-                // SAFETY: a prefetch never faults.
-                unsafe { std::arch::x86_64::_mm_prefetch(m as *const Many as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = slab;
-    }
-
-    /// ORs into `out` (a bitset over worker ids) the workers holding this block, in `medium`
-    /// only or in any.
-    #[inline]
-    pub fn workers_into(&self, slab: &Slab, medium: Option<u8>, out: &mut [u64]) {
+    pub fn workers_into(&self, slab: &Slab, filter: &Filter, out: &mut [u64]) {
         if self.a == MANY {
             for (m, b) in slab.many[self.b as usize].media() {
-                if medium.is_none_or(|x| x == m) {
+                if filter.accepts(m) {
                     b.or_into(out);
                 }
             }
         } else {
             for e in [self.a, self.b] {
-                if e != NONE && medium.is_none_or(|x| x == medium_of(e)) {
+                if e != NONE && filter.accepts(medium_of(e)) {
                     set_bit(out, worker_of(e));
                 }
             }
         }
+    }
+
+    /// The groups (bits of `group_of[class]`) in which worker `w` holds this block, over the
+    /// classes `filter` accepts.
+    pub fn groups_of(&self, slab: &Slab, w: u32, filter: &Filter, group_of: &[u8]) -> u64 {
+        let mut bits = 0;
+        if self.a == MANY {
+            for (m, b) in slab.many[self.b as usize].media() {
+                if filter.accepts(m) && b.get(w) {
+                    bits |= 1 << group_of[m as usize];
+                }
+            }
+        } else {
+            for e in [self.a, self.b] {
+                if e != NONE && worker_of(e) == w && filter.accepts(medium_of(e)) {
+                    bits |= 1 << group_of[medium_of(e) as usize];
+                }
+            }
+        }
+        bits
     }
 }
 
@@ -413,7 +437,9 @@ mod tests {
         want.sort();
         assert_eq!(sorted(&h, &slab), want);
         let mut out = vec![0u64; 4];
-        h.workers_into(&slab, Some(1), &mut out);
+        let mut odd_class = Filter { all: false, mask: [0; 4] };
+        odd_class.set(1);
+        h.workers_into(&slab, &odd_class, &mut out);
         let got: Vec<u32> = (0..256).filter(|&w| out[w / 64] & (1 << (w % 64)) != 0).map(|w| w as u32).collect();
         let odd: Vec<u32> = (0..70).filter(|w| w % 2 == 1).map(|w| w * 3).collect();
         assert_eq!(got, odd);

@@ -32,6 +32,24 @@ pub struct Stored<'a> {
     pub bad_tokens: bool,
     /// An extra key of a type no engine writes (float, map): the blocks cannot be keyed.
     pub bad_extra_keys: bool,
+    pub group: u8,
+    /// `kv_cache_spec_kind` as written (`Some(b"")` for a non-string, which no kind matches).
+    pub kind: Option<&'a [u8]>,
+    pub window: Window,
+    pub remote: bool,
+}
+
+/// `group_idx` that is not an int in 0..=63 (a bool, a float, a negative): the event is skipped.
+pub const BAD_GROUP: u8 = u8::MAX;
+/// Groups a worker may have: its group bits fit a u64.
+pub const MAX_GROUPS: u8 = 64;
+
+/// `kv_cache_spec_sliding_window`: absent or nil, an int, or something else.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Window {
+    None,
+    Int(i64),
+    Bad,
 }
 
 pub enum Event<'a> {
@@ -39,6 +57,8 @@ pub enum Event<'a> {
     Removed {
         hashes: Range<usize>,
         medium: Option<&'a str>,
+        group: u8,
+        remote: bool,
     },
     Cleared,
 }
@@ -134,6 +154,10 @@ struct Fields<'a> {
     medium: Option<&'a str>,
     lora_name: Option<&'a str>,
     extra_keys: Option<Vec<Option<Value>>>,
+    group: u8,
+    spec_kind: Option<&'a [u8]>,
+    window: Option<Window>,
+    remote: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -230,7 +254,15 @@ impl<'a> Parser<'a> {
                     next += 1;
                     field
                 }
-                _ => field(self.r.raw_str()?),
+                _ => {
+                    let f = field(self.r.raw_str()?);
+                    // An omitted field (msgspec leaves out defaults, e.g. extra_keys=None) puts
+                    // the next ones back in step once one of them is matched by name.
+                    if let Some(i) = KEY_ORDER.iter().position(|k| k.1 == f && f != Field::Other) {
+                        next = i + 1;
+                    }
+                    f
+                }
             };
             match field {
                 Field::Type => f.kind = Some(self.r.raw_str()?),
@@ -241,6 +273,10 @@ impl<'a> Parser<'a> {
                 Field::Medium => f.medium = self.opt_str()?,
                 Field::LoraName => f.lora_name = self.opt_str()?,
                 Field::ExtraKeys => f.extra_keys = self.extra_keys()?,
+                Field::GroupIdx => f.group = self.group()?,
+                Field::Kind => f.spec_kind = self.kind()?,
+                Field::Window => f.window = Some(self.window()?),
+                Field::Locality => f.remote = self.opt_str()? == Some("REMOTE"),
                 Field::Other => self.r.any(1)?,
             }
         }
@@ -279,6 +315,52 @@ impl<'a> Parser<'a> {
             Hash::U(v) => Some(i64::try_from(v).unwrap_or(i64::MAX)),
             Hash::I(v) => Some(v),
             Hash::B(..) => None,
+        }
+    }
+
+    /// `group_idx`: nil is group 0 (engines without groups); anything but an int 0..=63 is
+    /// `BAD_GROUP` (read past, so the rest of the payload still applies).
+    fn group(&mut self) -> Option<u8> {
+        if self.r.nil() {
+            return Some(0);
+        }
+        match self.r.peek()? {
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => Some(match self.r.int()? {
+                Hash::U(v) if v < MAX_GROUPS as u64 => v as u8,
+                _ => BAD_GROUP,
+            }),
+            _ => {
+                self.r.any(1)?;
+                Some(BAD_GROUP)
+            }
+        }
+    }
+
+    fn kind(&mut self) -> Option<Option<&'a [u8]>> {
+        if self.r.nil() {
+            return Some(None);
+        }
+        if matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
+            return self.r.raw_str().map(Some);
+        }
+        self.r.any(1)?;
+        Some(Some(b""))
+    }
+
+    fn window(&mut self) -> Option<Window> {
+        if self.r.nil() {
+            return Some(Window::None);
+        }
+        match self.r.peek()? {
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => Some(match self.r.int()? {
+                Hash::U(v) => Window::Int(i64::try_from(v).unwrap_or(i64::MAX)),
+                Hash::I(v) => Window::Int(v),
+                Hash::B(..) => Window::Bad,
+            }),
+            _ => {
+                self.r.any(1)?;
+                Some(Window::Bad)
+            }
         }
     }
 
@@ -415,7 +497,7 @@ impl<'a> Parser<'a> {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Field {
     Type,
     BlockHashes,
@@ -425,12 +507,16 @@ enum Field {
     Medium,
     LoraName,
     ExtraKeys,
+    GroupIdx,
+    Kind,
+    Window,
+    Locality,
     Other,
 }
 
 /// vLLM's event fields as msgspec writes them, fixstr header and name, in declaration order
 /// (BlockStored's; a BlockRemoved's medium comes early and takes the general path).
-const KEY_ORDER: [(&[u8], Field); 9] = [
+const KEY_ORDER: [(&[u8], Field); 13] = [
     (b"\xa4type", Field::Type),
     (b"\xacblock_hashes", Field::BlockHashes),
     (b"\xb1parent_block_hash", Field::Parent),
@@ -440,6 +526,10 @@ const KEY_ORDER: [(&[u8], Field); 9] = [
     (b"\xa6medium", Field::Medium),
     (b"\xa9lora_name", Field::LoraName),
     (b"\xaaextra_keys", Field::ExtraKeys),
+    (b"\xa9group_idx", Field::GroupIdx),
+    (b"\xb2kv_cache_spec_kind", Field::Kind),
+    (b"\xbckv_cache_spec_sliding_window", Field::Window),
+    (b"\xa8locality", Field::Locality),
 ];
 
 /// An event field by name: one comparison per key (the key's length and first byte pick the
@@ -451,7 +541,11 @@ fn field(key: &[u8]) -> Field {
         (12, _) => (b"block_hashes", Field::BlockHashes),
         (17, _) => (b"parent_block_hash", Field::Parent),
         (9, Some(b't')) => (b"token_ids", Field::TokenIds),
+        (9, Some(b'g')) => (b"group_idx", Field::GroupIdx),
         (9, _) => (b"lora_name", Field::LoraName),
+        (18, _) => (b"kv_cache_spec_kind", Field::Kind),
+        (28, _) => (b"kv_cache_spec_sliding_window", Field::Window),
+        (8, _) => (b"locality", Field::Locality),
         (10, Some(b'b')) => (b"block_size", Field::BlockSize),
         (10, _) => (b"extra_keys", Field::ExtraKeys),
         (6, _) => (b"medium", Field::Medium),
@@ -500,10 +594,16 @@ impl<'a> Fields<'a> {
                 extra_keys: self.extra_keys,
                 bad_tokens: false,
                 bad_extra_keys: false,
+                group: self.group,
+                kind: self.spec_kind,
+                window: self.window.unwrap_or(Window::None),
+                remote: self.remote,
             }),
             b"BlockRemoved" => Event::Removed {
                 hashes: self.hashes?,
                 medium: self.medium,
+                group: self.group,
+                remote: self.remote,
             },
             b"AllBlocksCleared" => Event::Cleared,
             _ => return None,

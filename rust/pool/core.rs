@@ -2,6 +2,10 @@
 //! the event record. A line-by-line port of `BlockPool` in python/kvbridge/engine/_reference_pool.py (the
 //! executable spec; the state machine in tests/test_pool.py runs both side by side), so the
 //! comments there explain the rules; the ones here explain the representation.
+//!
+//! A hybrid pool (KV-cache groups) keeps one map pair per group, a per-block group and, since
+//! copies are announced one by one there, a per-block `Entry` for snapshots (`meta`). The
+//! single-group pool uses map pair 0 and leaves `meta` empty.
 
 use std::collections::hash_map::{Entry as MapEntry, HashMap, RandomState};
 use std::hash::{BuildHasher, Hasher};
@@ -66,15 +70,18 @@ pub struct Record {
 }
 
 pub enum Event {
-    /// `lora` indexes the caller's LoRA table (0: no LoRA).
+    /// `lora` indexes the caller's LoRA table (0: no LoRA). `group` is read only by a hybrid
+    /// pool's events.
     Stored {
         parent: Option<u64>,
         hashes: Range<usize>,
         tokens: Range<usize>,
         lora: u32,
+        group: u8,
     },
     Removed {
         hashes: Range<usize>,
+        group: u8,
     },
     Cleared,
 }
@@ -84,7 +91,7 @@ impl Record {
         self.events.is_empty()
     }
 
-    fn stored(&mut self, parent: Option<u64>, hashes: &[u64], tokens: &[u32], lora: u32) {
+    fn stored(&mut self, parent: Option<u64>, hashes: &[u64], tokens: &[u32], lora: u32, group: u8) {
         let h = self.hashes.len();
         let t = self.tokens.len();
         self.hashes.extend_from_slice(hashes);
@@ -94,6 +101,7 @@ impl Record {
             hashes: h..self.hashes.len(),
             tokens: t..self.tokens.len(),
             lora,
+            group,
         });
     }
 }
@@ -110,9 +118,15 @@ pub struct Core {
     /// Each block's tokens, written when it is cached: a snapshot reads them from here (a
     /// copy that takes over a hash holds the same tokens).
     tokens: Vec<u32>,
-    cached: Map<Entry>,
-    /// Further blocks holding an already cached hash, oldest first. Rare.
-    copies: Map<Vec<u32>>,
+    /// Per group: hash -> its first holder.
+    cached: Vec<Map<Entry>>,
+    /// Per group: further blocks holding an already cached hash, oldest first. Rare.
+    copies: Vec<Map<Vec<u32>>>,
+    /// Hybrid only: the window of each group (None: a main group). Empty: single group.
+    windows: Vec<Option<usize>>,
+    /// Hybrid only, per block: the group whose map holds its hash, and its own `Entry`.
+    group: Vec<u8>,
+    meta: Vec<Entry>,
     seq: u64,
     run: u64,
     pub record: Option<Record>,
@@ -120,8 +134,20 @@ pub struct Core {
 }
 
 impl Core {
-    pub fn new(num_blocks: usize, block_size: usize, events: bool) -> Core {
+    /// `windows`: one entry per KV-cache group of a hybrid pool (None for a main group, the
+    /// window in tokens for a window group); empty for the single-group pool.
+    pub fn new(num_blocks: usize, block_size: usize, events: bool, windows: Vec<Option<usize>>) -> Core {
         let n = num_blocks;
+        let hybrid = !windows.is_empty();
+        let num_maps = windows.len().max(1);
+        let blank = Entry {
+            block: 0,
+            idx: 0,
+            seq: 0,
+            run: 0,
+            parent: None,
+            lora: 0,
+        };
         let (head, tail) = (n as u32, n as u32 + 1);
         // Block i sits between i-1 and i+1; block 0 follows HEAD and the last precedes TAIL.
         let mut prev: Vec<u32> = (0..n as u32 + 2).map(|i| i.wrapping_sub(1)).collect();
@@ -139,8 +165,11 @@ impl Core {
             next,
             num_free: n,
             tokens: vec![0; n * block_size],
-            cached: Map::default(),
-            copies: Map::default(),
+            cached: vec![Map::default(); num_maps],
+            copies: vec![Map::default(); num_maps],
+            group: if hybrid { vec![0; n] } else { Vec::new() },
+            meta: if hybrid { vec![blank; n] } else { Vec::new() },
+            windows,
             seq: 0,
             run: 0,
             record: events.then(Record::default),
@@ -162,8 +191,13 @@ impl Core {
         self.num_free
     }
 
+    fn hybrid(&self) -> bool {
+        !self.windows.is_empty()
+    }
+
+    /// Distinct cached (group, hash) keys.
     pub fn num_cached(&self) -> usize {
-        self.cached.len()
+        self.cached.iter().map(|m| m.len()).sum()
     }
 
     pub fn ref_cnt(&self, b: u32) -> u32 {
@@ -184,9 +218,13 @@ impl Core {
         out
     }
 
-    /// Cached hashes in insertion order: parents before children.
+    /// Cached hashes in insertion order: parents before children (hybrid: one per key).
     pub fn cached_hashes(&self) -> Vec<u64> {
-        let mut items: Vec<(u64, u64)> = self.cached.iter().map(|(&h, e)| (e.seq, h)).collect();
+        let mut items: Vec<(u64, u64)> = self
+            .cached
+            .iter()
+            .flat_map(|m| m.iter().map(|(&h, e)| (e.seq, h)))
+            .collect();
         items.sort_unstable();
         items.into_iter().map(|(_, h)| h).collect()
     }
@@ -194,11 +232,74 @@ impl Core {
     /// The blocks holding the longest cached prefix of `hashes`.
     pub fn find_cached_prefix(&self, hashes: &[u64], out: &mut Vec<u32>) {
         for h in hashes {
-            match self.cached.get(h) {
+            match self.cached[0].get(h) {
                 Some(e) => out.push(e.block),
                 None => break,
             }
         }
+    }
+
+    /// The first block holding `h` in group `g`.
+    pub fn lookup(&self, g: usize, h: u64) -> Option<u32> {
+        self.cached[g].get(&h).map(|e| e.block)
+    }
+
+    // --- the hybrid hit rule (the spec's `BlockPool.longest_hit` and helpers) ---------------
+
+    /// Blocks a window group needs before a hit: max(1, cdiv(W - 1, block_size)); 0 for main.
+    pub fn window_blocks(&self, g: usize) -> usize {
+        self.windows[g].map_or(0, |w| (w - 1).div_ceil(self.block_size).max(1))
+    }
+
+    /// Leading blocks outside group `g`'s window once `num_tokens` are computed.
+    pub fn skipped_blocks(&self, g: usize, num_tokens: usize) -> usize {
+        self.windows
+            .get(g)
+            .copied()
+            .flatten()
+            .map_or(0, |w| (num_tokens + 1).saturating_sub(w) / self.block_size)
+    }
+
+    /// HybridKVCacheCoordinator.find_longest_cache_hit, in blocks (see the spec's docstring).
+    pub fn longest_hit(&self, hashes: &[u64], max_blocks: usize) -> usize {
+        let groups = 0..self.windows.len();
+        let mains: Vec<usize> = groups.clone().filter(|&g| self.windows[g].is_none()).collect();
+        let mut n = hashes
+            .iter()
+            .take(max_blocks)
+            .take_while(|h| mains.iter().all(|&g| self.cached[g].contains_key(h)))
+            .count();
+        let wins: Vec<(usize, usize)> = groups
+            .filter(|&g| self.windows[g].is_some())
+            .map(|g| (g, self.window_blocks(g)))
+            .collect();
+        let mut changed = true;
+        while changed {
+            changed = false;
+            for &(g, k) in &wins {
+                let m = self.window_hit(g, k, &hashes[..n]);
+                if m < n {
+                    n = m;
+                    changed = true;
+                }
+            }
+        }
+        n
+    }
+
+    fn window_hit(&self, g: usize, k: usize, hashes: &[u64]) -> usize {
+        let mut run = 0;
+        for (i, h) in hashes.iter().enumerate().rev() {
+            if self.cached[g].contains_key(h) {
+                run += 1;
+                if run >= k {
+                    return i + k;
+                }
+            } else {
+                run = 0;
+            }
+        }
+        run
     }
 
     /// Whether `hit` plus `num_new` fresh blocks can be had, counting free hits as taken.
@@ -244,14 +345,28 @@ impl Core {
             let i = b as usize;
             self.ref_cnt[i] = 1;
             if let Some(h) = self.hash[i].take() {
-                let last = if self.copies.is_empty() {
-                    self.cached.remove(&h);
-                    true
+                if self.hybrid() {
+                    // Every holder is removed on its own, as vLLM announces it.
+                    let g = self.group[i];
+                    self.drop_cached(g as usize, b, h);
+                    if let Some(r) = self.record.as_mut() {
+                        r.hashes.push(h);
+                        let at = r.hashes.len();
+                        r.events.push(Event::Removed {
+                            hashes: at - 1..at,
+                            group: g,
+                        });
+                    }
                 } else {
-                    self.drop_cached(b, h)
-                };
-                if let (true, Some(r)) = (last, self.record.as_mut()) {
-                    r.hashes.push(h);
+                    let last = if self.copies[0].is_empty() {
+                        self.cached[0].remove(&h);
+                        true
+                    } else {
+                        self.drop_cached(0, b, h)
+                    };
+                    if let (true, Some(r)) = (last, self.record.as_mut()) {
+                        r.hashes.push(h);
+                    }
                 }
             }
             b = self.next[i];
@@ -260,22 +375,24 @@ impl Core {
         self.next[head as usize] = b;
         self.prev[b as usize] = head;
         self.num_free -= count;
-        if let Some(r) = self.record.as_mut() {
+        let hybrid = self.hybrid();
+        if let (Some(r), false) = (self.record.as_mut(), hybrid) {
             if r.hashes.len() > removed_from {
                 r.events.push(Event::Removed {
                     hashes: removed_from..r.hashes.len(),
+                    group: 0,
                 });
             }
         }
     }
 
-    /// Forgets that `block` holds `h`; true when that was the hash's last copy.
-    fn drop_cached(&mut self, block: u32, h: u64) -> bool {
-        let MapEntry::Occupied(mut copies) = self.copies.entry(h) else {
-            self.cached.remove(&h);
+    /// Forgets that `block` holds `h` in group `g`; true when that was the hash's last copy.
+    fn drop_cached(&mut self, g: usize, block: u32, h: u64) -> bool {
+        let MapEntry::Occupied(mut copies) = self.copies[g].entry(h) else {
+            self.cached[g].remove(&h);
             return true;
         };
-        let entry = self.cached.get_mut(&h).expect("a copied hash is cached");
+        let entry = self.cached[g].get_mut(&h).expect("a copied hash is cached");
         if entry.block == block {
             // The oldest other copy takes over, keeping the hash's place and run.
             entry.block = copies.get_mut().remove(0);
@@ -294,7 +411,8 @@ impl Core {
     }
 
     /// Marks in-use blocks without a hash as cached, one chain continuing `parent`; records a
-    /// `Stored` event per stretch of hashes not already held by other blocks.
+    /// `Stored` event per stretch of hashes not already held by other blocks (hybrid: one
+    /// event for all of them, in group `g`).
     pub fn cache(
         &mut self,
         blocks: &[u32],
@@ -302,7 +420,11 @@ impl Core {
         tokens: &[u32],
         parent: Option<u64>,
         lora: u32,
+        g: usize,
     ) {
+        if self.hybrid() {
+            return self.cache_group(blocks, hashes, tokens, parent, lora, g);
+        }
         let bs = self.block_size;
         self.run += 1;
         let run = self.run;
@@ -314,9 +436,9 @@ impl Core {
             let bi = b as usize;
             self.hash[bi] = Some(h);
             self.tokens[bi * bs..(bi + 1) * bs].copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
-            match self.cached.entry(h) {
+            match self.cached[0].entry(h) {
                 MapEntry::Occupied(_) => {
-                    self.copies.entry(h).or_default().push(b);
+                    self.copies[0].entry(h).or_default().push(b);
                     if i > start {
                         stretches.extend([start as u32, i as u32]);
                     }
@@ -343,10 +465,48 @@ impl Core {
             for pair in stretches.chunks_exact(2) {
                 let (s, e) = (pair[0] as usize, pair[1] as usize);
                 let parent = if s > 0 { Some(hashes[s - 1]) } else { parent };
-                r.stored(parent, &hashes[s..e], &tokens[s * bs..e * bs], lora);
+                r.stored(parent, &hashes[s..e], &tokens[s * bs..e * bs], lora, 0);
             }
         }
         self.scratch = stretches;
+    }
+
+    fn cache_group(
+        &mut self,
+        blocks: &[u32],
+        hashes: &[u64],
+        tokens: &[u32],
+        parent: Option<u64>,
+        lora: u32,
+        g: usize,
+    ) {
+        let bs = self.block_size;
+        self.run += 1;
+        for (i, (&b, &h)) in blocks.iter().zip(hashes).enumerate() {
+            let bi = b as usize;
+            self.hash[bi] = Some(h);
+            self.tokens[bi * bs..(bi + 1) * bs].copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
+            self.seq += 1;
+            let entry = Entry {
+                block: b,
+                idx: i as u32,
+                seq: self.seq,
+                run: self.run,
+                parent: if i > 0 { Some(hashes[i - 1]) } else { parent },
+                lora,
+            };
+            self.group[bi] = g as u8;
+            self.meta[bi] = entry;
+            match self.cached[g].entry(h) {
+                MapEntry::Occupied(_) => self.copies[g].entry(h).or_default().push(b),
+                MapEntry::Vacant(v) => {
+                    v.insert(entry);
+                }
+            }
+        }
+        if let Some(r) = self.record.as_mut() {
+            r.stored(parent, hashes, tokens, lora, g as u8);
+        }
     }
 
     /// Drops one reference per block, walking `blocks` backwards (a request's tail first, so a
@@ -395,8 +555,8 @@ impl Core {
             return false;
         }
         self.hash.fill(None);
-        self.cached.clear();
-        self.copies.clear();
+        self.cached.iter_mut().for_each(Map::clear);
+        self.copies.iter_mut().for_each(Map::clear);
         if let Some(r) = self.record.as_mut() {
             r.events.push(Event::Cleared);
         }
@@ -414,13 +574,23 @@ impl Core {
 
     /// Every cached hash as `Stored` events, parents before children, consecutive hashes of
     /// one `cache` call merged into one event as they were stored.
+    /// Hybrid: every block holding a hash, group by group in caching order (the spec's rule).
     pub fn snapshot(&self) -> Record {
-        let mut entries: Vec<(u64, &Entry)> = self.cached.iter().map(|(&h, e)| (h, e)).collect();
-        entries.sort_unstable_by_key(|(_, e)| e.seq);
+        let mut entries: Vec<(u8, u64, &Entry)> = if self.hybrid() {
+            (0..self.num_blocks)
+                .filter_map(|b| {
+                    let h = self.hash[b]?;
+                    Some((self.group[b], h, &self.meta[b]))
+                })
+                .collect()
+        } else {
+            self.cached[0].iter().map(|(&h, e)| (0, h, e)).collect()
+        };
+        entries.sort_unstable_by_key(|&(g, _, e)| (g, e.seq));
         let bs = self.block_size;
         let mut out = Record::default();
         let mut prev: Option<&Entry> = None;
-        for (h, e) in entries {
+        for (g, h, e) in entries {
             let b = e.block as usize;
             let block_tokens = &self.tokens[b * bs..(b + 1) * bs];
             let continues = prev.is_some_and(|p| p.run == e.run && p.idx + 1 == e.idx);
@@ -434,7 +604,7 @@ impl Core {
                 prev = Some(e);
                 continue;
             }
-            out.stored(e.parent, &[h], block_tokens, e.lora);
+            out.stored(e.parent, &[h], block_tokens, e.lora, g);
             prev = Some(e);
         }
         out
@@ -468,7 +638,7 @@ mod tests {
         r.events
             .iter()
             .filter_map(|e| match e {
-                Event::Removed { hashes } => Some(r.hashes[hashes.clone()].to_vec()),
+                Event::Removed { hashes, .. } => Some(r.hashes[hashes.clone()].to_vec()),
                 _ => None,
             })
             .collect()
@@ -479,13 +649,13 @@ mod tests {
     /// first, so it is evicted first), uncached ones to the head; taking evicts from the head.
     #[test]
     fn free_queue_order_follows_the_spec() {
-        let mut core = Core::new(6, 2, true);
+        let mut core = Core::new(6, 2, true, Vec::new());
         let mut taken = Vec::new();
         core.new_blocks(4, &mut taken);
         assert_eq!(taken, [0, 1, 2, 3]);
         assert_eq!(core.free_block_ids(), [4, 5]);
 
-        core.cache(&taken[..2], &[100, 101], &[1, 2, 3, 4], None, 0);
+        core.cache(&taken[..2], &[100, 101], &[1, 2, 3, 4], None, 0, 0);
         core.free_reversed(&taken);
         assert_eq!(core.free_block_ids(), [3, 2, 4, 5, 1, 0]);
         assert_eq!(core.num_free(), 6);
@@ -510,13 +680,13 @@ mod tests {
     /// a hash held by two blocks is removed only when its last copy goes.
     #[test]
     fn touch_unlinks_and_copies_keep_a_hash_cached() {
-        let mut core = Core::new(4, 1, true);
+        let mut core = Core::new(4, 1, true, Vec::new());
         let mut a = Vec::new();
         core.new_blocks(2, &mut a);
-        core.cache(&a, &[7, 8], &[70, 80], None, 0);
+        core.cache(&a, &[7, 8], &[70, 80], None, 0, 0);
         let mut b = Vec::new();
         core.new_blocks(1, &mut b);
-        core.cache(&b, &[7], &[70], None, 0); // a second copy of 7: no new event
+        core.cache(&b, &[7], &[70], None, 0, 0); // a second copy of 7: no new event
         core.free_reversed(&a);
         assert_eq!(core.free_block_ids(), [3, 1, 0]);
         core.touch(&[1]);

@@ -114,6 +114,9 @@ pub struct Context<'a> {
     pub block_size: usize,
     /// Index 0 is "no LoRA" and never read.
     pub loras: &'a [Lora],
+    /// A hybrid pool's (kind, window) per group, put in its events; None: single group, whose
+    /// events carry no group fields.
+    pub groups: Option<&'a [(Py<PyAny>, Py<PyAny>)]>,
 }
 
 /// The record's events as `BlockStored` / `BlockRemoved` / `AllBlocksCleared` objects, with the
@@ -132,41 +135,57 @@ pub fn build<'py>(
                 hashes,
                 tokens,
                 lora,
+                group,
             } => {
                 let hashes = hash_list(py, &rec.hashes[hashes.clone()])?;
                 let toks = &rec.tokens[tokens.clone()];
                 let tokens = list(py, toks.len(), |i| ints.get(py, toks[i]))?;
                 let parent = parent.into_pyobject(py)?;
                 let (bs, medium) = (cx.block_size, cx.medium.bind(py));
-                if *lora == 0 {
-                    let args = (hashes, parent, tokens, bs, py.None(), medium, py.None());
-                    cx.classes.stored.bind(py).call1(args)?
-                } else {
-                    let l = &cx.loras[*lora as usize];
-                    let n = hashes.len();
-                    let extra = match &l.extra {
-                        Some(t) => list(py, n, |_| t.clone_ref(py).into_ptr())?.into_any(),
-                        None => py.None().into_bound(py),
-                    };
-                    let args = (
-                        hashes,
-                        parent,
-                        tokens,
-                        bs,
-                        l.id.bind(py),
-                        medium,
-                        l.name.bind(py),
-                        extra,
-                    );
-                    cx.classes.stored.bind(py).call1(args)?
+                let l = &cx.loras[*lora as usize];
+                let extra = |n: usize| match &l.extra {
+                    Some(t) => list(py, n, |_| t.clone_ref(py).into_ptr()).map(|l| l.into_any()),
+                    None => Ok(py.None().into_bound(py)),
+                };
+                match cx.groups {
+                    None if *lora == 0 => {
+                        let args = (hashes, parent, tokens, bs, py.None(), medium, py.None());
+                        cx.classes.stored.bind(py).call1(args)?
+                    }
+                    None => {
+                        let extra = extra(hashes.len())?;
+                        let (id, name) = (l.id.bind(py), l.name.bind(py));
+                        let args = (hashes, parent, tokens, bs, id, medium, name, extra);
+                        cx.classes.stored.bind(py).call1(args)?
+                    }
+                    Some(groups) => {
+                        let extra = extra(hashes.len())?;
+                        let (kind, window) = &groups[*group as usize];
+                        let (id, name) = (l.id.bind(py), l.name.bind(py));
+                        let args = (
+                            hashes,
+                            parent,
+                            tokens,
+                            bs,
+                            id,
+                            medium,
+                            name,
+                            extra,
+                            *group,
+                            kind.bind(py),
+                            window.bind(py),
+                        );
+                        cx.classes.stored.bind(py).call1(args)?
+                    }
                 }
             }
-            Event::Removed { hashes } => {
+            Event::Removed { hashes, group } => {
                 let hashes = hash_list(py, &rec.hashes[hashes.clone()])?;
-                cx.classes
-                    .removed
-                    .bind(py)
-                    .call1((hashes, cx.medium.bind(py)))?
+                let removed = cx.classes.removed.bind(py);
+                match cx.groups {
+                    None => removed.call1((hashes, cx.medium.bind(py)))?,
+                    Some(_) => removed.call1((hashes, cx.medium.bind(py), *group))?,
+                }
             }
             Event::Cleared => cx.classes.cleared.bind(py).call0()?,
         };

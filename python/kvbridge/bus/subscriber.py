@@ -23,8 +23,9 @@ in-order sequence of :class:`Update` s:
 Views never wait for anyone: ``async for`` reads from a bounded queue; an iterator that falls
 ``queue_size`` updates behind is told so (``stats["iterator_behind"]``): the queue is dropped and
 the iterator continues with one ``reset=True`` update per worker (``source="behind"``) carrying the
-worker's current view (its block hashes, as one ``BlockStored`` without token ids; without tracked
-views, the worker is resynced by snapshot), so a consumer that rebuilds state from updates stays
+worker's current view (``Residency.as_events``: per medium and group, its block hashes, one per
+copy, as one ``BlockStored`` without token ids, and each group's kind; without tracked views, the
+worker is resynced by snapshot), so a consumer that rebuilds state from updates stays
 exact. An abandoned iterator is detached.
 
 Everything runs on the subscriber's asyncio loop; one resync task per worker at most.
@@ -48,8 +49,9 @@ from kvbridge import _native, metrics
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.sequencer import Sequencer, Verdict
-from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
 from kvbridge.wire.events import Event, LoadReport, decode_load_report
+from kvbridge.wire.residency import Residency, ops_of
 from kvbridge.wire.subjects import (
     FORMATS,
     Format,
@@ -88,13 +90,11 @@ _BACKOFF_MAX_S = 4.0
 _MAX_SUBJECT_KEYS = 4096
 
 
-_STORED, _REMOVED, _CLEARED = 0, 1, 2
-
-
 class _Body:
     """A message's batch, decoded only as far as someone needs it.
 
-    Views need only the block hashes; a full decode builds a Python int for every token id, which
+    Views need only the block hashes and what the residency rule reads (medium, group, kind,
+    window, parent None-ness: ``kvbridge.wire.residency.Op``); a full decode builds a Python int for every token id, which
     is most of a subscriber's work. vLLM-shaped msgpack payloads are scanned natively instead
     (``_native.scan_batch_msgpack``, which validates the whole payload against the schema), and
     the KVEventBatch is decoded on first access to ``batch``. Everything else is decoded at once,
@@ -129,7 +129,7 @@ class _Body:
     def _set_batch(self, batch: KVEventBatch) -> None:
         self._batch = batch
         self.ts, self.rank, self.n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
-        self.ops, self.n_blocks = _ops_of(batch.events)
+        self.ops, self.n_blocks = ops_of(batch.events)
 
     @property
     def batch(self) -> KVEventBatch:
@@ -146,28 +146,6 @@ class _Body:
             self._set_batch(self.batch)
             return object.__getattribute__(self, name)
         raise AttributeError(name)
-
-
-def _ops_of(events: list[Any]) -> tuple[list[tuple[int, list[Any]]], int]:
-    """The scan's ``(kind, hashes)`` ops for decoded events, and the block count."""
-    ops: list[tuple[int, list[Any]]] = []
-    n_blocks = 0
-    for ev in events:
-        cls = ev.__class__
-        if cls is BlockStored:
-            kind, hashes = _STORED, ev.block_hashes
-        elif cls is BlockRemoved:
-            kind, hashes = _REMOVED, ev.block_hashes
-        elif cls is AllBlocksCleared:
-            kind, hashes = _CLEARED, []
-        else:
-            continue
-        n_blocks += len(hashes)
-        if ops and ops[-1][0] == kind:
-            ops[-1][1].extend(hashes)
-        else:
-            ops.append((kind, list(hashes)))
-    return ops, n_blocks
 
 
 class Update:
@@ -221,34 +199,34 @@ class Update:
 
 
 class WorkerView:
-    """The set of block hashes a worker holds, as its events say (no prefix structure)."""
+    """What a worker holds, as its events say (no prefix structure): ``residency``, a
+    :class:`~kvbridge.wire.residency.Residency` (per ``(medium, group)``, each hash's copies; each
+    group's kind; what was skipped), and ``blocks``, the hashes held anywhere."""
 
-    __slots__ = ("blocks", "epoch", "seq")
+    __slots__ = ("residency", "epoch", "seq")
 
     def __init__(self) -> None:
-        self.blocks: set[Any] = set()
+        self.residency = Residency()
         self.epoch: str | None = None
         self.seq = -1
 
+    @property
+    def blocks(self) -> set[Any]:
+        return self.residency.blocks()
+
+    @property
+    def held(self) -> dict[tuple[str | None, int], dict[Any, int]]:
+        """``{(medium, group): {hash: copies}}``."""
+        return self.residency.held
+
     def apply(self, update: Update) -> None:
         if update.reset:
-            self.blocks.clear()
-        self._apply_ops(update._body.ops)
+            self.residency.clear()
+        self.residency.apply_ops(update._body.ops)
         self.epoch, self.seq = update.epoch, update.seq
 
     def apply_events(self, events: list[Any]) -> None:
-        self._apply_ops(_ops_of(events)[0])
-
-    def _apply_ops(self, ops: list[tuple[int, list[Any]]]) -> None:
-        """The one place a set of block hashes follows stored / removed / cleared."""
-        blocks = self.blocks
-        for kind, hashes in ops:
-            if kind == _STORED:
-                blocks.update(hashes)
-            elif kind == _REMOVED:
-                blocks.difference_update(hashes)
-            else:
-                blocks.clear()
+        self.residency.apply(events)
 
 
 class _Malformed(Exception):
@@ -507,8 +485,7 @@ class KvEventSubscriber:
                 w.seq.need_snapshot = True
                 self._ensure_sync(w)
                 continue
-            blocks = list(w.view.blocks)
-            events: list[Event] = [BlockStored(blocks, None, [], 0, None, None, None)] if blocks else []
+            events: list[Event] = list(w.view.residency.as_events())
             out.append(Update(w.model, w.worker, w.epoch, w.view.seq, KVEventBatch(now, events), True, "behind"))
             self._iter_known.add(key)
         return out

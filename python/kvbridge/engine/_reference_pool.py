@@ -20,7 +20,46 @@ from kvbridge.engine.pool import Block
 if TYPE_CHECKING:
     from kvbridge._native import Algorithm
 
-__all__ = ["BlockPool", "PyKVCacheManager"]
+__all__ = ["BlockPool", "PyKVCacheManager", "check_groups"]
+
+#: vLLM 0.33's KVCacheSpecKind values the pool models: main-attention kinds hold every block of a
+#: request (FullAttentionManager); window kinds free the blocks that left their window
+#: (SlidingWindowManager).
+MAIN_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+WINDOW_KINDS = ("sliding_window", "sliding_window_mla")
+#: group_idx is 0..=63 on the wire (the shared spec's residency key).
+MAX_GROUPS = 64
+
+
+def check_groups(groups: Any) -> tuple[tuple[str, int | None], ...] | None:
+    """``groups`` as a tuple of (kind, window) pairs, or None; a ValueError names the bad entry.
+
+    The native manager (rust/pool.rs ``check_groups``) raises the same messages."""
+    if groups is None:
+        return None
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, (list, tuple)):
+        raise ValueError(f"groups must be a list of (kind, window) pairs or None, got {groups!r}")
+    if not 0 < len(groups) <= MAX_GROUPS:
+        raise ValueError(f"groups must hold 1 to {MAX_GROUPS} groups, got {len(groups)}")
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)) or len(group) != 2:
+            raise ValueError(f"groups[{i}] must be a (kind, window) pair, got {group!r}")
+        kind, window = group
+        if kind in MAIN_KINDS:
+            if window is not None:
+                raise ValueError(f"groups[{i}]: {kind} takes no window (None), got {window!r}")
+        elif kind in WINDOW_KINDS:
+            if type(window) is not int or window < 1:
+                raise ValueError(f"groups[{i}]: {kind} needs a window, an int >= 1 (tokens), got {window!r}")
+        else:
+            raise ValueError(
+                f"groups[{i}]: kind must be one of {', '.join(MAIN_KINDS + WINDOW_KINDS)}, got {kind!r}"
+            )
+        if i == 0 and window is not None:
+            raise ValueError(f"groups[0] must be a main-attention kind ({', '.join(MAIN_KINDS)}), got {kind!r}")
+        out.append((kind, window))
+    return tuple(out)
 
 # vLLM's own algorithms chain on full digests; their 64-bit event hash is the digest's tail.
 _VLLM_ALGOS = frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"})
@@ -32,6 +71,15 @@ class BlockPool:
     ``algo``/``seed`` choose the chained hash (see ``kvbridge.wire.hashing``); ``medium`` is put in
     every event. Not thread-safe: callers serialise (``KVCacheManager`` does). Methods taking
     blocks take each block at most once per call.
+
+    ``groups`` (see :func:`check_groups`) makes the pool hybrid, as vLLM's one ``BlockPool``
+    shared by every KV-cache group (vllm/v1/core/block_pool.py): the map is keyed by
+    (group, hash) -- vLLM's ``make_block_hash_with_group_id``, the same block hash in every
+    group -- and, as there, nothing is de-duplicated: every cached block is announced
+    (``BlockStored`` with ``group_idx`` and the group's kind and window, one per
+    ``cache_full_blocks`` call) and every evicted cached block is removed on its own
+    (``BlockRemoved([hash], medium, group_idx)``, as ``_emit_block_removed_events``), so a hash
+    two blocks hold is stored twice and removed twice.
     """
 
     def __init__(
@@ -43,7 +91,9 @@ class BlockPool:
         seed: Any = None,
         medium: str | None = MEDIUM_GPU,
         enable_events: bool = True,
+        groups: Any = None,
     ) -> None:
+        self.groups = check_groups(groups)
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -72,10 +122,14 @@ class BlockPool:
         # Per block that is one small tuple, not a copy of its tokens; and all of it is
         # immutable, so a snapshot can copy the dict and read the entries unlocked. Insertion
         # order is topological: a hash's parent is cached whenever it is, so it came first.
-        self._cached: dict[int, tuple[Block, tuple]] = {}
+        self._cached: dict[Any, tuple[Block, tuple]] = {}
         # Further blocks holding an already cached hash, oldest first. Rare.
-        self._copies: dict[int, list[Block]] = {}
+        self._copies: dict[Any, list[Block]] = {}
         self._events: list | None = [] if enable_events else None
+        # Hybrid only: per block id (insertion number, run, index in run, group) while it holds a
+        # hash. Copies are announced one by one, so a snapshot lists every holder, not each key.
+        self._meta: list[tuple[int, tuple, int, int] | None] = [None] * num_blocks
+        self._seq = 0
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -101,18 +155,79 @@ class BlockPool:
         return out
 
     def cached_block_hashes(self) -> list[int]:
-        """The cached hashes, parents before children."""
+        """The cached hashes, parents before children (hybrid: one per cached (group, hash),
+        in the order each was first cached)."""
+        if self.groups is not None:
+            return [h for _, h in self._cached]
         return list(self._cached)
 
-    def get_cached_block(self, block_hash: int) -> Block | None:
-        entry = self._cached.get(block_hash)
+    def get_cached_block(self, block_hash: int, group_idx: int = 0) -> Block | None:
+        """The oldest block holding ``block_hash`` (in group ``group_idx`` of a hybrid pool)."""
+        entry = self._cached.get(self._key(group_idx, block_hash))
         return None if entry is None else entry[0]
 
+    def _key(self, group_idx: int, block_hash: int) -> Any:
+        return block_hash if self.groups is None else (group_idx, block_hash)
+
+    # --- the hybrid hit rule ------------------------------------------------------------------
+
+    def window_blocks(self, group_idx: int) -> int:
+        """Contiguous blocks before a hit that a window group must hold (vLLM's
+        ``SlidingWindowManager._contiguous_blocks_for_hit``: cdiv(W - 1, block_size)); 0 for a main
+        group. A window of 1 token gives 0 there, yet its right-to-left scan still needs the
+        hit's last block, so 1 is the least (the same scan, read off)."""
+        window = self.groups[group_idx][1] if self.groups else None
+        return 0 if window is None else max(1, -(-(window - 1) // self.block_size))
+
+    def skipped_blocks(self, group_idx: int, num_tokens: int) -> int:
+        """Leading blocks a group no longer attends to once ``num_tokens`` are computed
+        (``get_num_skipped_tokens`` // block_size: tokens before num_tokens - W + 1)."""
+        window = self.groups[group_idx][1] if self.groups else None
+        return 0 if window is None else max(0, num_tokens - window + 1) // self.block_size
+
+    def longest_hit(self, block_hashes: Sequence[int], max_blocks: int) -> int:
+        """``HybridKVCacheCoordinator.find_longest_cache_hit`` in blocks: the largest n <=
+        max_blocks such that every main group holds blocks [0, n) and every window group holds
+        [max(0, n - k), n), k = :meth:`window_blocks` (the fixed point over
+        ``SlidingWindowManager.find_longest_cache_hit``; a window group's hit may be shorter
+        than k when it starts at block 0)."""
+        assert self.groups is not None
+        cached = self._cached
+        mains = [g for g, (_, w) in enumerate(self.groups) if w is None]
+        n = 0
+        for h in block_hashes[:max_blocks]:
+            if any((g, h) not in cached for g in mains):
+                break
+            n += 1
+        windows = [(g, self.window_blocks(g)) for g, (_, w) in enumerate(self.groups) if w is not None]
+        changed = True
+        while changed:  # each window group takes the longest hit it allows up to n; repeat until none shortens it
+            changed = False
+            for g, k in windows:
+                m = self._window_hit(g, k, block_hashes, n)
+                if m < n:
+                    n, changed = m, True
+        return n
+
+    def _window_hit(self, g: int, k: int, block_hashes: Sequence[int], n: int) -> int:
+        # Right to left, the first k contiguous held blocks end the hit; with none, the run
+        # held from block 0 is the hit (SlidingWindowManager.find_longest_cache_hit).
+        cached, run = self._cached, 0
+        for i in range(n - 1, -1, -1):
+            if (g, block_hashes[i]) in cached:
+                run += 1
+                if run >= k:
+                    return i + k
+            else:
+                run = 0
+        return run
+
     def find_cached_prefix(self, block_hashes: Iterable[int]) -> list[Block]:
-        """The blocks of the longest cached prefix of ``block_hashes``."""
+        """The blocks of the longest cached prefix of ``block_hashes`` (hybrid: in group 0)."""
+        keys: Iterable[Any] = block_hashes if self.groups is None else [(0, h) for h in block_hashes]
         get = self._cached.get
         hit: list[Block] = []
-        for h in block_hashes:
+        for h in keys:
             entry = get(h)
             if entry is None:
                 break
@@ -126,7 +241,7 @@ class BlockPool:
         continuing the cached block ``after`` (so a cached prefix need not be hashed again)."""
         parent = None
         if after is not None:
-            entry = self._cached.get(after)
+            entry = self._cached.get(self._key(0, after))
             if entry is None:
                 raise KeyError(f"block hash {after} is not cached")
             _, hashes, _, _, chains = entry[1]
@@ -176,7 +291,7 @@ class BlockPool:
         if not num_blocks:
             return out
         removed: list[int | bytes] = []
-        cached, copies = self._cached, self._copies
+        cached, copies, events = self._cached, self._copies, self._events
         b = self._head.next
         for _ in range(num_blocks):
             out.append(b)
@@ -184,7 +299,13 @@ class BlockPool:
             h = b.block_hash
             if h is not None:
                 b.block_hash = None
-                if not copies:  # no hash has a second holder: this block was its only one
+                if self.groups is not None:
+                    g = self._meta[b.block_id][3]  # type: ignore[index]
+                    self._meta[b.block_id] = None
+                    self._drop_cached(b, (g, h))
+                    if events is not None:  # every holder, one event each, as vLLM
+                        events.append(BlockRemoved([h], self.medium, g))
+                elif not copies:  # no hash has a second holder: this block was its only one
                     del cached[h]
                     removed.append(h)
                 elif self._drop_cached(b, h):
@@ -192,12 +313,12 @@ class BlockPool:
             b = b.next
         self._head.next, b.prev = b, self._head  # unlink the taken prefix at once
         self._num_free -= num_blocks
-        if removed and self._events is not None:
-            self._events.append(BlockRemoved(removed, self.medium))
+        if removed and events is not None:
+            events.append(BlockRemoved(removed, self.medium))
         return out
 
-    def _drop_cached(self, block: Block, h: int) -> bool:
-        """Forget that ``block`` holds ``h``; True when that was the hash's last copy."""
+    def _drop_cached(self, block: Block, h: Any) -> bool:
+        """Forget that ``block`` holds key ``h``; True when that was the key's last copy."""
         entry = self._cached[h]
         copies = self._copies.get(h)
         if entry[0] is block:
@@ -223,12 +344,14 @@ class BlockPool:
         chain_values: Sequence[Any] | None = None,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        group_idx: int = 0,
     ) -> None:
         """Mark newly filled blocks as cached, as one chain continuing ``parent_block_hash``.
 
         The blocks must be in use and not hold a hash yet; ``token_ids`` are exactly their
         tokens; ``chain_values`` (default: the hashes) is what a later hash continues from.
-        Records one ``BlockStored`` for the hashes not already cached by other blocks.
+        Records one ``BlockStored`` for the hashes not already cached by other blocks; in a
+        hybrid pool, one for all of them, in group ``group_idx``.
         """
         n = len(blocks)
         if len(block_hashes) != n or len(token_ids) != n * self.block_size:
@@ -237,7 +360,14 @@ class BlockPool:
                 f"got {len(block_hashes)} and {len(token_ids)}"
             )
         lora = None if lora_name is None and lora_id is None else (lora_name, lora_id)
-        if n:
+        if n and self.groups is not None:
+            if not 0 <= group_idx < len(self.groups):
+                raise ValueError(f"group_idx must be in 0..{len(self.groups) - 1}, got {group_idx!r}")
+            self._cache_group(
+                blocks, list(block_hashes), list(token_ids), parent_block_hash,
+                list(chain_values or block_hashes), lora, group_idx,
+            )
+        elif n:
             self._cache(
                 blocks, list(block_hashes), list(token_ids), parent_block_hash,
                 list(chain_values or block_hashes), lora,
@@ -264,6 +394,25 @@ class BlockPool:
             runs.append((start, len(hashes)))
         if self._events is not None:
             self._events.extend(self._stored_slice(run, s, e) for s, e in runs)
+
+    def _cache_group(
+        self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any, g: int
+    ) -> None:
+        # vLLM's cache_full_blocks: each block enters the (group, hash) map, a second holder
+        # beside the first (BlockHashToBlockMap.insert), and all are announced.
+        run = (parent, hashes, tokens, lora, chains, g)
+        cached, meta = self._cached, self._meta
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
+            b.block_hash = h
+            self._seq += 1
+            meta[b.block_id] = (self._seq, run, i, g)
+            key = (g, h)
+            if key in cached:
+                self._copies.setdefault(key, []).append(b)
+            else:
+                cached[key] = (b, run)
+        if self._events is not None:
+            self._events.append(self._stored_slice(run, 0, len(hashes)))
 
     def free_blocks(self, ordered_blocks: Iterable[Block]) -> None:
         """Drop one reference per block; the order is eviction order, first evicted first.
@@ -307,6 +456,7 @@ class BlockPool:
             b.block_hash = None
         self._cached = {}
         self._copies = {}
+        self._meta = [None] * self.num_blocks
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return True
@@ -323,7 +473,15 @@ class BlockPool:
 
     def snapshot(self) -> list[BlockStored]:
         """Every cached hash as ``BlockStored`` events, parents before children; replaying them
-        into an empty view reproduces the cached set."""
+        into an empty view reproduces the cached set.
+
+        Hybrid: every block holding a hash, group by group, in the order they were cached (so
+        a hash two blocks hold appears twice, each copy in the event of the call that cached
+        it; a window group's block whose parent left the window keeps that parent)."""
+        if self.groups is not None:
+            meta = self._meta
+            held = sorted((m[3], m[0], m[1], m[2]) for m in meta if m is not None)
+            return merge_runs(((run, i) for _, _, run, i in held), self._stored_slice)
         return self._snapshot_events(list(self._cached.items()))
 
     def _snapshot_events(self, items: list[tuple[int, tuple]]) -> list[BlockStored]:
@@ -338,24 +496,28 @@ class BlockPool:
         return merge_runs(indexed(), self._stored_slice)
 
     def _stored_slice(self, run: tuple, first: int, end: int) -> BlockStored:
-        parent, hashes, tokens, lora, _ = run
+        parent, hashes, tokens, lora = run[:4]
         bs = self.block_size
         return self._stored(
             hashes[first:end], hashes[first - 1] if first else parent,
-            tokens[first * bs : end * bs], lora,
+            tokens[first * bs : end * bs], lora, *run[5:],
         )
 
-    def _stored(self, hashes: list, parent: Any, tokens: list, lora: Any) -> BlockStored:
+    def _stored(self, hashes: list, parent: Any, tokens: list, lora: Any, group: int | None = None) -> BlockStored:
         # Positional, in BlockStored's field order (cheaper than keywords on the hot path).
-        if lora is None:
+        if lora is None and group is None:
             return BlockStored(hashes, parent, tokens, self.block_size, None, self.medium, None)
-        lora_name, lora_id = lora
+        lora_name, lora_id = lora or (None, None)
         # vLLM 0.33 publishes, per block, what was mixed into its hash.
         extra: list[tuple[Any, ...] | None] | None = (
             [(lora_name,)] * len(hashes) if self._lora_in_extra_keys and lora_name else None
         )
+        if group is None:
+            return BlockStored(hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra)
+        # KVCacheManager.take_events annotates the group's kind and window.
+        kind, window = self.groups[group]  # type: ignore[index]
         return BlockStored(
-            hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra
+            hashes, parent, tokens, self.block_size, lora_id, self.medium, lora_name, extra, group, kind, window
         )
 
 
@@ -378,7 +540,7 @@ _NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of i
 
 
 class _Request:
-    __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id")
+    __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id", "tables", "skipped")
 
     def __init__(
         self, blocks: list[Block], num_tokens: int, tail: list[int], hasher: BlockHasher, last_hash: int | None,
@@ -391,6 +553,10 @@ class _Request:
         self.last_hash: int | None = last_hash  # the last full block's: the next event's parent
         self.lora_name = lora_name
         self.lora_id = lora_id
+        # Hybrid: one block table per group (``blocks`` is group 0's); a window group's first
+        # ``skipped[g]`` entries are None, vLLM's null block, once they left the window.
+        self.tables: list[list[Block | None]] = [blocks]  # type: ignore[list-item]
+        self.skipped: list[int] = [0]
 
 
 class PyKVCacheManager:
@@ -399,10 +565,16 @@ class PyKVCacheManager:
     Every full block is cached as soon as it fills; hashing is incremental (a request's tokens
     reach the native hash once, one call per ``allocate``/``append``). Public methods are
     serialised by one lock (see the module docstring).
+
+    With ``groups`` (hybrid, see ``kvbridge.engine.pool``) a request holds one block table per
+    group, all from the one pool; ``allocate`` hits by :meth:`BlockPool.longest_hit` capped at
+    the prompt's last token; ``append`` first releases window blocks its tokens so far no longer
+    attend to (vLLM's ``remove_skipped_blocks`` before ``allocate_slots`` allocates).
     """
 
     def __init__(self, num_blocks: int, block_size: int, **pool_options: Any) -> None:
         self.pool = BlockPool(num_blocks, block_size, **pool_options)
+        self.groups = self.pool.groups
         self.block_size = block_size
         self._requests: dict[Any, _Request] = {}
         self._lora_ids: dict[str, int] = {}
@@ -433,6 +605,8 @@ class PyKVCacheManager:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already allocated")
+            if self.groups is not None:
+                return self._admit_groups(request_id, tokens, lora_name, lora_id)
             pool = self.pool
             bs = self.block_size
             num_full = len(tokens) // bs
@@ -444,8 +618,7 @@ class PyKVCacheManager:
             # Free hits leave the free queue too.
             if num_new + sum(b.ref_cnt == 0 for b in hit) > pool.num_free_blocks:
                 return None
-            if lora_name is not None and lora_id is None:
-                lora_id = self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
+            lora_id = self._lora_id(lora_name, lora_id)
             pool.touch(hit)
             new = pool.get_new_blocks(num_new)
             req = _Request(hit, len(tokens), tokens[num_full * bs :], hasher, hashes[-1] if num_full else None, lora_name, lora_id)
@@ -463,6 +636,79 @@ class PyKVCacheManager:
             self._requests[request_id] = req
             return num_hit * bs
 
+    def _lora_id(self, lora_name: str | None, lora_id: int | None) -> int | None:
+        if lora_name is not None and lora_id is None:
+            return self._lora_ids.setdefault(lora_name, len(self._lora_ids) + 1)
+        return lora_id
+
+    def _admit_groups(self, request_id: Any, tokens: list[int], lora_name: str | None, lora_id: int | None) -> int | None:
+        # KVCacheManager.get_computed_blocks (hit capped at num_tokens - 1) then allocate_slots:
+        # touch every group's hit, take each group's new blocks in group order, cache per group.
+        pool, bs, groups = self.pool, self.block_size, self.groups
+        assert groups is not None
+        hasher = pool.new_hasher(lora_name)
+        hashes, chains = pool.hash_tokens(hasher, tokens, lora_name)
+        n = pool.longest_hit(hashes, (len(tokens) - 1) // bs)
+        # A window group leaves the hit's blocks before its window as null blocks, untouched
+        # (SingleTypeKVCacheManager.add_local_computed_blocks).
+        skipped = [pool.skipped_blocks(g, n * bs) for g in range(len(groups))]
+        hits = [[pool.get_cached_block(hashes[i], g) for i in range(s, n)] for g, s in enumerate(skipped)]
+        num_new = -(-len(tokens) // bs) - n
+        evictable = sum(b.ref_cnt == 0 for hit in hits for b in hit)  # type: ignore[union-attr]
+        if num_new * len(groups) + evictable > pool.num_free_blocks:
+            return None
+        lora_id = self._lora_id(lora_name, lora_id)
+        for hit in hits:
+            pool.touch(hit)  # type: ignore[arg-type]
+        tables: list[list[Block | None]] = [[*([None] * s), *hit] for s, hit in zip(skipped, hits)]
+        for table in tables:
+            table += pool.get_new_blocks(num_new)
+        req = _Request(tables[0], 0, [], hasher, hashes[n - 1] if n else None, lora_name, lora_id)  # type: ignore[arg-type]
+        req.tables, req.skipped = tables, skipped
+        self._cache_filled(req, n, hashes[n:], chains[n:], tokens[n * bs :])
+        self._requests[request_id] = req
+        return n * bs
+
+    def _cache_filled(self, req: _Request, full0: int, hashes: list, chains: list, new: list[int]) -> None:
+        """Cache the blocks ``new`` (the request's tokens after its first ``full0`` full blocks,
+        its tail included) completes, after the first ``full0``, in every group."""
+        bs = self.block_size
+        tokens = req.tail + new
+        req.num_tokens = full0 * bs + len(tokens)
+        cut = len(hashes) * bs
+        req.tail = tokens[cut:]
+        if not hashes:
+            return
+        parent = req.last_hash if full0 else None
+        for g, table in enumerate(req.tables):
+            self.pool.cache_full_blocks(
+                table[full0 : full0 + len(hashes)],  # type: ignore[arg-type]
+                hashes, tokens[:cut], parent_block_hash=parent, chain_values=chains,
+                lora_name=req.lora_name, lora_id=req.lora_id, group_idx=g,
+            )
+        req.last_hash = hashes[-1]
+
+    def _release_window(self, req: _Request) -> None:
+        # SingleTypeKVCacheManager.remove_skipped_blocks: free what the window left behind,
+        # last block first (_remove_blocks_in_range), and null it in the table.
+        for g, table in enumerate(req.tables):
+            first, end = req.skipped[g], min(self.pool.skipped_blocks(g, req.num_tokens), len(table))
+            if end > first:
+                self.pool.free_blocks(reversed(table[first:end]))  # type: ignore[arg-type]
+                table[first:end] = [None] * (end - first)
+                req.skipped[g] = end
+
+    def hit_blocks(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
+        """How many leading blocks ``allocate(.., token_ids, lora_name=..)`` would hit now,
+        changing nothing (see ``kvbridge.engine.pool.NativeKVCacheManager.hit_blocks``)."""
+        tokens = _as_token_list(token_ids)
+        with self._lock:
+            pool = self.pool
+            hashes, _ = pool.hash_tokens(pool.new_hasher(lora_name), tokens, lora_name)
+            if self.groups is None:
+                return len(pool.find_cached_prefix(hashes))
+            return pool.longest_hit(hashes, (len(tokens) - 1) // self.block_size) if tokens else 0
+
     def append(self, request_id: Any, new_token_ids: Sequence[int]) -> bool:
         """Decode growth: add tokens to a running request, caching blocks as they fill.
         Returns False -- with nothing changed -- when there are not enough free blocks."""
@@ -475,6 +721,19 @@ class PyKVCacheManager:
             bs = self.block_size
             num_tokens = req.num_tokens + len(new)
             num_new = -(-num_tokens // bs) - len(req.blocks)
+            if self.groups is not None:
+                # Hash on a copy: a bad token raises before anything changes, a refusal keeps
+                # the request's chain as it was.
+                hasher = req.hasher.copy()
+                hashes, chains = pool.hash_tokens(hasher, new, req.lora_name)
+                self._release_window(req)  # even when the blocks then do not suffice, as vLLM
+                if max(num_new, 0) * len(self.groups) > pool.num_free_blocks:
+                    return False
+                req.hasher = hasher
+                for table in req.tables:
+                    table += pool.get_new_blocks(max(num_new, 0))
+                self._cache_filled(req, req.num_tokens // bs, hashes, chains, new)
+                return True
             if num_new > pool.num_free_blocks:
                 # Still hash (a copy of the chain): a bad token raises rather than hide as "full".
                 pool.hash_tokens(req.hasher.copy(), new, req.lora_name)
@@ -507,8 +766,10 @@ class PyKVCacheManager:
         with self._lock:
             req = self._request(request_id)
             del self._requests[request_id]
-            # Tail first, so a chain's last blocks are evicted before its first ones.
-            self.pool.free_blocks(reversed(req.blocks))
+            # Tail first, so a chain's last blocks are evicted before its first ones; group by
+            # group (KVCacheCoordinator.free), a window group without its null blocks.
+            for table, skipped in zip(req.tables, req.skipped):
+                self.pool.free_blocks(reversed(table[skipped:]))  # type: ignore[arg-type]
 
     def reset(self) -> bool:
         """Clear the prefix cache (``AllBlocksCleared``); False while any request holds blocks."""
@@ -526,9 +787,14 @@ class PyKVCacheManager:
             return self.pool.snapshot()
 
     def get_block_ids(self, request_id: Any) -> list[int]:
-        """The request's block table."""
+        """The request's block table (hybrid: group 0's)."""
         with self._lock:
             return [b.block_id for b in self._request(request_id).blocks]
+
+    def get_group_block_ids(self, request_id: Any) -> list[list[int | None]]:
+        """The request's block table per group; None where a window group released a block."""
+        with self._lock:
+            return [[None if b is None else b.block_id for b in t] for t in self._request(request_id).tables]
 
     def num_tokens(self, request_id: Any) -> int:
         with self._lock:

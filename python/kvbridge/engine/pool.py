@@ -32,9 +32,51 @@ What carries over from vLLM (``vllm/v1/core/block_pool.py``, ``kv_cache_manager.
   it. (A cached hash's parent is always cached too: freeing puts a chain's tail ahead of its
   head in the queue.)
 
-Deliberate differences: there is no null block (no sliding-window or Mamba groups), so all
-``num_blocks`` are usable; and ``allocate`` reports a full hit when every prompt block is cached
-(vLLM recomputes the last block to get logits -- a scheduling concern, not a caching one).
+Deliberate differences: there is no null block, so all ``num_blocks`` are usable; and
+``allocate`` reports a full hit when every prompt block is cached (vLLM recomputes the last block
+to get logits -- a scheduling concern, not a caching one).
+
+Hybrid KV-cache groups (``groups=[("full_attention", None), ("sliding_window", 128)]``: per
+group its vLLM ``KVCacheSpecKind`` and, for a window kind, the window W in tokens; see
+``_reference_pool.check_groups`` for what is accepted) follow vLLM 0.33 instead, where the
+single-group rules above do not:
+
+* One pool serves every group (vLLM's one ``BlockPool``); a request holds one block table per
+  group (``get_group_block_ids``; ``get_block_ids`` is group 0's), each group taking the same
+  number of blocks per step, in group order.
+* The cache is keyed by (group, block hash), the block hash being the same in every group
+  (``make_block_hash_with_group_id`` / ``get_block_hash``). Nothing is de-duplicated
+  (``BlockHashToBlockMap``): each ``cache_full_blocks`` call gives one ``BlockStored`` per group
+  with ``group_idx``, ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (None for a main
+  group, as ``KVCacheManager.take_events`` annotates) listing every newly full block, even a
+  hash another block of the group holds; each evicted cached block gives its own
+  ``BlockRemoved([hash], medium, group_idx)`` (``_emit_block_removed_events``; no kind there).
+  So a prompt recomputed after an eviction hole stores a second copy, and two removals follow.
+* ``allocate`` hits what ``HybridKVCacheCoordinator.find_longest_cache_hit`` finds: the largest
+  n such that every main group holds blocks [0, n) and every window group [max(0, n - k), n),
+  k = cdiv(W - 1, block_size) (at least 1: vLLM's right-to-left scan needs the hit's last
+  block even for W = 1), with n below the prompt's last token (``get_computed_blocks``:
+  num_tokens - 1). A window group takes only the hit blocks inside its window; the others are
+  null blocks in its table (``add_local_computed_blocks``).
+* A window group releases the blocks before num_tokens - W + 1 (``get_num_skipped_tokens``),
+  last block first, at the start of each ``append`` (``remove_skipped_blocks`` runs before
+  ``allocate_slots`` allocates -- so even an ``append`` that then returns False has released
+  them). Released cached blocks stay hittable in the free queue until reused; their eviction
+  is that group's ``BlockRemoved``. A request's tokens count as computed once passed.
+* ``free`` releases group by group (``KVCacheCoordinator.free``), each tail first.
+* ``snapshot()`` lists every block holding a hash, group by group in caching order, so a hash
+  two blocks hold appears twice (the shared spec's snapshot rule);
+  ``num_cached_blocks``/``cached_block_hashes()`` count (group, hash) keys.
+* Not modelled: vLLM's default sparse retention of window groups
+  (``prefix_cache_retention_interval=0`` caches only the blocks a replay can hit): window
+  groups here cache every full block (``prefix_cache_retention_interval=None``); EAGLE; Mamba
+  and other kinds; per-group block sizes.
+
+``hit_blocks(token_ids, *, lora_name=None)`` answers, without changing anything, how many
+leading blocks ``allocate`` would hit now (``allocate`` returns that times ``block_size`` when
+it succeeds). In a hybrid pool the prompt's last token is never a hit; to compare with a
+score over all of a sequence's full blocks (an index's ``find_matches``), pass the tokens plus
+one more.
 
 Threading: the manager serialises its public methods with one lock, so a publisher may call ``take_events()`` / ``snapshot()`` from another thread
 (e.g. an asyncio loop) while the engine thread allocates. ``snapshot()`` copies the hash map
@@ -113,9 +155,10 @@ class NativeKVCacheManager(_native.KVCacheManager):
     """The reference ``PyKVCacheManager``'s API and behaviour, in one native call per method.
 
     ``NativeKVCacheManager(num_blocks, block_size, *, algo="xxh3", seed=None, medium="GPU",
-    enable_events=True)``; ``allocate(request_id, token_ids, *, lora_name=None, lora_id=None)``,
-    ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``, ``get_block_ids``,
-    ``num_tokens``, ``in``, ``len``; ``.pool`` for the pool's queries.
+    enable_events=True, groups=None)``; ``allocate(request_id, token_ids, *, lora_name=None,
+    lora_id=None)``, ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``,
+    ``get_block_ids``, ``get_group_block_ids``, ``hit_blocks(token_ids, *, lora_name=None)``,
+    ``num_tokens``, ``in``, ``len``, ``groups``; ``.pool`` for the pool's queries.
     """
 
     __slots__ = ()

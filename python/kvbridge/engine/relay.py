@@ -27,7 +27,8 @@ the engine's seq:
   comes; live twins of those batches, should the SUB socket deliver them too, are skipped
   (``duplicates``). One probe per quiet spell; no timer runs while the engine is idle after it.
 * **snapshot**: the relay has no block pool, so it keeps a view built from the events it
-  forwarded -- each cached block with the ``BlockStored`` it came in -- and attaches it as the
+  forwarded -- per medium and KV-cache group, each cached block's copies, each with the
+  ``BlockStored`` it came in (:class:`RelayView`) -- and attaches it as the
   publisher's pool. A consumer that lost messages gets that view, parents before children. After
   a loss the view is only as good as what arrived: blocks stored in lost batches are missing
   until stored again, blocks removed in them linger until removed again.
@@ -64,6 +65,7 @@ from kvbridge.wire.events import (
     merge_runs,
     slice_event,
 )
+from kvbridge.wire.residency import WINDOW_KINDS, Residency, kind_event
 from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
@@ -110,56 +112,94 @@ def _check_connectable(endpoint: str) -> str:
 
 class RelayView:
     """The blocks an engine holds, as the forwarded events say: the relay's stand-in for a pool
-    (``take_events`` / ``snapshot``, for :meth:`KvEventPublisher.attach`). Keyed by
-    ``(medium, hash)``; each block remembers the ``BlockStored`` it came in and its index there,
-    so applying an event copies nothing."""
+    (``take_events`` / ``snapshot``, for :meth:`KvEventPublisher.attach`). ``residency`` follows the
+    events by the one rule every view shares (:mod:`kvbridge.wire.residency`: per ``(medium,
+    group)``, each block's copies); ``sources`` remembers, per ``(medium, group)`` and block, the
+    ``BlockStored`` and index each copy came in, so applying an event copies nothing and a
+    snapshot keeps every field of it."""
 
-    __slots__ = ("blocks",)
+    __slots__ = ("residency", "sources")
 
     def __init__(self) -> None:
-        self.blocks: dict[tuple[Any, Any], tuple[BlockStored, int]] = {}
+        self.residency = Residency()
+        self.sources: dict[tuple[Any, int], dict[Any, list[tuple[BlockStored, int]]]] = {}
 
     def apply(self, events: list[Any]) -> None:
-        blocks = self.blocks
+        res, sources = self.residency, self.sources
         for ev in events:
             cls = ev.__class__
             if cls is BlockStored:
-                medium = ev.medium
-                for i, h in enumerate(ev.block_hashes):
-                    blocks[(medium, h)] = (ev, i)
+                hashes = ev.block_hashes
+                got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
+                                ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0)  # fmt: skip
+                if got is None or got[1] or not hashes:
+                    continue  # skipped, a re-announce or no blocks: no copy added
+                by_hash = sources.setdefault(got[0], {})
+                for i, h in enumerate(hashes):
+                    copies = by_hash.get(h)
+                    if copies is None:
+                        by_hash[h] = [(ev, i)]
+                    else:
+                        copies.append((ev, i))
             elif cls is BlockRemoved:
-                medium = ev.medium
-                for h in ev.block_hashes:
-                    blocks.pop((medium, h), None)
+                dropped: list[Any] = []
+                key = res.remove(ev.block_hashes, ev.medium, ev.group_idx, dropped=dropped)
+                if dropped and key is not None:
+                    by_hash = sources[key]
+                    for h in dropped:
+                        copies = by_hash[h]
+                        copies.pop()
+                        if not copies:
+                            del by_hash[h]
+                    if not by_hash:
+                        del sources[key]
             elif cls is AllBlocksCleared:
-                blocks.clear()
+                res.clear()
+                sources.clear()
+
+    @property
+    def blocks(self) -> set[Any]:
+        """The hashes held in some medium and group."""
+        return self.residency.blocks()
 
     def take_events(self) -> list[Any]:
         return []  # the relay hands each batch over itself, to keep the engine's batch boundaries
 
     def snapshot(self) -> list[BlockStored]:
-        """Every block as ``BlockStored`` events, parents before children (a parent stored again
-        after its child is still placed first); consecutive blocks of one stored chain stay one
-        event."""
-        blocks = self.blocks
-        order: list[tuple[Any, Any]] = []
-        placed: set[tuple[Any, Any]] = set()
-        for key in blocks:
-            chain = []
-            k = key
-            while k in blocks and k not in placed:
-                placed.add(k)
-                chain.append(k)
-                ev, i = blocks[k]
-                parent = ev.block_hashes[i - 1] if i else ev.parent_block_hash
-                if parent is None:
-                    break
-                k = (k[0], parent)
-            order.extend(reversed(chain))
-        return merge_runs((blocks[k] for k in order), slice_event)
+        """Every block copy as ``BlockStored`` events, per ``(medium, group)``: first each block once,
+        parents before children (a parent stored again after its child is still placed first),
+        consecutive blocks of one stored chain as one event; then each further copy, cut from the
+        event it came in (so with its real parent, and counted again by a view that applies it);
+        last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind the events
+        before would not leave as it is here."""
+        out: list[BlockStored] = []
+        for by_hash in self.sources.values():
+            order: list[Any] = []
+            placed: set[Any] = set()
+            for h in by_hash:
+                chain = []
+                k = h
+                while k in by_hash and k not in placed:
+                    placed.add(k)
+                    chain.append(k)
+                    ev, i = by_hash[k][0]
+                    k = ev.block_hashes[i - 1] if i else ev.parent_block_hash
+                    if k is None:
+                        break
+                order.extend(reversed(chain))
+            out += merge_runs((by_hash[h][0] for h in order), slice_event)
+            out += merge_runs((copy for h in order for copy in by_hash[h][1:]), slice_event)
+        said: dict[int, tuple[str, int | None]] = {}
+        for ev in out:
+            if ev.kv_cache_spec_kind is not None:
+                kind = ev.kv_cache_spec_kind
+                said[ev.group_idx or 0] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
+        out.extend(kind_event(g, *kind) for g, kind in self.residency.kinds.items() if said.get(g) != kind)
+        return out
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        """Blocks held, counted once per ``(medium, group)`` that holds them."""
+        return sum(self.residency.counts().values())
 
 
 class _Malformed(Exception):
@@ -236,6 +276,10 @@ class Relay:
     def stats(self) -> dict[str, int]:
         s = dict(self._counts)
         s["view_blocks"] = len(self.view)
+        # An engine whose events a view cannot read (a new kind, a group beyond 63) shows here.
+        view = self.view.residency.stats
+        s["view_skipped_events"] = view["bad_groups"] + view["bad_windows"] + view["unknown_kinds"]
+        s["view_unknown_removes"] = view["unknown_removes"]
         s["last_engine_seq"] = -1 if self._expected is None else self._expected - 1
         return s
 

@@ -17,16 +17,34 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Iterable, Sequence
+from itertools import repeat
+from typing import Callable, Sequence
 
 __all__ = ["ProvisionalResidency"]
 
 
-class ProvisionalResidency:
-    """Per block key, the workers expected to hold it and until when.
+def _leading(held: dict[int, float], keys: Sequence[int]) -> int:
+    """How many leading ``keys`` ``held`` has, by binary search: keys are chained hashes, so a
+    held key's whole prefix is held (every decision adds a chain from its first block, and
+    expiry, the cap and confirmation only ever take a chain's tail or a prefix of all chains
+    through it). Callers check ``keys[0]`` first."""
+    lo, hi = 1, len(keys)  # keys[:lo] held; keys[hi:] not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if keys[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    Bounded: at most ``max_entries`` (key, worker) entries; past that the oldest are dropped and
-    counted (``stats["dropped"]``). Not thread-safe: the router calls it under its lock.
+
+class ProvisionalResidency:
+    """Per worker, the block keys it is expected to hold and until when.
+
+    Bounded: at most ``max_entries`` (key, worker) entries; past that the oldest decisions are
+    dropped and counted (``stats["dropped"]``, in entries). Not thread-safe: the router calls it
+    under its lock. Work per decision is a few C-level dict operations over its keys, not a
+    Python loop per block: a 128-block prompt costs microseconds.
     """
 
     def __init__(self, ttl_s: float = 2.0, *, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
@@ -37,10 +55,10 @@ class ProvisionalResidency:
         self.ttl_s = float(ttl_s)
         self.max_entries = max_entries
         self.clock = clock
-        self._by_key: dict[int, dict[str, float]] = {}
-        # (expiry, key, worker) in the order added; the TTL is one for all, so also expiry order.
-        # An entry renewed or removed since leaves a stale item here, skipped when it comes up.
-        self._order: deque[tuple[float, int, str]] = deque()
+        # worker -> {key: expiry}; a key seen in several decisions keeps the latest expiry.
+        self._held: dict[str, dict[int, float]] = {}
+        # (expiry, worker, keys) per decision, in the order made: one TTL for all, so expiry order.
+        self._decisions: deque[tuple[float, str, Sequence[int]]] = deque()
         self._entries = 0
         self.stats = {"added": 0, "confirmed": 0, "expired": 0, "dropped": 0, "reset": 0}
 
@@ -49,97 +67,81 @@ class ProvisionalResidency:
         return self.ttl_s > 0
 
     def __len__(self) -> int:
-        """(key, worker) entries alive (expired ones included until the next call prunes them)."""
+        """(key, worker) entries held."""
         return self._entries
 
-    def add(self, worker: str, keys: Iterable[int], *, ttl_s: float | None = None) -> None:
+    def add(self, worker: str, keys: Sequence[int], *, ttl_s: float | None = None) -> None:
         """``worker`` is about to hold blocks ``keys`` (a prompt's chain, first block first).
         ``ttl_s``: the time left of a peer's decision (default the full TTL)."""
-        if not self.enabled:
+        if not self.enabled or not keys:
             return
         now = self.clock()
         expiry = now + (self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s))
         if expiry <= now:
             return
         self._prune(now)
-        by_key, order = self._by_key, self._order
-        for k in keys:
-            holders = by_key.get(k)
-            if holders is None:
-                holders = by_key[k] = {}
-            if worker not in holders:
-                self._entries += 1
-                self.stats["added"] += 1
-            holders[worker] = expiry
-            order.append((expiry, k, worker))
-        while self._entries > self.max_entries:
-            self._pop_oldest("dropped")
-        if len(order) > 4 * max(self._entries, 1024):
-            # Renewals leave stale items behind until their expiry: keep the queue near the entries.
-            self._order = deque(item for item in order if self._by_key.get(item[1], {}).get(item[2]) == item[0])
+        held = self._held.get(worker)
+        if held is None:
+            held = self._held[worker] = {}
+        before = len(held)
+        held.update(dict.fromkeys(keys, expiry))
+        self._entries += len(held) - before
+        self.stats["added"] += len(held) - before
+        self._decisions.append((expiry, worker, keys))
+        while self._entries > self.max_entries and self._decisions:
+            self.stats["dropped"] += self._forget(*self._decisions.popleft())
 
     def scores(self, keys: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of ``keys`` it is expected to hold."""
-        if not self._entries:
+        if not self._entries or not keys:
             return {}
         self._prune(self.clock())
-        by_key = self._by_key
-        first = by_key.get(keys[0]) if keys else None
-        if not first:
-            return {}
-        out = dict.fromkeys(first, 1)
-        alive = set(first)
-        for i in range(1, len(keys)):
-            holders = by_key.get(keys[i])
-            alive = alive.intersection(holders) if holders else set()
-            if not alive:
-                break
-            for w in alive:
-                out[w] = i + 1
+        first = keys[0]
+        out = {}
+        for worker, held in self._held.items():
+            if first in held:
+                out[worker] = _leading(held, keys)
         return out
 
     def confirm(self, worker: str, keys: Sequence[int]) -> None:
         """The worker's own events now show it holding ``keys``: its provisional entries for
-        them are done."""
-        if self._remove(worker, keys):
+        them are done (a later eviction within the TTL is then not covered up)."""
+        held = self._held.get(worker)
+        if held is None:
+            return
+        before = len(held)
+        # Every provisional chain of the worker through these keys ends with them: its leading
+        # keys are gone. (map over dict.pop runs the loop in C.)
+        deque(map(held.pop, keys, repeat(None)), maxlen=0)
+        if len(held) < before:
+            self._entries -= before - len(held)
             self.stats["confirmed"] += 1
 
     def reset(self, worker: str) -> None:
         """The worker's cache was reset, cleared or it is gone: nothing it was sent stays."""
-        dropped = 0
-        for k in [k for k, holders in self._by_key.items() if worker in holders]:
-            dropped += self._remove(worker, (k,))
-        if dropped:
+        held = self._held.pop(worker, None)
+        if held:
+            self._entries -= len(held)
             self.stats["reset"] += 1
 
     def clear(self) -> None:
-        self._by_key.clear()
-        self._order.clear()
+        self._held.clear()
+        self._decisions.clear()
         self._entries = 0
 
-    def _remove(self, worker: str, keys: Iterable[int]) -> int:
-        removed = 0
-        for k in keys:
-            holders = self._by_key.get(k)
-            if holders is not None and holders.pop(worker, None) is not None:
-                removed += 1
-                if not holders:
-                    del self._by_key[k]
-        self._entries -= removed
-        return removed
-
     def _prune(self, now: float) -> None:
-        order = self._order
-        while order and order[0][0] <= now:
-            self._pop_oldest("expired")
+        decisions = self._decisions
+        while decisions and decisions[0][0] <= now:
+            self.stats["expired"] += self._forget(*decisions.popleft())
 
-    def _pop_oldest(self, why: str) -> None:
-        expiry, k, worker = self._order.popleft()
-        holders = self._by_key.get(k)
-        if holders is None or holders.get(worker) != expiry:
-            return  # renewed or removed since: a stale item
-        del holders[worker]
-        if not holders:
-            del self._by_key[k]
-        self._entries -= 1
-        self.stats[why] += 1
+    def _forget(self, expiry: float, worker: str, keys: Sequence[int]) -> int:
+        """Drops a decision's entries that no later decision renewed; how many."""
+        held = self._held.get(worker)
+        if not held:
+            return 0
+        before = len(held)
+        deque(map(held.pop, [k for k in keys if held.get(k) == expiry]), maxlen=0)
+        if not held:
+            del self._held[worker]
+        self._entries -= before - len(held)
+        return before - len(held)

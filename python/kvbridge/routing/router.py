@@ -32,7 +32,8 @@ import time
 import uuid
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence
 
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
@@ -177,6 +178,7 @@ class Router:
             if not isinstance(m, str) or not m:
                 raise TypeError(f"medium_weights: a medium is a non-empty str, got {m!r}")
         self.medium_weights = {m: _check_number(f"medium_weights[{m!r}]", w) for m, w in medium_weights.items()}
+        self._lowest_weight = min(self.medium_weights.values())
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {remote!r}")
         self.remote = remote
@@ -206,7 +208,7 @@ class Router:
         loads = self.loads
         value = None
         if loads is not None:
-            value = loads.get(worker) if isinstance(loads, Mapping) else loads(worker)
+            value = loads.get(worker) if type(loads) is dict or isinstance(loads, Mapping) else loads(worker)
         if value is None:
             return float(self.in_flight.get(worker, 0) + self._peer_count(worker, -math.inf))
         load = _check_number(f"load of worker {worker!r}", value)
@@ -251,7 +253,10 @@ class Router:
     def overlap(self, score: int | Mapping[str | None, int]) -> float:
         """A worker's overlap in blocks: a plain count as it is, per-medium counts weighed by
         tier (:func:`tiered_overlap`)."""
-        if isinstance(score, Mapping):
+        if type(score) is dict or isinstance(score, Mapping):  # (an ABC check costs microseconds)
+            if len(score) == 1:  # the common case: one medium
+                for medium, n in score.items():
+                    return n * self.medium_weights.get("GPU" if medium is None else medium, self._lowest_weight)
             return tiered_overlap(score, self.medium_weights)
         return float(score)
 
@@ -262,10 +267,17 @@ class Router:
         (per worker a block count, or ``{medium: block count}`` as ``by_medium`` answers give)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        return {
-            w: self.overlap_weight * (num_blocks - min(self.overlap(scores.get(w, 0)), num_blocks)) + self.load(w)
-            for w in self._candidates(scores, workers)
-        }
+        weight, overlap = self.overlap_weight, self.overlap
+        # Without load numbers or peers a worker's load is its in-flight count: read it here
+        # rather than through load() (per worker, per decision, that call is most of the cost).
+        in_flight = self.in_flight if self.loads is None and not self._peer_sent else None
+        costs = {}
+        for w in self._candidates(scores, workers):
+            score = scores.get(w)
+            held = 0.0 if score is None else overlap(score)
+            load = self.load(w) if in_flight is None else in_flight.get(w, 0)
+            costs[w] = weight * (num_blocks - (held if held < num_blocks else num_blocks)) + load
+        return costs
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
         """``{worker: leading blocks held}`` in any medium (what the index answers by default)."""
@@ -315,7 +327,7 @@ class Router:
             return out
         for w, sent in self.provisional.scores(keys).items():
             score = out.get(w, 0)
-            if isinstance(score, Mapping):
+            if type(score) is dict or isinstance(score, Mapping):
                 held = max(score.values(), default=0)
                 if held < sent:
                     out[w] = {**score, "GPU": max(score.get("GPU", 0), sent)}
@@ -343,8 +355,10 @@ class Router:
 
         ``workers``: choose among exactly these (default: the index's workers and the router's
         ``workers``). Raises :class:`NoWorkersError` when there is none."""
-        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
         scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        if not (self.provisional.enabled or self.listeners):
+            return self.choose_scores(scores, len(tokens) // self.block_size, workers=workers)
+        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
         return self.choose_scores(scores, len(keys), workers=workers, keys=keys)
 
     def choose_scores(
@@ -366,7 +380,7 @@ class Router:
                 tied = [w for w, c in costs.items() if c == best]
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
             self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-            decision = Decision("route", self.replica, self._next_id, worker, time.time(), list(keys or ()))
+            decision = Decision("route", self.replica, self._next_id, worker, time.time(), list(keys) if keys else [])
             self._next_id += 1
             self._sent.setdefault(worker, deque()).append((decision.ts, decision.id))
             if keys:
@@ -374,7 +388,7 @@ class Router:
             self._counts["decisions"] += 1
         self._tell(decision)
         score = scores.get(worker, 0)
-        held = max(score.values(), default=0) if isinstance(score, Mapping) else score
+        held = max(score.values(), default=0) if type(score) is dict or isinstance(score, Mapping) else score
         return worker, min(held, num_blocks)
 
     def done(self, worker: str) -> None:

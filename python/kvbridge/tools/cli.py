@@ -50,19 +50,36 @@ def _hash(h: Any) -> str:
     return h.hex()[:16] if isinstance(h, bytes) else f"{h:016x}"
 
 
-def describe_events(events: Sequence[Any]) -> str:
-    """One compact line for a batch's events, as a person reads a stream."""
+def _where(medium: Any, group_idx: Any) -> str:
+    return f"{'-' if medium is None else medium}/g{0 if group_idx is None else group_idx}"
+
+
+def describe_events(events: Sequence[Any], by_group: bool = False) -> str:
+    """One compact line for a batch's events, as a person reads a stream; ``by_group`` names each
+    event's medium and KV-cache group (for a worker that holds more than one)."""
     parts = []
     for ev in events:
+        where = f" {_where(ev.medium, ev.group_idx)}" if by_group and not isinstance(ev, AllBlocksCleared) else ""
         if isinstance(ev, BlockStored):
             parent = "root" if ev.parent_block_hash is None else _hash(ev.parent_block_hash)
             lora = f" lora={ev.lora_name}" if ev.lora_name else ""
-            parts.append(f"+{len(ev.block_hashes)} stored ({parent} -> {_hash(ev.block_hashes[-1])}){lora}")
+            parts.append(f"+{len(ev.block_hashes)} stored{where} ({parent} -> {_hash(ev.block_hashes[-1])}){lora}"
+                         if ev.block_hashes else f"+0 stored{where}")  # fmt: skip
         elif isinstance(ev, BlockRemoved):
-            parts.append(f"-{len(ev.block_hashes)} removed")
+            parts.append(f"-{len(ev.block_hashes)} removed{where}")
         elif isinstance(ev, AllBlocksCleared):
             parts.append("all cleared")
     return ", ".join(parts) if parts else "(heartbeat)"
+
+
+def residency_columns(view: Any) -> str:
+    """A worker's blocks per medium and group (a ``WorkerView``), when it holds more than one; ""
+    otherwise, so a single-group stream reads as it always has."""
+    counts = view.residency.counts() if view is not None else {}
+    if len(counts) < 2:
+        return ""
+    cells = [f"{_where(medium, group)} {n}" for (medium, group), n in sorted(counts.items(), key=str)]
+    return f"  [held: {', '.join(cells)}]"
 
 
 def load_columns(loads: dict, model: str, worker: str) -> str:
@@ -99,20 +116,24 @@ async def _watch(args: argparse.Namespace) -> int:
         stamp = time.strftime("%H:%M:%S", time.localtime(u.batch.ts)) + f".{int(u.batch.ts * 1000) % 1000:03d}"
         loads = sub.loads
         load = load_columns(loads, u.model, u.worker)
+        view = sub.views.get((u.model, u.worker))  # already holds this update
+        held = residency_columns(view)
         if args.json:
             print(json_line(u, loads))
         elif u.reset:
             blocks = sum(len(ev.block_hashes) for ev in u.batch.events if isinstance(ev, BlockStored))
-            print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks{load}")
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq} [{u.source}] view reset: {blocks} cached blocks{held}{load}")
         else:
             tag = "" if u.source == "live" else f" [{u.source}]"
-            print(f"{stamp} {u.model}/{u.worker} seq={u.seq}{tag} {describe_events(u.batch.events)}{load}")
+            line = describe_events(u.batch.events, by_group=bool(held))
+            print(f"{stamp} {u.model}/{u.worker} seq={u.seq}{tag} {line}{held}{load}")
         sys.stdout.flush()
         seen += 1
         if args.count and seen >= args.count:
             done.set()
 
-    sub = KvEventSubscriber(_config(args), model=args.model, worker=args.worker, on_update=on_update, track_views=False)
+    # Views: a worker's blocks per medium and group are shown beside each of its lines.
+    sub = KvEventSubscriber(_config(args), model=args.model, worker=args.worker, on_update=on_update)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
@@ -227,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         "watch", help="print the event stream, per worker, in order, gaps repaired",
         description="Print each worker's event batches in order, gaps repaired; when the worker publishes load "
         "reports (the vLLM stat logger does), each line ends with its latest: [kv <KV-cache usage> run <running> "
-        "wait <waiting> hit <prefix-cache hit rate>, <age> ago].",
+        "wait <waiting> hit <prefix-cache hit rate>, <age> ago]. A worker holding blocks in more than one medium or "
+        "KV-cache group (hybrid attention, offloading): each event names its medium/group (GPU/g1) and the line "
+        "shows the blocks held in each: [held: GPU/g0 <n>, GPU/g1 <n>, ...].",
     )  # fmt: skip
     w.add_argument("--model", help="only this model (default: all)")
     w.add_argument("--worker", help="only this worker (default: all)")
@@ -303,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
                    "fan-out does (default 4; 0: none)")  # fmt: skip
     d.add_argument("--burst-size", type=int, default=12, help="requests per burst (default 12)")
+    d.add_argument("--sliding-window", type=int, default=0, metavar="W",
+                   help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
+                   "of W tokens, as vLLM runs gpt-oss or Gemma 3 (default 0: one full-attention group)")  # fmt: skip
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip

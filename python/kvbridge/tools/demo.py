@@ -36,6 +36,7 @@ from kvbridge.engine.pool import KVCacheManager
 from kvbridge.bus.publisher import KvEventPublisher
 from kvbridge.routing.router import Router
 from kvbridge.tools.server import NatsCluster, NatsServer
+from kvbridge.wire.residency import Residency
 
 VOCAB = 151_936
 MODEL = "demo-model"
@@ -158,8 +159,10 @@ class _Fleet:
         self.model = f"{MODEL}-{policy.lower()}"
         self.block_size = args.block_size
         self.workers: list[_Worker] = []
+        window = getattr(args, "sliding_window", 0)
+        self.groups = [("full_attention", None), ("sliding_window", window)] if window else None
         for i in range(args.workers):
-            manager = KVCacheManager(args.num_blocks, args.block_size)
+            manager = KVCacheManager(args.num_blocks, args.block_size, groups=self.groups)
             publisher = KvEventPublisher(base.replace(model=self.model, worker_id=f"worker-{i}"))
             publisher.attach(manager)
             self.workers.append(_Worker(f"worker-{i}", manager, publisher))
@@ -262,10 +265,21 @@ class _Fleet:
 
     def view_equals_pool(self, w: _Worker) -> bool:
         view = self.subscriber.views.get((self.model, w.name))
-        return view is not None and view.blocks == set(w.manager.pool.cached_block_hashes())
+        if view is None:
+            return False
+        if self.groups is None:
+            return view.blocks == set(w.manager.pool.cached_block_hashes())
+        # Hybrid: every (medium, group)'s blocks and copies, as the pool's own snapshot lists them.
+        pool = Residency()
+        with w.publisher.lock:
+            pool.apply(w.manager.snapshot())
+        return view.held == pool.held
 
     def index_matches_pools(self, prompts: list[list[int]]) -> bool:
-        """The index scores these prompts exactly as the pools would (brute force)."""
+        """The index scores these prompts exactly as the pools would: brute force over the cached
+        hashes, or, for a hybrid model, each pool's own hit (vLLM's coordinator rule)."""
+        if self.groups is not None:
+            return all(self.index.find_matches(p) == self._pool_hits(p) for p in prompts)
         pools = {w.name: set(w.manager.pool.cached_block_hashes()) for w in self.workers}
         for prompt in prompts:
             hashes = hash_blocks(prompt, self.block_size)
@@ -279,6 +293,20 @@ class _Fleet:
             if self.index.find_matches(prompt) != expected:
                 return False
         return True
+
+
+    def _pool_hits(self, prompt: list[int]) -> dict[str, int]:
+        bs = self.block_size
+        # The prompt's full blocks and one token more: the pool never counts a prompt's last
+        # token as a hit (vLLM recomputes it), the index answers whole blocks held.
+        probe = prompt[: len(prompt) // bs * bs] + [0]
+        hits = {}
+        for w in self.workers:
+            with w.publisher.lock:
+                n = w.manager.hit_blocks(probe)
+            if n:
+                hits[w.name] = n
+        return hits
 
 
 def _say(t0: float, text: str) -> None:
