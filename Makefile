@@ -34,9 +34,13 @@ bench: setup
 # The index core against Dynamo's native indexers (dynamo-kv-router from crates.io): its own cargo
 # package and target dir under bench/native, so neither the wheel nor `make test` ever builds it.
 # Cargo.lock pins every crate; after one `cargo fetch` there it builds offline. PYO3_PYTHON: the
-# index core's crate links libpython when not built as an extension.
-bench-native: $(BIN)/maturin
-	cd bench/native && PYO3_PYTHON=$(abspath $(BIN))/python cargo run --release --locked --quiet $(ARGS)
+# index core's crate links libpython when not built as an extension. Then the same queries from
+# Python (bench/index_boundary.py), on the stream and queries the native run dumps.
+NATIVE_DUMP := $(abspath target)/bench-native
+bench-native: setup
+	cd bench/native && PYO3_PYTHON=$(abspath $(BIN))/python cargo run --release --locked --quiet -- $(ARGS)
+	cd bench/native && PYO3_PYTHON=$(abspath $(BIN))/python cargo run --release --locked --quiet -- --dump $(NATIVE_DUMP)
+	$(BIN)/python bench/index_boundary.py $(NATIVE_DUMP)
 
 # Release artefacts in dist/: the manylinux_2_28 abi3 wheel for this machine's architecture
 # (linked through zig against glibc 2.28, so it installs on any Linux with glibc >= 2.28; maturin

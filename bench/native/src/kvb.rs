@@ -59,6 +59,37 @@ fn payload(w: &Workload, step: &Step, ts: f64) -> Vec<u8> {
     m.0
 }
 
+/// For bench/index_boundary.py: `payloads.bin`, per step (worker u32, length u32, payload);
+/// `queries.bin`, (queries, blocks, block_size) as u32 and then per query its engine hashes
+/// (u64), tokens (u32), and the brute-force answer (n u32, then n (worker, count) u32 pairs).
+/// Little-endian throughout.
+pub fn dump(w: &Workload, dir: &std::path::Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut p = Vec::new();
+    for (i, s) in w.steps.iter().enumerate() {
+        let b = payload(w, s, i as f64);
+        p.extend_from_slice(&s.worker.to_le_bytes());
+        p.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        p.extend_from_slice(&b);
+    }
+    std::fs::write(dir.join("payloads.bin"), p)?;
+    let blocks = w.queries.first().map_or(0, |q| q.seq.len());
+    let mut q = Vec::new();
+    for v in [w.queries.len(), blocks, w.block_size] {
+        q.extend_from_slice(&(v as u32).to_le_bytes());
+    }
+    for query in &w.queries {
+        query.seq.iter().for_each(|h| q.extend_from_slice(&h.to_le_bytes()));
+        query.tokens.iter().for_each(|t| q.extend_from_slice(&t.to_le_bytes()));
+        q.extend_from_slice(&(query.expect.len() as u32).to_le_bytes());
+        for (wk, n) in &query.expect {
+            q.extend_from_slice(&wk.to_le_bytes());
+            q.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+    std::fs::write(dir.join("queries.bin"), q)
+}
+
 fn name(i: u32) -> String {
     format!("worker-{i}")
 }

@@ -114,6 +114,12 @@ fn main() {
         longest as f64 / w.queries.len() as f64,
         holders as f64 / w.queries.len() as f64
     );
+    // --dump DIR: the payloads and queries for bench/index_boundary.py (the same queries from
+    // Python), and nothing measured.
+    if let Some(dir) = std::env::args().skip_while(|a| a != "--dump").nth(1) {
+        kvb::dump(&w, std::path::Path::new(&dir)).expect("dump");
+        return;
+    }
     // --only WORD: just the indexers whose name has WORD (while working on one).
     let only: Vec<String> = std::env::args().skip_while(|a| a != "--only").skip(1).collect();
     let builders: Vec<(String, Builder)> = kvb::builders(&w)
