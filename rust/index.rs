@@ -248,17 +248,8 @@ impl Index {
             }
             return Ok(out);
         }
-        let mut found = Vec::new();
-        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, long, |core| {
-            core.find_matches(&keys, medium.map(Some), remote, &mut found);
-            found
-                .iter()
-                .map(|&(w, n)| (w, core.name(w).clone(), n))
-                .collect()
-        });
-        let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
-        for (w, name, n) in names {
-            out.set_item(name_obj(py, &mut cache, w, name), n)?;
+        for (name, n) in self.named(py, long, |core, found| core.find_matches(&keys, medium.map(Some), remote, found)) {
+            out.set_item(name, n)?;
         }
         Ok(out)
     }
@@ -284,18 +275,15 @@ impl Index {
         let medium = opt_str("medium", medium)?;
         let keys = self.query_keys(py, tokens, block_hashes, lora_name, extra_keys)?;
         let long = keys.len() >= DETACH_MIN_TOKENS / 16;
-        let mut found = Vec::new();
-        let mut rows: Vec<(u32, Arc<str>, u32)> = self.read(py, long, |core| {
-            core.find_matches(&keys, medium.map(Some), remote, &mut found);
+        let rows = self.named(py, long, |core, found| {
+            core.find_matches(&keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
                 found.sort_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
                 found.truncate(k);
             }
-            found.iter().map(|&(w, n)| (w, core.name(w).clone(), n)).collect()
         });
-        let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
-        let counts = PyList::new(py, rows.iter().map(|r| r.2))?;
-        let names = PyList::new(py, rows.drain(..).map(|(w, name, _)| name_obj(py, &mut cache, w, name)))?;
+        let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
+        let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
         Ok((names, counts))
     }
 
@@ -420,6 +408,56 @@ impl Index {
                 self.hash_tokens(py, t, lora_name, extra_keys)?
             }
         })
+    }
+
+    /// Runs `query` (which fills (worker id, count) pairs) under the read lock, and pairs each
+    /// count with the worker's name as a Python str: the cached one when the id still names the
+    /// same worker, made and cached otherwise. When the state's lock is free at once (a short
+    /// query), the name cache is locked first and compared with the workers' names under the
+    /// state's lock, so no name is cloned per worker; otherwise (the read may wait with the GIL
+    /// released, and nothing may then hold the cache) the names are cloned and compared after.
+    fn named<'py>(
+        &self,
+        py: Python<'py>,
+        long: bool,
+        query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
+    ) -> Vec<(Bound<'py, PyString>, u32)> {
+        fn rows(core: &Core, query: impl FnOnce(&Core, &mut Vec<(u32, u32)>), cached: &[Option<NameCache>]) -> Vec<(u32, Option<Arc<str>>, u32)> {
+            let mut found = Vec::new();
+            query(core, &mut found);
+            found
+                .into_iter()
+                .map(|(w, n)| {
+                    let name = core.name(w);
+                    let known = cached.get(w as usize).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(&c.0, name));
+                    (w, (!known).then(|| name.clone()), n)
+                })
+                .collect()
+        }
+        let lock_names = || self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = lock_names();
+        let free = match self.core.try_read() {
+            _ if long => None,
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let found = match free {
+            Some(core) => rows(&core, query, &cache),
+            None => {
+                drop(cache);
+                let found = self.read(py, long, |core| rows(core, query, &[]));
+                cache = lock_names();
+                found
+            }
+        };
+        found
+            .into_iter()
+            .map(|(w, fresh, n)| match fresh {
+                None => (cache[w as usize].as_ref().expect("cached").1.bind(py).clone(), n),
+                Some(name) => (name_obj(py, &mut cache, w, name), n),
+            })
+            .collect()
     }
 
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
