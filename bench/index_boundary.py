@@ -79,11 +79,11 @@ def main() -> None:
     # (label, the call, its input for a query)
     ways: list[tuple[str, Callable[[Any], Any], Callable[[tuple], Any]]] = [
         ("engine: dict <- list of int hashes", lambda x: engine.find_matches(block_hashes=x), lambda q: q[0].tolist()),
-        ("engine: lists <- array('Q') hashes", lambda x: engine.find_matches_lists(block_hashes=x), lambda q: array("Q", q[0])),
-        ("engine: lists <- bytes of hashes", lambda x: engine.find_matches_lists(block_hashes=x), lambda q: q[0].tobytes()),
-        (f"engine: top_k={TOP_K} lists <- array('Q')", lambda x: engine.find_matches_lists(block_hashes=x, top_k=TOP_K), lambda q: array("Q", q[0])),
+        ("engine: lists <- array('Q') hashes", lambda x: engine.find_matches(block_hashes=x, lists=True), lambda q: array("Q", q[0])),
+        ("engine: lists <- bytes of hashes", lambda x: engine.find_matches(block_hashes=x, lists=True), lambda q: q[0].tobytes()),
+        (f"engine: top_k={TOP_K} lists <- array('Q')", lambda x: engine.find_matches(block_hashes=x, top_k=TOP_K, lists=True), lambda q: array("Q", q[0])),
         ("tokens: dict <- list of int tokens", lambda x: tokens_ix.find_matches(x), lambda q: q[1].tolist()),
-        ("tokens: lists <- array('I') tokens", lambda x: tokens_ix.find_matches_lists(x), lambda q: array("I", q[1])),
+        ("tokens: lists <- array('I') tokens", lambda x: tokens_ix.find_matches(x, lists=True), lambda q: array("I", q[1])),
     ]
     best: dict[str, tuple[float, float]] = {}
     wrong: dict[str, int] = {}

@@ -207,9 +207,13 @@ impl Index {
     /// block (None or a tuple of the block's multimodal / cache-salt keys, without the LoRA
     /// name). `medium`: count only blocks held in that medium. `remote`: credit copies whose
     /// events said locality="REMOTE". `by_medium`: `{worker: {medium: count}}`, each medium
-    /// scored on its own residency.
+    /// scored on its own residency. `lists`: the answer as two parallel lists `(workers,
+    /// counts)` in worker id order, for a router's hot path (no dict to build); `top_k`: only
+    /// the k workers with the longest hits, longest first (ties in id order). `block_hashes` as
+    /// a buffer (array('Q'), numpy, bytes of packed native-endian 64-bit ints) and `tokens` as
+    /// one (array('I'), numpy) are read without a Python int per item.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false))]
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false, lists = false, top_k = None))]
     fn find_matches<'py>(
         &self,
         py: Python<'py>,
@@ -220,9 +224,14 @@ impl Index {
         medium: Option<&Bound<'py, PyAny>>,
         by_medium: bool,
         remote: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
+        lists: bool,
+        top_k: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let medium = opt_str("medium", medium)?;
-        let keys = self.query_keys(py, tokens, block_hashes, lora_name, extra_keys)?;
+        if by_medium && (lists || top_k.is_some()) {
+            return Err(PyValueError::new_err("by_medium answers per medium: not with lists or top_k"));
+        }
+        let keys = self.query_keys(py, QueryArgs { tokens, block_hashes, lora_name, extra_keys })?;
         let long = keys.len() >= DETACH_MIN_TOKENS / 16;
         let out = PyDict::new(py);
         if by_medium {
@@ -246,35 +255,8 @@ impl Index {
                 };
                 inner.set_item(m, n)?;
             }
-            return Ok(out);
+            return Ok(out.into_any());
         }
-        for (name, n) in self.named(py, long, |core, found| core.find_matches(&keys, medium.map(Some), remote, found)) {
-            out.set_item(name, n)?;
-        }
-        Ok(out)
-    }
-
-    /// `find_matches` answered as two parallel lists, `(workers, counts)`, in worker id order;
-    /// with `top_k`, the k workers with the longest hits, longest first (ties in id order).
-    /// For a router's hot path: no dict to build, and no Python int per hash when
-    /// `block_hashes` is a buffer (bytes of packed native-endian 64-bit ints, array('Q'), a
-    /// numpy uint64 array) or `tokens` is one (array('I'), numpy).
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, remote = false, top_k = None))]
-    fn find_matches_lists<'py>(
-        &self,
-        py: Python<'py>,
-        tokens: Option<&Bound<'py, PyAny>>,
-        block_hashes: Option<&Bound<'py, PyAny>>,
-        lora_name: Option<&Bound<'py, PyAny>>,
-        extra_keys: Option<&Bound<'py, PyAny>>,
-        medium: Option<&Bound<'py, PyAny>>,
-        remote: bool,
-        top_k: Option<usize>,
-    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
-        let medium = opt_str("medium", medium)?;
-        let keys = self.query_keys(py, tokens, block_hashes, lora_name, extra_keys)?;
-        let long = keys.len() >= DETACH_MIN_TOKENS / 16;
         let rows = self.named(py, long, |core, found| {
             core.find_matches(&keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
@@ -282,9 +264,15 @@ impl Index {
                 found.truncate(k);
             }
         });
-        let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
-        let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
-        Ok((names, counts))
+        if lists {
+            let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
+            let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
+            return Ok((names, counts).into_pyobject(py)?.into_any());
+        }
+        for (name, n) in rows {
+            out.set_item(name, n)?;
+        }
+        Ok(out.into_any())
     }
 
     /// Forgets `worker` and every block it holds (a no-op for an unknown worker).
@@ -365,16 +353,18 @@ impl Index {
     }
 }
 
+/// What a query asks about, as the caller passed it.
+struct QueryArgs<'a, 'py> {
+    tokens: Option<&'a Bound<'py, PyAny>>,
+    block_hashes: Option<&'a Bound<'py, PyAny>>,
+    lora_name: Option<&'a Bound<'py, PyAny>>,
+    extra_keys: Option<&'a Bound<'py, PyAny>>,
+}
+
 impl Index {
     /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
-    fn query_keys(
-        &self,
-        py: Python<'_>,
-        tokens: Option<&Bound<'_, PyAny>>,
-        block_hashes: Option<&Bound<'_, PyAny>>,
-        lora_name: Option<&Bound<'_, PyAny>>,
-        extra_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u64>> {
+    fn query_keys(&self, py: Python<'_>, q: QueryArgs<'_, '_>) -> PyResult<Vec<u64>> {
+        let QueryArgs { tokens, block_hashes, lora_name, extra_keys } = q;
         let tokens = tokens.filter(|t| !t.is_none());
         let block_hashes = block_hashes.filter(|t| !t.is_none());
         let lora_name = opt_str("lora_name", lora_name)?;

@@ -287,6 +287,8 @@ class Index:
         medium: str | None = None,
         by_medium: Literal[False] = False,
         remote: bool = False,
+        lists: Literal[False] = False,
+        top_k: int | None = None,
     ) -> dict[str, int]:
         """{worker: leading blocks it would hit} for each worker with a hit; ``medium``: in that
         medium only; ``remote``: credit copies stored with locality "REMOTE"."""
@@ -303,21 +305,14 @@ class Index:
         remote: bool = False,
     ) -> dict[str, dict[str | None, int]]:
         """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""
-    def find_matches_lists(
-        self,
-        tokens: Tokens | None = None,
-        *,
-        block_hashes: Iterable[int | bytes] | Buffer | None = None,
-        lora_name: str | None = None,
-        extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
-        medium: str | None = None,
-        remote: bool = False,
-        top_k: int | None = None,
+    @overload
+    def find_matches(
+        self, tokens: Tokens | None = None, *, lists: Literal[True], top_k: int | None = None, **query: Any
     ) -> tuple[list[str], list[int]]:
-        """``find_matches`` as parallel lists (workers, hits), in worker id order; with ``top_k``
-        the k longest hits, longest first. ``block_hashes`` as a buffer (array('Q'), numpy
-        uint64, or bytes of packed native-endian 64-bit ints) and ``tokens`` as one (array('I'),
-        numpy) are read without a Python int per item."""
+        """The answer as parallel lists (workers, hits) in worker id order, no dict built; with
+        ``top_k`` the k longest hits, longest first. ``block_hashes`` as a buffer (array('Q'),
+        numpy uint64, or bytes of packed native-endian 64-bit ints) and ``tokens`` as one
+        (array('I'), numpy) are read without a Python int per item."""
     def remove_worker(self, worker: str) -> None: ...
     def clear(self) -> None: ...
     @property
