@@ -98,9 +98,10 @@ fn msgpack_type(marker: u8) -> &'static str {
 
 type NameCache = (Arc<str>, Py<PyString>);
 
-/// A global KV-cache index: per worker and medium, which blocks it holds; per query, how many
-/// leading blocks of a prompt each worker holds. `Index(block_size=16, key="tokens")`; see
-/// kvbridge's README ("Index") and the type stub for the rules.
+/// A global KV-cache index: per worker, medium and KV-cache group, which blocks it holds; per
+/// query, how many leading blocks of a prompt each worker would hit.
+/// `Index(block_size=16, key="tokens")`; see kvbridge's README ("Index") and the type stub for
+/// the rules.
 #[pyclass(module = "kvbridge._native", frozen)]
 pub struct Index {
     core: RwLock<Core>,

@@ -212,6 +212,23 @@ def test_clearing_forgets_the_groups_kinds():
     assert query(idx) == {"w": 4}  # a single-group worker again
 
 
+def test_hybrid_and_plain_workers_past_one_word_of_bits():
+    idx = Index(block_size=4, key="engine")
+    want = {}
+    for w in range(150):
+        n = 1 + w % 4
+        evs = [stored(ENGINE[:n], PROMPT[: 4 * n], bs=4, group=0, kind="full_attention")]
+        if w % 3 == 0:  # hybrid: its window group (1 block) holds block 0 only
+            evs.append(stored(ENGINE[:1], PROMPT[: 4 * n], bs=4, group=1, kind="sliding_window", window=3))
+        idx.apply(f"w{w}", batch(*evs))
+        want[f"w{w}"] = 1 if w % 3 == 0 else n
+    assert query(idx) == want
+    assert query(idx, by_medium=True) == {w: {"GPU": n} for w, n in want.items()}
+    idx.remove_worker("w0")
+    idx.apply("w0", batch(stored(ENGINE, PROMPT, bs=4)))  # the id again, now a single-group worker
+    assert query(idx)["w0"] == 4
+
+
 def raw(event: dict) -> bytes:
     base = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
             "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip

@@ -889,3 +889,177 @@ def test_accepted_groups(Manager):
         m = Manager(8, 2, groups=groups)
         assert m.groups == tuple(tuple(g) for g in groups)
         assert m.allocate("a", [1, 2, 3]) == 0
+
+
+# --- hybrid: native against the spec step by step, both against the stream's own rules -------
+
+GROUP_CONFIGS = [
+    [("full_attention", None), ("sliding_window", 1)],
+    [("full_attention", None), ("sliding_window", 3)],
+    [("full_attention", None), ("sliding_window", 6)],
+    [("mla_attention", None), ("sliding_window", 2), ("sliding_window_mla", 5)],
+    [("full_attention", None), ("mla_attention", None), ("sliding_window", 4)],
+    [("sink_full_attention", None)],
+]
+
+
+class CopyView:
+    """A consumer's replay of a hybrid stream: copies per (group, hash), one per stored block,
+    one less per removal (the shared spec's copy count, without the re-announce exception,
+    which this pool never needs: it re-sends nothing)."""
+
+    def __init__(self, groups, block_size):
+        self.groups, self.bs = groups, block_size
+        self.copies = {}
+
+    def apply_all(self, events):
+        for e in events:
+            if isinstance(e, BlockStored):
+                kind, window = self.groups[e.group_idx]
+                assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (kind, window)
+                assert e.block_size == self.bs and len(e.token_ids) == self.bs * len(e.block_hashes)
+                for h in e.block_hashes:
+                    self.copies[e.group_idx, h] = self.copies.get((e.group_idx, h), 0) + 1
+            elif isinstance(e, BlockRemoved):
+                assert e.group_idx is not None and len(e.block_hashes) == 1  # one per block, as vLLM
+                key = (e.group_idx, e.block_hashes[0])
+                assert self.copies.get(key, 0) > 0, "removal of a copy that is not stored"
+                self.copies[key] -= 1
+                if not self.copies[key]:
+                    del self.copies[key]
+            else:
+                self.copies.clear()
+        return self
+
+    def hit(self, hashes, max_blocks):
+        """The brief's rule, read off the stream: the largest n <= max_blocks with every main
+        group holding [0, n) and every window group [max(0, n - k), n), k = max(1, cdiv(W - 1, b))."""
+        def held(g, lo, hi):
+            return all((g, hashes[i]) in self.copies for i in range(lo, hi))
+
+        for n in range(min(max_blocks, len(hashes)), -1, -1):
+            if all(
+                held(g, 0, n) if w is None else held(g, max(0, n - max(1, -(-(w - 1) // self.bs))), n)
+                for g, (_, w) in enumerate(self.groups)
+            ):
+                return n
+        return 0
+
+
+class HybridPoolMachine(RuleBasedStateMachine):
+    """Hybrid groups: the native manager equals the spec in results, events, free queue, block
+    states, per-group tables and snapshots; allocate and hit_blocks equal the rule read off
+    the event stream; every removal removes a stored copy; a snapshot replays to the copies."""
+
+    @initialize(num_blocks=st.integers(6, 24), block_size=st.integers(1, 3), groups=st.sampled_from(GROUP_CONFIGS))
+    def setup(self, num_blocks, block_size, groups):
+        self.bs, self.groups = block_size, groups
+        self.mgr = NativeKVCacheManager(num_blocks, block_size, groups=groups)
+        self.spec = PyKVCacheManager(num_blocks, block_size, groups=groups)
+        self.view = CopyView(groups, block_size)
+        self.reqs = {}  # rid -> (tokens, lora_name)
+        self.next_id = 0
+
+    def _sync(self):
+        events = self.mgr.take_events()
+        assert events == self.spec.take_events()
+        self.view.apply_all(events)
+
+    def _both(self, method, *args, **kwargs):
+        got = getattr(self.mgr, method)(*args, **kwargs)
+        assert got == getattr(self.spec, method)(*args, **kwargs), method
+        return got
+
+    @precondition(lambda self: len(self.reqs) < 5)
+    @rule(prompt=prompt_st, lora=lora_st)
+    def allocate(self, prompt, lora):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        lora_name, lora_id = lora
+        hashes = chain(prompt, self.bs, lora_name)
+        expected = self.view.hit(hashes, (len(prompt) - 1) // self.bs)
+        assert self._both("hit_blocks", prompt, lora_name=lora_name) == expected
+        got = self._both("allocate", rid, prompt, lora_name=lora_name, lora_id=lora_id)
+        if got is not None:
+            assert got == expected * self.bs
+            self.reqs[rid] = (list(prompt), lora_name)
+        self._sync()
+
+    @precondition(lambda self: 0 < len(self.reqs) < 5)
+    @rule(data=st.data())
+    def fork(self, data):
+        tokens, lora_name = self.reqs[data.draw(st.sampled_from(sorted(self.reqs)))]
+        self.allocate(list(tokens), (lora_name, None))
+
+    def _append(self, rid, new):
+        if self._both("append", rid, new):
+            self.reqs[rid][0].extend(new)
+        else:  # out of blocks: preempt, as an engine would
+            self._both("free", rid)
+            del self.reqs[rid]
+
+    @precondition(lambda self: len(self.reqs) > 0)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 3), max_size=6))
+    def append(self, data, new):
+        self._append(data.draw(st.sampled_from(sorted(self.reqs))), new)
+        self._sync()
+
+    @precondition(lambda self: len(self.reqs) > 1)
+    @rule(new=st.lists(st.integers(0, 1), min_size=1, max_size=3))
+    def decode_step(self, new):
+        for rid in sorted(self.reqs):
+            self._append(rid, new)
+        self._sync()
+
+    @precondition(lambda self: len(self.reqs) > 0)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        self._both("free", rid)
+        del self.reqs[rid]
+        self._sync()
+
+    @precondition(lambda self: len(self.reqs) <= 1)
+    @rule()
+    def reset(self):
+        self._both("reset")
+        self._sync()
+
+    @invariant()
+    def same_state(self):
+        pool, spec = self.mgr.pool, self.spec.pool
+        assert pool.free_block_ids() == spec.free_block_ids()
+        assert pool.cached_block_hashes() == spec.cached_block_hashes()
+        assert pool.num_cached_blocks == spec.num_cached_blocks == len(self.view.copies)
+        states = [(b.ref_cnt, b.block_hash) for b in pool.blocks]
+        assert states == [(b.ref_cnt, b.block_hash) for b in spec.blocks]
+        # Every copy the stream announced is a block holding that hash.
+        assert sum(self.view.copies.values()) == sum(h is not None for _, h in states)
+        for rid, (tokens, _) in self.reqs.items():
+            assert self.mgr.get_group_block_ids(rid) == self.spec.get_group_block_ids(rid)
+            assert self.mgr.num_tokens(rid) == len(tokens)
+
+    @invariant()
+    def snapshot_replays_to_the_copies(self):
+        snap = self.mgr.snapshot()
+        assert snap == self.spec.snapshot()
+        assert CopyView(self.groups, self.bs).apply_all(snap).copies == self.view.copies
+
+
+HybridPoolMachine.TestCase.settings = settings(
+    PoolMachine.TestCase.settings, max_examples=200
+)
+TestHybridPoolStateMachine = HybridPoolMachine.TestCase
+
+
+def test_longest_hit_is_the_coordinators_fixed_point():
+    # HybridKVCacheCoordinator.find_longest_cache_hit repeats over the groups until none cuts
+    # the hit back: group 2 (k=2) cuts 5 to 3, then group 1 (k=1) no longer holds block 2.
+    pool = BlockPool(16, 1, groups=[("full_attention", None), ("sliding_window", 2), ("sliding_window", 3)])
+    hashes = [11, 12, 13, 14, 15]
+    for g, held in [(0, range(5)), (1, [0, 1, 4]), (2, [0, 1, 2])]:
+        for i in held:
+            pool.cache_full_blocks(pool.get_new_blocks(1), [hashes[i]], [i], group_idx=g)
+    assert [pool.window_blocks(g) for g in range(3)] == [0, 1, 2]
+    assert pool.longest_hit(hashes, 5) == 2
+    assert pool.longest_hit(hashes, 1) == 1 and pool.longest_hit([99], 1) == 0

@@ -16,6 +16,7 @@ __all__ = [
     "encode_batch_msgpack",
     "_encode_layout",
     "scan_batch_msgpack",
+    "unpack_query_ints",
     "eventfd_signal",
     "timerfd_new",
     "timerfd_every",
@@ -246,8 +247,8 @@ class KVCacheManager:
 
 @final
 class Index:
-    """Per worker and medium, which KV blocks it holds; per query, how many leading blocks of a
-    prompt each worker holds. Thread-safe: queries run while other threads apply events.
+    """Per worker, medium and KV-cache group, which KV blocks it holds; per query, how many
+    leading blocks of a prompt each worker would hit. Thread-safe: queries run while other threads apply events.
 
     key="tokens" (default): blocks are keyed by the index's own chain, the xxh3 hash of
     ``hash_blocks(tokens, block_size, algo="xxh3", lora_name=..., extra_keys=...)``, computed from
@@ -297,17 +298,20 @@ class Index:
         self,
         tokens: Tokens | None = None,
         *,
+        by_medium: Literal[True],
         block_hashes: Iterable[int | bytes] | Buffer | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
         medium: str | None = None,
-        by_medium: Literal[True],
         remote: bool = False,
     ) -> dict[str, dict[str | None, int]]:
         """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""
     @overload
     def find_matches(
-        self, tokens: Tokens | None = None, *, lists: Literal[True], top_k: int | None = None, **query: Any
+        self, tokens: Tokens | None = None, *, block_hashes: Iterable[int | bytes] | Buffer | None = None,
+        lora_name: str | None = None, extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
+        medium: str | None = None, by_medium: Literal[False] = False, remote: bool = False,
+        lists: Literal[True], top_k: int | None = None,
     ) -> tuple[list[str], list[int]]:
         """The answer as parallel lists (workers, hits) in worker id order, no dict built; with
         ``top_k`` the k longest hits, longest first. ``block_hashes`` as a buffer (array('Q'),

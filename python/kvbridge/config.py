@@ -8,6 +8,7 @@ environment variable, so a typo fails at start rather than as a NATS error minut
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import ssl
@@ -72,6 +73,13 @@ class Config:
     max_reconnect_attempts: int = -1
     reconnect_wait_s: float = 0.5
     request_timeout_s: float = 2.0
+    #: Keepalive: a PING to the server this often; a connection with more than
+    #: ``max_outstanding_pings`` of them unanswered, and nothing else received meanwhile, is dead
+    #: and replaced (reconnect). A path that dies without a FIN or RST (a dead node, NAT or
+    #: conntrack entry) is noticed within ``ping_interval_s * (max_outstanding_pings + 1)``: 3 s
+    #: by default (nats-py's: 6 min).
+    ping_interval_s: float = 1.0
+    max_outstanding_pings: int = 2
     #: Subscribers drop a worker not heard from for this long (never sooner than 3 of the worker's
     #: own heartbeat intervals; a worker with heartbeat_s 0 is never dropped by time). 0: never.
     worker_timeout_s: float = 10.0
@@ -166,6 +174,7 @@ class Config:
             ("max_batch_bytes", 1024),
             ("ring_buffer_bytes", 1024),
             ("queue_max_batches", 1),
+            ("max_outstanding_pings", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -175,10 +184,12 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 _fail(name, f"must be a number >= 0, got {value!r}")
-        for name in ("connect_timeout_s", "request_timeout_s", "stream_max_age_s"):
+        for name in ("connect_timeout_s", "request_timeout_s", "stream_max_age_s", "ping_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 _fail(name, f"must be a number > 0, got {value!r}")
+        if not math.isfinite(self.ping_interval_s):
+            _fail("ping_interval_s", f"must be a finite number of seconds > 0, got {self.ping_interval_s!r}")
         if not isinstance(self.max_reconnect_attempts, int) or self.max_reconnect_attempts < -1:
             _fail("max_reconnect_attempts", "must be -1 (forever) or a count >= 0")
         if self.dp_rank is not None and (not isinstance(self.dp_rank, int) or self.dp_rank < 0):
@@ -217,6 +228,8 @@ class Config:
             "allow_reconnect": self.max_reconnect_attempts != 0,
             "name": f"kvbridge/{self.model}/{self.worker_id}",
             "inbox_prefix": self.inbox_prefix,
+            "ping_interval": self.ping_interval_s,
+            "max_outstanding_pings": self.max_outstanding_pings,
         }
         if self.user is not None:
             opts["user"], opts["password"] = self.user, self.password

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 __all__ = ["INDEX_METRICS", "PUBLISHER_METRICS", "RELAY_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
 
 # stat key -> (metric name, help, kind)
+_LINK_FAILURES = "Connections to NATS found dead by silence (PINGs unanswered) and replaced"
 PUBLISHER_METRICS = {
     "messages": ("kvbridge_published_messages", "NATS messages published (live, not replays)", "counter"),
     "events": ("kvbridge_published_events", "Block events published", "counter"),
@@ -31,6 +32,7 @@ PUBLISHER_METRICS = {
     ),
     "publish_errors": ("kvbridge_publish_errors", "NATS publish calls that failed and will be retried", "counter"),
     "reconnects": ("kvbridge_reconnects", "Reconnections to NATS", "counter"),
+    "link_failures": ("kvbridge_link_failures", _LINK_FAILURES, "counter"),
     "replays": ("kvbridge_replays_served", "Replay requests answered", "counter"),
     "replays_gone": ("kvbridge_replays_gone", "Replay requests answered with 'gone'", "counter"),
     "snapshots": ("kvbridge_snapshots_served", "Snapshot requests answered", "counter"),
@@ -63,6 +65,8 @@ SUBSCRIBER_METRICS = {
     "malformed": ("kvbridge_malformed_messages", "Messages that were not valid event messages", "counter"),
     "request_timeouts": ("kvbridge_request_timeouts", "Replay/snapshot requests that got no answer", "counter"),
     "workers": ("kvbridge_workers", "Workers tracked", "gauge"),
+    "expired": ("kvbridge_expired_workers", "Workers dropped after a silence (our own link proven alive)", "counter"),
+    "link_failures": ("kvbridge_subscriber_link_failures", _LINK_FAILURES, "counter"),
 }
 
 

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
-use super::parse::{eq_bytes, Batch, Event, Spare, Stored, Window, BAD_GROUP};
+use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
@@ -169,18 +169,17 @@ enum BadKind {
     Window,
 }
 
-/// A kind name from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py).
-fn kind_of(name: &[u8], window: Window, block_size: usize) -> Result<Kind, BadKind> {
+/// A kind from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py), as `parse::KINDS` numbers it.
+fn kind_of(code: u8, window: i64, block_size: usize) -> Result<Kind, BadKind> {
+    let name = KINDS.get((code as usize).wrapping_sub(1)).copied().unwrap_or(b"");
     Ok(match name {
         b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
         // At least one block: vLLM's finder stops at the first held block from the right, so a
         // window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block at the hit.
-        b"sliding_window" | b"sliding_window_mla" => match window {
-            Window::Int(w) if w >= 1 => Kind::Window {
-                blocks: u32::try_from((w as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
-            },
-            _ => return Err(BadKind::Window),
+        b"sliding_window" | b"sliding_window_mla" if window >= 1 => Kind::Window {
+            blocks: u32::try_from((window as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
         },
+        b"sliding_window" | b"sliding_window_mla" => return Err(BadKind::Window),
         b"mamba" => Kind::Window { blocks: 1 },
         b"chunked_local_attention" | b"encoder_only_attention" | b"cross_attention" | b"unknown" => {
             Kind::Unscored
@@ -214,26 +213,50 @@ fn is_plain(kinds: &[Kind]) -> bool {
     })
 }
 
-/// The longest hit given the groups held per leading block (`masks`, as far as the main groups
-/// all hold them): the largest n such that each window group holds [max(0, n - blocks), n).
+/// The window rule one block at a time: given the groups `m` that hold block n - 1, whether a
+/// hit of n blocks has each window group hold [max(0, n - blocks), n). `runs`: per window
+/// group, how many blocks up to n - 1 it holds without a gap (kept from call to call).
+fn window_step(runs: &mut [usize], windows: &[(u8, u32)], n: usize, m: u64) -> bool {
+    let mut ok = true;
+    for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
+        *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
+        ok &= *run >= n.min(blocks as usize);
+    }
+    ok
+}
+
+/// The largest n <= masks.len() the window rule accepts (n = 0 always is).
+#[cfg(test)]
 fn window_hit(masks: &[u64], windows: &[(u8, u32)]) -> usize {
-    if windows.is_empty() {
-        return masks.len();
-    }
-    let mut runs = vec![0usize; windows.len()];
-    let mut best = 0;
-    for (i, m) in masks.iter().enumerate() {
-        let n = i + 1;
-        let mut ok = true;
-        for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
-            *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
-            ok &= *run >= n.min(blocks as usize);
+    let mut runs = vec![0; windows.len()];
+    (1..=masks.len())
+        .filter(|&n| window_step(&mut runs, windows, n, masks[n - 1]))
+        .last()
+        .unwrap_or(0)
+}
+
+/// The class the last event of a payload named, and how it named it: a payload's events mostly
+/// name one, and finding it by name (media compared as strings, then the classes) costs more
+/// than comparing with the last.
+#[derive(Default)]
+pub struct LastClass<'a>(Option<(Option<&'a str>, u8, bool, u8)>);
+
+impl<'a> LastClass<'a> {
+    #[inline(always)]
+    fn find(&mut self, core: &Core, medium: Option<&'a str>, group: u8, remote: bool) -> Option<u8> {
+        if let Some((m, g, r, c)) = self.0 {
+            let same_medium = match (m, medium) {
+                (Some(a), Some(b)) => eq_bytes(a.as_bytes(), b.as_bytes()),
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            if same_medium && g == group && r == remote {
+                return Some(c);
+            }
         }
-        if ok {
-            best = n;
-        }
+        let c = core.find_class(medium, group, remote)?;
+        self.0 = Some((medium, group, remote, c));
+        Some(c)
     }
-    best
 }
 
 /// A residency class: the (medium, group, remote?) a holder entry names in its low byte.
@@ -263,6 +286,9 @@ struct Worker {
     slots: Vec<Slot>,
     /// By group: what its stores said it is.
     kinds: Vec<Kind>,
+    /// `plan(&kinds)`, kept for queries: main groups (bits) and window groups.
+    main: u64,
+    windows: Vec<(u8, u32)>,
 }
 
 pub struct Core {
@@ -479,48 +505,63 @@ impl Core {
     /// leading blocks every main group holds (all of `keys` when there is no main group), then
     /// the largest n <= F each window group accepts. One lookup per block for all of them.
     fn hybrid_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
-        struct Walk {
+        struct Walk<'c> {
             w: u32,
             main: u64,
-            windows: Vec<(u8, u32)>,
-            masks: Vec<u64>,
+            windows: &'c [(u8, u32)],
+            /// The groups whose holding decides the hit (main and window).
+            groups: u64,
+            /// Where its window groups' runs are in `runs`.
+            runs: usize,
+            best: usize,
             open: bool,
         }
         let mut walks: Vec<Walk> = Vec::new();
+        let mut n_runs = 0;
         for (word, &bits) in self.hybrid.iter().enumerate() {
             for b in Bits(bits) {
                 let w = (word * 64 + b) as u32;
                 let Some(worker) = self.workers.get(w as usize).and_then(Option::as_ref) else {
                     continue;
                 };
-                let (main, windows) = plan(&worker.kinds);
-                if main != 0 || !windows.is_empty() {
-                    walks.push(Walk { w, main, windows, masks: Vec::new(), open: true });
+                let (main, windows) = (worker.main, &worker.windows[..]);
+                let groups = windows.iter().fold(main, |g, &(x, _)| g | 1 << x);
+                if groups != 0 {
+                    walks.push(Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true });
+                    n_runs += windows.len();
                 }
             }
         }
+        let words = self.workers.len().div_ceil(64);
+        let n_groups = self.class_group.iter().max().map_or(0, |&g| g as usize + 1);
+        let mut held = vec![0u64; words * n_groups];
+        let mut runs = vec![0usize; n_runs];
         let mut open = walks.len();
-        for k in keys {
+        for (i, k) in keys.iter().enumerate() {
             if open == 0 {
                 break;
             }
-            let h = self.blocks.get(k);
+            held.fill(0);
+            if let Some(h) = self.blocks.get(k) {
+                h.groups_into(&self.slab, filter, &self.class_group, words, &mut held);
+            }
             for walk in walks.iter_mut().filter(|x| x.open) {
-                let m = h.map_or(0, |h| h.groups_of(&self.slab, walk.w, filter, &self.class_group));
+                let (word, bit) = (walk.w as usize / 64, walk.w % 64);
+                let m = Bits(walk.groups).fold(0u64, |m, g| {
+                    m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g)
+                });
                 if m & walk.main != walk.main {
                     walk.open = false;
                     open -= 1;
-                } else {
-                    walk.masks.push(m);
+                    continue;
+                }
+                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
+                if window_step(runs, walk.windows, i + 1, m) {
+                    walk.best = i + 1;
                 }
             }
         }
-        for walk in &walks {
-            let n = window_hit(&walk.masks, &walk.windows);
-            if n > 0 {
-                out.push((walk.w, n as u32));
-            }
-        }
+        out.extend(walks.iter().filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
     }
 
     /// Bytes held by the index's tables, with an estimate of the allocator's bookkeeping.
@@ -534,6 +575,7 @@ impl Core {
                     + 16
                     + w.slots.capacity() * std::mem::size_of::<Slot>()
                     + w.kinds.capacity() * std::mem::size_of::<Kind>()
+                    + w.windows.capacity() * std::mem::size_of::<(u8, u32)>()
                     + w.slots
                         .iter()
                         .map(|s| s.engine.allocation_size() + s.dups.allocation_size() + s.copies.allocation_size())
@@ -567,11 +609,12 @@ impl Core {
         if self.mode == Mode::Tokens {
             self.touch(w, &events, hashes);
         }
+        let mut last = LastClass::default();
         for ev in events.drain(..) {
             match ev {
-                Event::Stored(s) => self.stored(w, s, hashes, tokens),
+                Event::Stored(s) => self.stored(w, s, hashes, tokens, &mut last),
                 Event::Removed { hashes: r, medium, group, remote } => {
-                    self.removed(w, &hashes[r], medium, group, remote)
+                    self.removed(w, &hashes[r], medium, group, remote, &mut last)
                 }
                 Event::Cleared => {
                     self.stats.cleared += 1;
@@ -592,17 +635,18 @@ impl Core {
     /// Reads, without changing anything, the table entries a payload's events will change:
     /// independent lookups whose cache misses the CPU overlaps, where the updates that follow
     /// (each waiting on the last) would take them one at a time.
-    fn touch(&self, w: u32, events: &[Event], hashes: &[u64]) {
+    fn touch<'a>(&self, w: u32, events: &[Event<'a>], hashes: &[u64]) {
         let Some(worker) = self.workers[w as usize].as_ref() else {
             return;
         };
+        let mut last = LastClass::default();
         for ev in events {
             let (range, medium, group, remote, parent) = match ev {
                 Event::Stored(s) => (&s.hashes, s.medium, s.group, s.remote, s.parent),
                 Event::Removed { hashes, medium, group, remote } => (hashes, *medium, *group, *remote, None),
                 Event::Cleared => continue,
             };
-            let Some(c) = self.find_class(medium, group, remote) else {
+            let Some(c) = last.find(self, medium, group, remote) else {
                 continue;
             };
             let Some(slot) = worker.slots.iter().find(|s| s.class == c) else {
@@ -666,10 +710,13 @@ impl Core {
             name,
             slots: Vec::new(),
             kinds: Vec::new(),
+            main: 1,
+            windows: Vec::new(),
         });
         Some(w)
     }
 
+    #[inline]
     fn find_medium(&self, medium: Option<&str>) -> Option<u8> {
         self.media
             .iter()
@@ -680,6 +727,7 @@ impl Core {
             .map(|i| i as u8)
     }
 
+    #[inline]
     fn find_class(&self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
         let medium = self.find_medium(medium)?;
         let want = Class { medium, group, remote };
@@ -736,6 +784,7 @@ impl Core {
             worker.kinds.resize(g as usize + 1, Kind::Unannounced);
         }
         worker.kinds[g as usize] = kind;
+        (worker.main, worker.windows) = plan(&worker.kinds);
         let hybrid = !is_plain(&worker.kinds);
         self.set_hybrid(w, hybrid);
         kind
@@ -758,7 +807,7 @@ impl Core {
         worker.kinds.get(g as usize).copied().unwrap_or_default()
     }
 
-    fn stored(&mut self, w: u32, s: Stored, hashes: &[u64], tokens: &[u32]) {
+    fn stored<'a>(&mut self, w: u32, s: Stored<'a>, hashes: &[u64], tokens: &[u32], last: &mut LastClass<'a>) {
         let keys = &hashes[s.hashes.clone()];
         let tokens = &tokens[s.tokens.clone()];
         let n = keys.len();
@@ -767,7 +816,7 @@ impl Core {
             self.stats.bad_groups += 1;
             return;
         }
-        let kind = match s.kind.map(|name| kind_of(name, s.window, bs)).transpose() {
+        let kind = match (s.kind != NO_KIND).then(|| kind_of(s.kind, s.window, bs)).transpose() {
             Ok(k) => k,
             Err(BadKind::Kind) => {
                 self.stats.unknown_kinds += 1;
@@ -824,7 +873,11 @@ impl Core {
             self.stats.bad_extra_keys += 1;
             return;
         }
-        let Some(c) = self.class_id(s.medium, s.group, s.remote) else {
+        let Some(c) = last.find(self, s.medium, s.group, s.remote).or_else(|| {
+            let c = self.class_id(s.medium, s.group, s.remote)?;
+            last.0 = Some((s.medium, s.group, s.remote, c));
+            Some(c)
+        }) else {
             self.stats.too_many_media += 1;
             return;
         };
@@ -920,7 +973,15 @@ impl Core {
             .find_map(|s| s.engine.get(&p).copied())
     }
 
-    fn removed(&mut self, w: u32, keys: &[u64], medium: Option<&str>, group: u8, remote: bool) {
+    fn removed<'a>(
+        &mut self,
+        w: u32,
+        keys: &[u64],
+        medium: Option<&'a str>,
+        group: u8,
+        remote: bool,
+        last: &mut LastClass<'a>,
+    ) {
         if group == BAD_GROUP {
             self.stats.bad_groups += 1;
             return;
@@ -928,7 +989,7 @@ impl Core {
         if self.kind(w, group) == Kind::Unscored {
             self.stats.unscored_group_events += 1;
         }
-        let slot_i = self.find_class(medium, group, remote).and_then(|c| {
+        let slot_i = last.find(self, medium, group, remote).and_then(|c| {
             let slots = &self.workers[w as usize].as_ref()?.slots;
             slots.iter().position(|s| s.class == c)
         });
@@ -965,6 +1026,7 @@ impl Core {
         } = self;
         let worker = workers[w as usize].as_mut().expect("live worker");
         worker.kinds.clear();
+        (worker.main, worker.windows) = plan(&[]);
         if worker.slots.iter().all(|s| s.held == 0) {
             worker.slots.clear();
             return;
@@ -1058,6 +1120,7 @@ fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e:
 }
 
 /// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
+#[inline]
 fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
     let fresh = match mode {
         Mode::Engine => add_holder(blocks, slab, slot, e, k),
@@ -1082,6 +1145,7 @@ fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: En
 }
 
 /// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
+#[inline]
 fn drop_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
     if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
         *n -= 1;
@@ -1225,12 +1289,14 @@ mod tests {
 
     #[test]
     fn kinds_decide_the_plan() {
-        assert_eq!(kind_of(b"sliding_window", Window::Int(5), 2).ok(), Some(Kind::Window { blocks: 2 }));
-        assert_eq!(kind_of(b"sliding_window", Window::Int(1), 2).ok(), Some(Kind::Window { blocks: 1 }));
-        assert_eq!(kind_of(b"mamba", Window::None, 16).ok(), Some(Kind::Window { blocks: 1 }));
-        assert!(matches!(kind_of(b"sliding_window_mla", Window::Int(0), 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(b"sliding_window", Window::Bad, 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(b"swa", Window::Int(4), 2), Err(BadKind::Kind)));
+        let code = |name: &[u8]| KINDS.iter().position(|k| *k == name).map_or(u8::MAX, |i| i as u8 + 1);
+        assert_eq!(kind_of(code(b"sliding_window"), 5, 2).ok(), Some(Kind::Window { blocks: 2 }));
+        assert_eq!(kind_of(code(b"sliding_window"), 1, 2).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(code(b"mamba"), 0, 16).ok(), Some(Kind::Window { blocks: 1 }));
+        assert_eq!(kind_of(code(b"sink_full_attention"), 0, 16).ok(), Some(Kind::Main));
+        assert!(matches!(kind_of(code(b"sliding_window_mla"), 0, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"sliding_window"), -3, 2), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"swa"), 4, 2), Err(BadKind::Kind)));
         assert!(is_plain(&[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced]));
         assert!(!is_plain(&[Kind::Main, Kind::Main]) && !is_plain(&[Kind::Unscored]));
         assert!(!is_plain(&[Kind::Unannounced, Kind::Window { blocks: 1 }]));

@@ -280,6 +280,7 @@ impl Holders {
         Holders { a: e, b: NONE }
     }
 
+    #[inline]
     pub fn contains(&self, slab: &Slab, e: Entry) -> bool {
         if self.a == MANY {
             slab.many[self.b as usize].contains(e)
@@ -407,24 +408,26 @@ impl Holders {
         }
     }
 
-    /// The groups (bits of `group_of[class]`) in which worker `w` holds this block, over the
-    /// classes `filter` accepts.
-    pub fn groups_of(&self, slab: &Slab, w: u32, filter: &Filter, group_of: &[u8]) -> u64 {
-        let mut bits = 0;
+    /// ORs into `out` the workers holding this block per group: group g's bitset over worker
+    /// ids is `out[g * words..(g + 1) * words]` (`group_of[class]` names a class's group), over
+    /// the classes `filter` accepts. One pass for all workers, where asking each would take one
+    /// pass per worker.
+    pub fn groups_into(&self, slab: &Slab, filter: &Filter, group_of: &[u8], words: usize, out: &mut [u64]) {
         if self.a == MANY {
             for (m, b) in slab.many[self.b as usize].media() {
-                if filter.accepts(m) && b.get(w) {
-                    bits |= 1 << group_of[m as usize];
+                if filter.accepts(m) {
+                    let g = group_of[m as usize] as usize;
+                    b.or_into(&mut out[g * words..(g + 1) * words]);
                 }
             }
         } else {
             for e in [self.a, self.b] {
-                if e != NONE && worker_of(e) == w && filter.accepts(medium_of(e)) {
-                    bits |= 1 << group_of[medium_of(e) as usize];
+                if e != NONE && filter.accepts(medium_of(e)) {
+                    let g = group_of[medium_of(e) as usize] as usize;
+                    set_bit(&mut out[g * words..(g + 1) * words], worker_of(e));
                 }
             }
         }
-        bits
     }
 }
 

@@ -705,4 +705,32 @@ mod tests {
         assert!(removed(&record).is_empty());
         assert!(!core.reset()); // blocks in use: no reset
     }
+
+    /// The spec's `test_longest_hit_is_the_coordinators_fixed_point` (tests/test_pool.py), on the
+    /// core: group 2 cuts the hit from 5 to 3, after which group 1 cuts it to 2.
+    #[test]
+    fn longest_hit_is_the_coordinators_fixed_point() {
+        let mut core = Core::new(16, 1, true, vec![None, Some(2), Some(3)]);
+        let hashes = [11, 12, 13, 14, 15];
+        for (g, held) in [(0, &[0, 1, 2, 3, 4][..]), (1, &[0, 1, 4]), (2, &[0, 1, 2])] {
+            for &i in held {
+                let mut b = Vec::new();
+                core.new_blocks(1, &mut b);
+                core.cache(&b, &[hashes[i]], &[i as u32], None, 0, g);
+            }
+        }
+        assert_eq!([0, 1, 2].map(|g| core.window_blocks(g)), [0, 1, 2]);
+        assert_eq!(core.longest_hit(&hashes, 5), 2);
+        assert_eq!(core.longest_hit(&hashes, 1), 1);
+        assert_eq!(core.lookup(1, 15), Some(7));
+        assert_eq!(core.skipped_blocks(2, 5), 3);
+        assert_eq!(core.skipped_blocks(0, 5), 0);
+        let removed: usize = core
+            .take_record()
+            .events
+            .iter()
+            .filter(|e| matches!(e, Event::Removed { .. }))
+            .count();
+        assert_eq!(removed, 0);
+    }
 }

@@ -15,19 +15,33 @@ waits (kvbridge's event subscriber without an ``on_update`` to await): its handl
 from the read loop itself with the subject, headers and payload, where nats-py would build a
 ``Msg``, queue it and wake the subscription's task to await a callback (about 8 µs a message
 here, more than the header parsing and the frame cut together).
+
+Dead links: a path that dies without a FIN or RST (a dead node, a NAT or conntrack entry gone)
+leaves the socket open and swallows every write. The keepalive (``ping_interval_s``,
+``max_outstanding_pings``) or a caller's probe (``Client.link_alive``) finds it: PINGs go
+unanswered and nothing else arrives either (a PONG queued behind a backlog is late, not lost,
+so any byte received counts as a sign of life). Then the connection is logged (which server, how
+it was found), counted (``link_failures``) and replaced, its socket aborted rather than closed
+(see ``_replace_dead_link``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
 from nats.aio import client as _nats
+from nats.errors import StaleConnectionError, UnexpectedEOF
 from nats.protocol import parser as _parser
 
 from kvbridge._native import parse_nats_headers, scan_nats_msgs
 
 __all__ = ["Client", "DirectHandler"]
+
+log = logging.getLogger("kvbridge.connection")
 
 #: ``handler(subject, headers, payload)``; headers as nats-py gives them (a dict, or None).
 DirectHandler = Callable[[str, Optional[dict[str, str]], bytes], None]
@@ -41,6 +55,8 @@ class Parser(_parser.Parser):
     """nats-py's parser, with the message frames at the head of the buffer cut natively."""
 
     async def parse(self, data: bytes = b"") -> None:
+        if data:
+            self.nc._last_read = time.monotonic()  # the keepalive's sign of life
         buf = self.buf
         buf.extend(data)
         while self.state == _parser.AWAITING_CONTROL_LINE and buf:
@@ -84,6 +100,9 @@ class Client(_nats.Client):
         super().__init__()
         self._ps = Parser(self)
         self._direct: dict[int, DirectHandler] = {}
+        #: Connections found dead by silence (PINGs unanswered) and replaced.
+        self.link_failures = 0
+        self._last_read = time.monotonic()
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         """A plain subscription (no queue group) whose messages go to ``handler`` from the read
@@ -123,3 +142,81 @@ class Client(_nats.Client):
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)
         super()._remove_sub(sid, max_msgs)
+
+    # -- dead links -------------------------------------------------------------------------------
+
+    async def link_alive(self, timeout: float, why: str) -> bool:
+        """Whether the server answers a PING: True once its PONG is back (everything the server
+        sent before it has then been read). While bytes keep arriving the PONG is on its way behind
+        them; ``timeout`` seconds with nothing received: the connection is replaced as a dead link
+        (logged with ``why``) and the answer is False, as it is while not connected."""
+        transport = self._transport
+        if not self.is_connected:
+            return False
+        pong: asyncio.Future = asyncio.get_running_loop().create_future()
+        try:
+            await self._send_ping(pong)
+            while not pong.done():
+                since = time.monotonic()
+                await asyncio.wait((pong,), timeout=timeout)
+                if self._transport is not transport or not self.is_connected:
+                    return False  # reconnecting already: nothing to tell about the link
+                if not pong.done() and self._last_read <= since:
+                    how = f"no PONG, nothing received for {timeout:.1f} s after a probe PING ({why})"
+                    await self._replace_dead_link(how)
+                    return False
+        except Exception:  # closed meanwhile
+            return False
+        return not pong.cancelled()
+
+    async def _process_connect_init(self) -> None:
+        await super()._process_connect_init()
+        self._last_read = time.monotonic()  # the handshake was read without the parser
+
+    async def _ping_interval(self) -> None:
+        """nats-py's keepalive, where any byte received counts as an answer: a subscriber far
+        behind reads the PONG only after everything the server queued before it, seconds later on
+        a link that works. A dead path delivers nothing at all."""
+        interval = self.options["ping_interval"]
+        tick = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            if not self.is_connected:
+                continue
+            if self._last_read > tick:
+                self._pings_outstanding = 0
+            tick = time.monotonic()
+            try:
+                self._pings_outstanding += 1
+                if self._pings_outstanding > self.options["max_outstanding_pings"]:
+                    await self._process_op_err(StaleConnectionError())
+                    return
+                await self._send_ping()
+            except (asyncio.CancelledError, RuntimeError, AttributeError):  # as nats-py's: closing
+                break
+
+    async def _process_op_err(self, e: Exception) -> None:
+        # nats-py files an EOF (a closed socket: nothing dead about the path) under stale too.
+        if isinstance(e, StaleConnectionError) and not isinstance(e, UnexpectedEOF) and self.is_connected:
+            pings = self._pings_outstanding - 1  # the one that tipped it over was not sent
+            if pings >= self.options["max_outstanding_pings"]:
+                silent = time.monotonic() - self._last_read
+                how = f"no PONG, nothing received for {silent:.1f} s ({pings} PINGs unanswered)"
+            else:  # the server's -ERR 'Stale Connection': our PONGs stopped reaching it
+                how = "the server found this connection stale (our PONGs did not reach it)"
+            await self._replace_dead_link(how)
+            return
+        await super()._process_op_err(e)
+
+    async def _replace_dead_link(self, how: str) -> None:
+        self.link_failures += 1
+        url = self.connected_url
+        log.warning("kvbridge %s: %s: %s: dead link, reconnecting (%d so far)", self.options.get("name"),
+                    url.geturl() if url else "?", how, self.link_failures)  # fmt: skip
+        # Abort, not close: asyncio's close() first waits for the queued bytes to drain, which
+        # on a dead path never happens, and nats-py's reconnect waits for the close. What the dead
+        # socket swallowed is the publishers' ring's to re-send (replay) after the reconnect.
+        writer = getattr(self._transport, "_io_writer", None)  # TCP and TLS; websockets time out on their own
+        if isinstance(writer, asyncio.StreamWriter):
+            writer.transport.abort()
+        await super()._process_op_err(StaleConnectionError())

@@ -432,6 +432,7 @@ class KvEventPublisher:
             last_seq=self._outbox.last_seq,
             refused=self._permissions.refused_publish(self.subjects.events),
             permission_errors=self._permissions.count,
+            link_failures=self._nc.link_failures if self._nc is not None else 0,
         )
         # A publish the server refused was counted as sent when nats-py took it.
         s["messages"] = max(0, s["messages"] - s["refused"])

@@ -16,7 +16,8 @@ in-order sequence of :class:`Update` s:
   heartbeat intervals, ``Kv-Heartbeat``; never, if it sends none) is dropped: its view goes, one
   ``reset=True`` update with ``source="expired"`` and no events says so, and it costs no more
   requests. A worker whose subject never syncs (nobody answers) costs a few requests with growing
-  pauses until it expires;
+  pauses until it expires. Silence is never blamed on the workers before the subscriber's own
+  link has answered a PING (docs/delivery.md, "Dead links");
 * two live publishers on one subject (two epochs alternating) are logged once, at WARNING, with
   both epochs, and counted (``stats["epoch_conflicts"]``).
 
@@ -367,7 +368,7 @@ class KvEventSubscriber:
     async def start(self) -> KvEventSubscriber:
         if self._nc is not None:
             return self
-        self._nc = await connect(self.config, error_cb=self._permissions.on_error)
+        self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         try:
             if self.config.jetstream:
                 from kvbridge.bus.jetstream import subscribe_stream
@@ -500,6 +501,8 @@ class KvEventSubscriber:
         s["workers"] = len(self._workers)
         s["permission_errors"] = self._permissions.count
         s["reconnects"] = self._nc.stats["reconnects"] if self._nc is not None else 0
+        # Our own link found dead (keepalive or the probe before an expiry), not the workers.
+        s["link_failures"] = self._nc.link_failures if self._nc is not None else 0
         if self._stream_reader is not None:
             s.update(self._stream_reader.stats)
         return s
@@ -693,11 +696,30 @@ class KvEventSubscriber:
         interval = max(0.1, min(1.0, timeout / 4))
         while not self._closed:
             await asyncio.sleep(interval)
-            now = time.monotonic()
-            for key, w in list(self._workers.items()):
-                limit = w.timeout(timeout)
-                if limit is not None and now - w.last_heard > limit:
-                    await self._expire(key, w)
+            due = self._due(timeout)
+            if not due:
+                continue
+            # Silence is the workers' fault only if our own link works: a dead path (no FIN, no
+            # RST) silences every worker at once. No PONG: the link is replaced, and everyone is
+            # given a full timeout again from the reconnect (_on_reconnected).
+            why = f"{len(due)} worker(s) silent past their timeout"
+            if not await self._nc.link_alive(self.config.request_timeout_s, why):
+                continue
+            for key, w in self._due(timeout):
+                await self._expire(key, w)
+
+    def _due(self, timeout: float) -> list[tuple[tuple[str, str], _Worker]]:
+        """The workers silent for longer than their timeout, now."""
+        now = time.monotonic()
+        return [(key, w) for key, w in self._workers.items()
+                if (limit := w.timeout(timeout)) is not None and now - w.last_heard > limit]  # fmt: skip
+
+    async def _on_reconnected(self) -> None:
+        # Whatever was sent while we were away is not the workers' silence: each gets a full
+        # timeout from now, and a hole shows at its next message or heartbeat (then: replay).
+        now = time.monotonic()
+        for w in self._workers.values():
+            w.last_heard = now
 
     async def _expire(self, key: tuple[str, str], w: _Worker) -> None:
         """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""

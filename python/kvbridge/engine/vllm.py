@@ -19,7 +19,8 @@ What it does, decided once at construction and said in one log line:
 * events off (no ``kv_events_config``, or ``enable_kv_cache_events`` false): nothing at all;
 * otherwise every API server publishes a :class:`kvbridge.events.LoadReport` per engine on
   ``<prefix>.load.<model>.<worker>`` at most every ``load_interval_s`` (its ``api_rank`` in it:
-  each step's stats reach one API server only);
+  each step's stats reach one API server only; its ``url`` and ``dp_rank`` tell ``kvbridge proxy``
+  where to send that worker's requests, see :func:`advertise_url`);
 * relays run only with ``publisher: "zmq"`` and only in API-server rank 0 (with
   ``--api-server-count N`` every API server builds its own logger). Each rank's endpoint follows
   vLLM's rule (tcp port + rank, ``*`` is this host). Ranks that cannot be relayed from here
@@ -51,6 +52,7 @@ import atexit
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -68,7 +70,7 @@ from kvbridge.bus.publisher import KvEventPublisher
 from kvbridge.engine.relay import RelayView, engine_endpoint
 from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
 
-__all__ = ["KvBridgeStatLogger", "Plan", "logger_factory", "plan", "shutdown"]
+__all__ = ["KvBridgeStatLogger", "Plan", "advertise_url", "logger_factory", "plan", "shutdown"]
 
 log = logging.getLogger("vllm.kvbridge")
 
@@ -132,6 +134,7 @@ class Plan:
     relays: list[RelaySpec] = field(default_factory=list)
     no_relay: str | None = None  # why this process runs no relay at all
     sidecar: list[str] = field(default_factory=list)  # ranks not relayed from here, and how to cover them
+    url: str | None = None  # this API server as clients reach it, for a gateway (LoadReport.url)
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -156,6 +159,33 @@ def _port(endpoint: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def advertise_url(environ: Any = None, argv: list[str] | None = None) -> str | None:
+    """This API server's base URL for gateways: ``KVBRIDGE_ADVERTISE_URL``, else ``vllm serve``'s
+    ``--host``/``--port`` (the API server's address is in its arguments, not in ``VllmConfig``;
+    a wildcard or absent host becomes this machine's name, the port defaults to vLLM's 8000);
+    None when this is not ``vllm serve``."""
+    env = os.environ if environ is None else environ
+    given = env.get(ENV_PREFIX + "ADVERTISE_URL")
+    if given:
+        return str(given).rstrip("/")
+    args = sys.argv if argv is None else argv
+    if "serve" not in args[1:]:
+        return None
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        for name in ("--host", "--port"):
+            if arg == name and i + 1 < len(args):
+                found[name] = args[i + 1]
+            elif arg.startswith(name + "="):
+                found[name] = arg.split("=", 1)[1]
+    host = found.get("--host") or ""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{found.get('--port', '8000')}"
+
+
 def plan(vllm_config: Any, engine_indexes: list[int] | None, options: dict[str, Any], environ: Any = None) -> Plan:
     """Decide, from vLLM's config and the options (keywords over ``KVBRIDGE_*``), what to run."""
     env = os.environ if environ is None else environ
@@ -174,7 +204,7 @@ def plan(vllm_config: Any, engine_indexes: list[int] | None, options: dict[str, 
     config = Config.from_env(env, **options, **extra)
     template = options.get("worker_id") or env.get(ENV_PREFIX + "WORKER_ID") or f"{socket.gethostname()}-dp{{dp_rank}}"
 
-    p = Plan(config=config, api_rank=api_rank)
+    p = Plan(config=config, api_rank=api_rank, url=advertise_url(env))
     for idx in indexes:
         # The offline LLMEngine always says engine 0; its rank is the config's data_parallel_index.
         rank = dp_index if indexes == [0] else idx
@@ -593,8 +623,8 @@ class KvBridgeStatLogger(_AggregateBase):
             if nc is None or not nc.is_connected:
                 continue  # counters keep growing: the next report covers the outage
             for slot in slots:
-                if not slot.records:
-                    continue
+                if not slot.records and self.plan.url is None:
+                    continue  # with a URL an idle engine reports too: a gateway must know it to send it work
                 now = time.time()
                 queries, hits = slot.queries, slot.hits
                 e = slot.engine
@@ -602,7 +632,7 @@ class KvBridgeStatLogger(_AggregateBase):
                     ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
                     prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
                     interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
-                    dp_rank=e.dp_rank,
+                    dp_rank=e.dp_rank, url=self.plan.url,
                 )  # fmt: skip
                 try:
                     await nc.publish(slot.subject, encode_load_report(report, config.encoding), headers=headers)

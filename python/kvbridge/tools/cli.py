@@ -1,6 +1,6 @@
 """``kvbridge`` command line: ``watch`` the event stream, ``relay`` a stock engine's ZMQ events to
-NATS, serve overlap queries from an ``index``, run the end-to-end ``demo``, or print least-privilege NATS
-users (``auth-config``).
+NATS, serve overlap queries from an ``index``, put a KV-aware OpenAI gateway in front of vLLM
+(``proxy``), run the end-to-end ``demo``, or print least-privilege NATS users (``auth-config``).
 
 Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
 the flags below override them.
@@ -233,6 +233,50 @@ async def _index(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- proxy -----------------------------------------------------------------------------------------
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def _proxy(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvbridge.routing.proxy import KvProxy
+    from kvbridge.routing.upstreams import parse_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        workers = dict(parse_worker(spec) for spec in args.worker)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    host, port = args.listen
+    config = _config(args)
+    proxy = KvProxy(
+        config, model=args.model, host=host, port=port, workers=workers, block_size=args.block_size,
+        tokenizer=args.tokenizer, index_service=args.index_service, overlap_weight=args.overlap_weight,
+        max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
+        read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
+        tokenize_cache=args.tokenize_cache,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with proxy:
+        index = "index service" if args.index_service else "in-process index"
+        print(f"kvbridge proxy for {args.model} on {proxy.url} ({index}, NATS {', '.join(config.servers)}); "
+              f"workers from load reports{' and --worker' if workers else ''} (Ctrl-C to stop)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        await stop.wait()
+    print("proxy stopped", file=sys.stderr)
+    return 0
+
+
 # --- entry point -----------------------------------------------------------------------------------
 
 
@@ -312,15 +356,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
     d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
-    d.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker (default 4096)")
+    d.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 4096; --http: 2048)")
     d.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
     d.add_argument("--turns-per-s", type=float, default=300.0, help="chat turns per second, each served by every fleet (default 300)")
     d.add_argument(
-        "--prefill-ms-per-block", type=float, default=1.0,
-        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0)",
+        "--prefill-ms-per-block", type=float,
+        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0; "
+        "--http: 2.0, the stand-ins really wait it)",
     )  # fmt: skip
     d.add_argument("--bursts", type=int, default=4, metavar="N",
                    help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
@@ -329,9 +374,42 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sliding-window", type=int, default=0, metavar="W",
                    help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
                    "of W tokens, as vLLM runs gpt-oss or Gemma 3 (default 0: one full-attention group)")  # fmt: skip
+    d.add_argument("--http", action="store_true",
+                   help="instead: stand-in OpenAI-compatible engines behind `kvbridge proxy`, chats sent through the "
+                   "openai client, against round-robin and random (needs the openai package)")  # fmt: skip
+    d.add_argument("--http-turns", type=int, default=120, help="with --http: chat turns per policy (default 120)")
     d.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
+    x = sub.add_parser(
+        "proxy", help="an OpenAI-compatible gateway that sends each request to the vLLM server caching its prompt",
+        description="Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, streaming or not; GET "
+        "/v1/models, /health, /metrics) and forward each request, unchanged, to the worker with the lowest cost = "
+        "blocks still to prefill + load. Workers and their URLs come from the vLLM plugin's load reports on NATS "
+        "(KVBRIDGE_ADVERTISE_URL, or vllm serve's --host/--port) and from --worker. Runs until SIGINT/SIGTERM.",
+    )  # fmt: skip
+    x.add_argument("--model", required=True, help="the served model name clients ask for (and the subjects' <model>)")
+    x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8000), metavar="HOST:PORT",
+                   help="where to serve (default 127.0.0.1:8000)")  # fmt: skip
+    x.add_argument("--worker", action="append", default=[], metavar="ID=URL[@RANK]",
+                   help="a worker and its API server (repeat); @RANK pins that DP rank with X-data-parallel-rank; "
+                   "adds to, and overrides, what load reports say")  # fmt: skip
+    x.add_argument("--block-size", type=int, default=16, help="tokens per KV block, as the engines use (default 16)")
+    x.add_argument("--tokenizer", metavar="PATH", help="a tokenizers JSON file (tokenizer.json) to tokenize completions' "
+                   "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
+    x.add_argument("--index-service", action="store_true",
+                   help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process")
+    x.add_argument("--overlap-weight", type=float, default=1.0, help="cost of one block to prefill against one request "
+                   "of load (default 1)")  # fmt: skip
+    x.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
+    x.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (default 5)")
+    x.add_argument("--read-timeout", type=float, default=600.0,
+                   help="seconds a worker may stay silent, prefill included (default 600)")
+    x.add_argument("--tokenize-timeout", type=float, default=5.0, help="seconds for a /tokenize answer (default 5)")
+    x.add_argument("--down-s", type=float, default=5.0, help="seconds a failed worker is left out (default 5)")
+    x.add_argument("--tokenize-cache", type=int, default=4096, help="prompts whose token ids are kept (default 4096)")
+    _connection_args(x)
+
     a = sub.add_parser(
         "auth-config",
         help="print a least-privilege nats-server authorization block for one model's workers and routers",
@@ -374,6 +452,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_index(args))
         if args.command == "auth-config":
             return _auth_config(args)
+        if args.command == "proxy":
+            return asyncio.run(_proxy(args))
+        if args.num_blocks is None:
+            args.num_blocks = 2048 if args.http else 4096
+        if args.prefill_ms_per_block is None:
+            args.prefill_ms_per_block = 2.0 if args.http else 1.0
+        if args.http:
+            from kvbridge.tools.demo_http import run_http_demo
+
+            return asyncio.run(run_http_demo(args))
         from kvbridge.tools.demo import run_demo
 
         return asyncio.run(run_demo(args))

@@ -235,7 +235,9 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     skipped-waiting requests) are gauges, the latest values. ``prefix_cache_queries`` and
     ``prefix_cache_hits`` (tokens) are counters since the previous report of the same API server
     (``api_rank``), over ``interval_s`` seconds: with several API servers each step's stats reach
-    one of them, so a consumer takes the newest gauges and adds the counters.
+    one of them, so a consumer takes the newest gauges and adds the counters. ``dp_rank`` and
+    ``url`` say where a request for this worker goes: ``url``, with vLLM's
+    ``X-data-parallel-rank: <dp_rank>`` header.
     """
 
     ts: float
@@ -248,6 +250,10 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     api_rank: int = 0
     engine_index: int = 0
     dp_rank: int | None = None
+    #: The engine's OpenAI-compatible API server as clients reach it (``http://host:port``), for a
+    #: gateway (``kvbridge proxy``) to forward requests to; None when unknown. Last, defaulted:
+    #: reports without it still decode.
+    url: str | None = None
 
 
 _load_decoders: dict[str, msgspec.msgpack.Decoder[LoadReport] | msgspec.json.Decoder[LoadReport]] = {

@@ -1,0 +1,548 @@
+"""``kvbridge proxy``: an OpenAI-compatible gateway that sends each request to the vLLM API server
+whose KV cache already holds most of its prompt.
+
+Per request (``POST /v1/completions``, ``POST /v1/chat/completions``):
+
+1. the body is checked (size, JSON, ``model``, ``prompt`` / ``messages``): a 4xx with an
+   OpenAI-style error JSON otherwise;
+2. the prompt's token ids -- the ones the engine will hash -- come from a local ``tokenizers``
+   tokenizer (completions, when one is given) or from an engine's ``POST /tokenize`` (chat: with
+   its chat template applied), remembered per prompt in a bounded LRU;
+3. :class:`kvbridge.Router` weighs each worker's cached leading blocks, per storage tier (an
+   in-process :class:`kvbridge.Index` fed from NATS, or an index service), against its load;
+4. the body goes unchanged to the chosen worker's URL (with ``X-data-parallel-rank`` for a DP
+   rank), and the answer comes back with the upstream's status and bytes; a stream is passed on
+   event by event as it arrives.
+
+Faults: a worker that refuses the connection or answers 5xx before streaming is marked down for
+``down_s`` and the request goes once more, to the next-best worker; a stream that breaks ends with
+an error event (``data: {"error": ...}``); a client that goes away cancels the upstream request.
+While NATS is unreachable the last known workers keep serving, least loaded first (``/health``
+and ``kvbridge_proxy_nats_connected`` say so); unreachable at start, the proxy starts all the same
+when it was given workers, and connects in the background.
+
+Workers and their URLs come from the load reports of the vLLM plugin (``LoadReport.url`` and
+``dp_rank``) and from ``workers=`` (``--worker ID=URL[@RANK]``), which win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import socket
+import time
+from typing import Any, Mapping
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from kvbridge.bus.connection import AuthenticationError, ConnectError
+from kvbridge.bus.subscriber import KvEventSubscriber
+from kvbridge.config import Config
+from kvbridge.routing.router import Router, report_loads
+from kvbridge.routing.upstreams import ProxyMetrics, Target, TokenCache, Upstreams, parse_worker
+
+__all__ = ["KvProxy"]
+
+log = logging.getLogger("kvbridge.proxy")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_ROUTES = {COMPLETIONS: "POST", CHAT: "POST", "/v1/models": "GET", "/health": "GET", "/metrics": "GET"}
+# Per hop, never forwarded (RFC 9110 7.6.1); Host, lengths and Date/Server are the hop's own too.
+_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                  "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "date", "server"))  # fmt: skip
+# What changes how a chat prompt renders, so belongs to /tokenize's request and the cache key.
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                    "tools", "documents", "mm_processor_kwargs")  # fmt: skip
+_REFRESH_S = 0.25  # how stale the worker table and gauges may be
+
+_json = msgspec.json.Encoder()
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def error_body(status: int, message: str, kind: str | None = None, param: str | None = None) -> bytes:
+    """An error as vLLM and OpenAI write it."""
+    kind = kind or ("NotFoundError" if status == 404 else "BadRequestError" if status < 500 else "ServiceUnavailableError")
+    return _json.encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def _error(status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, param=param), headers=headers,
+                        content_type="application/json")  # fmt: skip
+
+
+def _copy_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+
+
+class _Failed(Exception):
+    """The upstream failed before a byte went to the client: the request may go elsewhere.
+    ``response``: the upstream's own 5xx answer, returned as it is if no other worker does better."""
+
+    def __init__(self, why: str, response: web.Response | None = None) -> None:
+        super().__init__(why)
+        self.response = response
+
+
+class KvProxy:
+    """The gateway (module doc). An async context manager; ``url`` once started.
+
+    ``config``: NATS connection options (``kvbridge.Config``, keywords or ``KVBRIDGE_*``); None runs
+    without NATS, on ``workers`` by load alone. ``workers``: ``{id: Target | "URL[@RANK]"}``.
+    ``tokenizer``: a ``tokenizers.Tokenizer`` or the path of its JSON file, for completions'
+    prompts. ``index_service``: ask ``kvbridge index`` replicas instead of keeping an index here.
+    Timeouts: ``connect_timeout_s`` to an upstream, ``read_timeout_s`` between its bytes (a long
+    prefill included), ``tokenize_timeout_s`` for ``/tokenize`` and index-service queries."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        model: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        workers: Mapping[str, Target | str] | None = None,
+        block_size: int = 16,
+        tokenizer: Any = None,
+        index_service: bool = False,
+        overlap_weight: float = 1.0,
+        max_body_bytes: int = 16 << 20,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        tokenize_timeout_s: float = 5.0,
+        down_s: float = 5.0,
+        tokenize_cache: int = 4096,
+        seed: int | None = None,
+    ) -> None:
+        static = {w: t if isinstance(t, Target) else parse_worker(f"{w}={t}")[1] for w, t in (workers or {}).items()}
+        self.model, self.block_size, self.max_body_bytes = model, block_size, max_body_bytes
+        self.config = None if config is None else config.replace(model=model)
+        self.upstreams = Upstreams(static, down_s=down_s)
+        self.tokens = TokenCache(tokenize_cache)
+        self.metrics = ProxyMetrics()
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.index: Any = None
+        self.index_client: Any = None
+        self.subscriber: KvEventSubscriber | None = None
+        if self.config is not None:
+            if index_service:
+                from kvbridge.routing.service import IndexClient
+
+                self.index_client = IndexClient(self.config, timeout=tokenize_timeout_s)
+            else:
+                from kvbridge import Index
+
+                self.index = Index(block_size)
+            self.subscriber = KvEventSubscriber(self.config, model=model, index=self.index, track_views=False)
+        reported = None if self.subscriber is None else report_loads(self.subscriber, model=model)
+
+        def load(worker: str) -> float | None:
+            # Reports stop with NATS: then the proxy's own count of requests in flight decides.
+            return reported(worker) if reported is not None and self.nats_up else None
+
+        self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, loads=load, seed=seed)
+        self._timeouts = (connect_timeout_s, read_timeout_s, tokenize_timeout_s)
+        # Bound now, so that ``url`` is known (port 0: any free port) before start().
+        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self._sock.getsockname()[1]}"
+        self._session: aiohttp.ClientSession | None = None
+        self._connecting: asyncio.Task | None = None
+        self._runner: web.AppRunner | None = None
+        self._refreshed = -1.0
+        self._index_warned = -math.inf
+        self._rr = itertools.count()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> KvProxy:
+        connect_s, read_s, _ = self._timeouts
+        try:
+            if self.subscriber is not None:
+                try:
+                    await self._connect()
+                except ConnectError as exc:
+                    # With workers given, NATS down at start is the outage the proxy serves
+                    # through anyway; without, or with credentials refused, there is nothing to do.
+                    if not self.upstreams.static or isinstance(exc, AuthenticationError):
+                        raise
+                    log.warning("kvbridge proxy: NATS unreachable (%s): serving the given workers by load alone, "
+                                "connecting in the background", exc)  # fmt: skip
+                    self._connecting = asyncio.create_task(self._connect_later(), name="kvbridge-proxy-connect")
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=None, connect=connect_s, sock_read=read_s),
+                auto_decompress=False,  # bytes pass through as the upstream wrote them
+                cookie_jar=aiohttp.DummyCookieJar(),  # one client's cookies are not another's
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),  # the client's own go through
+            )
+            app = web.Application(client_max_size=self.max_body_bytes)
+            app.router.add_post(COMPLETIONS, self._generate)
+            app.router.add_post(CHAT, self._generate)
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_get("/health", self._health)
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_route("*", "/{tail:.*}", self._not_found)
+            # handler_cancellation: a client that disconnects cancels its handler, and with it the
+            # upstream request (the engine then aborts it, as vLLM does on a disconnect).
+            # shutdown_timeout: at close, streams in flight get a few seconds to finish, not 60.
+            self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+            await self._runner.setup()
+            await web.SockSite(self._runner, self._sock).start()
+        except BaseException:
+            await self.close()
+            raise
+        self._refresh(force=True)
+        return self
+
+    async def _connect(self) -> None:
+        assert self.subscriber is not None
+        await self.subscriber.start()  # a no-op once started: a retry redoes only what failed
+        if self.index_client is not None:
+            await self.index_client.start()
+
+    async def _connect_later(self) -> None:
+        assert self.config is not None
+        while True:
+            await asyncio.sleep(max(self.config.reconnect_wait_s, 0.1))
+            try:
+                await self._connect()
+            except ConnectError as exc:
+                log.debug("kvbridge proxy: NATS still unreachable: %s", exc)
+                continue
+            log.warning("kvbridge proxy: connected to NATS: routing by KV overlap")
+            return
+
+    async def close(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+            self._connecting = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self._sock.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self.index_client is not None:
+            await self.index_client.close()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+    async def __aenter__(self) -> KvProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def nats_up(self) -> bool:
+        return self.subscriber is not None and self.subscriber.connected_url is not None
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._refreshed < _REFRESH_S:
+            return
+        self._refreshed = now
+        up = self.nats_up
+        if self.subscriber is not None:
+            self.upstreams.learn(self.subscriber.loads, self.model, up)
+        self.metrics.nats.set(1 if up else 0)
+        known = self.upstreams.all
+        down = sum(self.upstreams.is_down(w) for w in known)
+        self.metrics.workers.labels("up").set(len(known) - down)
+        self.metrics.workers.labels("down").set(down)
+
+    # -- the generation endpoints -------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        kind = "chat" if request.path == CHAT else "completions"
+        status = "disconnected"
+        try:
+            response = await self._handle(request, kind)
+            status = str(response.status)
+            return response
+        finally:
+            self.metrics.requests.labels(kind, status).inc()
+
+    async def _handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the request body is over {self.max_body_bytes} bytes")
+        body, problem = self._check(raw, kind)
+        if problem is not None:
+            self.metrics.errors.labels("bad_request").inc()
+            return problem
+        self._refresh()
+        tokens = await self._tokens(kind, body)
+        return await self._route(request, raw, tokens)
+
+    def _check(self, raw: bytes, kind: str) -> tuple[Any, web.Response | None]:
+        """The request's JSON body, or the 4xx that answers it."""
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            return None, _error(400, f"the request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return None, _error(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return None, _error(400, "'model' is required: a string naming the model", "model")
+        if model != self.model:
+            return None, _error(404, f"The model `{model}` does not exist.", "model")
+        field = "messages" if kind == "chat" else "prompt"
+        value = body.get(field)
+        if not value or not isinstance(value, list if field == "messages" else (list, str)):
+            what = "a non-empty list of messages" if field == "messages" else "a string, or a list of them or of token ids"
+            return None, _error(400, f"'{field}' is required: {what}", field)
+        return body, None
+
+    async def _route(self, request: web.Request, raw: bytes, tokens: list[int] | None) -> web.StreamResponse:
+        candidates = self.upstreams.up()
+        if not candidates:
+            return _error(503, f"no worker serves {self.model!r} yet: none has sent a load report with its URL "
+                          "(vLLM plugin) and none was given (--worker ID=URL)")  # fmt: skip
+        n_blocks = len(tokens) // self.block_size if tokens else 0
+        scores = await self._scores(tokens) if n_blocks else {}
+        failed: list[str] = []
+        last: _Failed | None = None
+        for attempt in range(2):
+            names = [w for w in candidates if w not in failed]
+            if not names:
+                break
+            worker, overlap = self.router.choose_scores(scores, n_blocks, workers=names)
+            self.metrics.choices.labels(worker).inc()
+            if attempt:
+                self.metrics.retries.inc()
+            else:
+                self.metrics.overlap.observe(overlap)
+            try:
+                return await self._forward(request, raw, worker, candidates[worker])
+            except _Failed as exc:
+                last = exc
+                failed.append(worker)
+                self.upstreams.mark_down(worker)
+                self.metrics.errors.labels("upstream").inc()
+                log.warning("kvbridge proxy: worker %s failed before streaming (%s): down for %gs", worker, exc,
+                            self.upstreams.down_s)  # fmt: skip
+            finally:
+                self.router.done(worker)
+        assert last is not None
+        if last.response is not None:
+            return last.response
+        return _error(502, f"no worker could take the request: {last}")
+
+    async def _scores(self, tokens: Any) -> Mapping[str, Any]:
+        """Each worker's cached leading blocks of the prompt; nothing while NATS is down (the
+        index is going stale) or the index service does not answer: then load decides."""
+        if not self.nats_up:
+            return {}
+        try:
+            # Per storage tier: the router weighs a block held in CPU memory or on disk below one
+            # on the GPU (Router.medium_weights).
+            if self.index_client is not None:
+                return await self.index_client.find_matches(tokens, by_medium=True, remote=self.router.remote)
+            return self.index.find_matches(tokens, by_medium=True, remote=self.router.remote)
+        except Exception as exc:  # IndexUnavailableError, a refused query: route by load alone
+            self.metrics.errors.labels("index").inc()
+            now = time.monotonic()
+            if now - self._index_warned >= 10.0:  # visible, but never a line per request
+                self._index_warned = now
+                log.warning("kvbridge proxy: no overlap scores, routing by load alone: %r", exc)
+            return {}
+
+    async def _forward(self, request: web.Request, raw: bytes, worker: str, target: Target) -> web.StreamResponse:
+        assert self._session is not None
+        headers = CIMultiDict(_copy_headers(request.headers))  # the rank below replaces a client's, in any case
+        if target.dp_rank is not None:
+            headers["X-data-parallel-rank"] = str(target.dp_rank)
+        start = time.perf_counter()
+        try:
+            resp = await self._session.post(target.url + request.path, data=raw, headers=headers)
+        except _UPSTREAM_ERRORS as exc:
+            raise _Failed(f"{target.url}: {exc!r}") from None
+        try:
+            if resp.content_type == "text/event-stream" and resp.status < 500:
+                return await self._stream(request, resp, start)
+            data = await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            resp.close()
+            raise _Failed(f"{target.url}: {exc!r}") from None
+        except BaseException:
+            resp.close()  # a cancelled client: the upstream connection goes too
+            raise
+        resp.release()
+        self.metrics.ttfb.observe(time.perf_counter() - start)
+        answer = web.Response(status=resp.status, body=data, headers=_copy_headers(resp.headers))
+        if resp.status >= 500:
+            raise _Failed(f"{target.url} answered {resp.status}", answer)
+        return answer
+
+    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, start: float) -> web.StreamResponse:
+        """Pass server-sent events on as they come, whole events only: if the upstream breaks, the
+        client's stream ends with an error event rather than half of one."""
+        out = web.StreamResponse(status=resp.status, headers=_copy_headers(resp.headers))
+        completed = False
+        try:
+            await out.prepare(request)
+            tail = b""
+            first = True
+            while True:
+                try:
+                    chunk = await resp.content.readany()
+                except _UPSTREAM_ERRORS as exc:
+                    self.metrics.errors.labels("upstream_midstream").inc()
+                    log.warning("kvbridge proxy: %s broke off a stream: %r", resp.url, exc)
+                    await out.write(b"data: " + error_body(502, f"the upstream engine failed mid-stream: {exc!r}",
+                                                           "UpstreamError") + b"\n\n")  # fmt: skip
+                    break
+                if first:
+                    self.metrics.ttfb.observe(time.perf_counter() - start)
+                    first = False
+                if not chunk:
+                    if tail:
+                        await out.write(tail)
+                    completed = True
+                    break
+                data = tail + chunk
+                cut = data.rfind(b"\n\n") + 2
+                if cut == 1:  # no event ends in it yet
+                    tail = data
+                    continue
+                tail = data[cut:]
+                await out.write(data[:cut])
+            await out.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            if completed:
+                resp.release()
+            else:
+                resp.close()  # the upstream sees the disconnect and aborts the request
+        return out
+
+    # -- tokens --------------------------------------------------------------------------------------
+
+    async def _tokens(self, kind: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will see them, or None (then load alone decides)."""
+        start = time.perf_counter()
+        if kind == "chat":
+            query = {"model": self.model, "messages": body["messages"]}
+            query.update((k, body[k]) for k in _TEMPLATE_FIELDS if k in body)
+            key: Any = _json.encode(query)
+        else:
+            prompt = body["prompt"]
+            if isinstance(prompt, list):  # a batch goes where its first prompt is cached
+                if all(isinstance(t, int) for t in prompt):
+                    return prompt
+                prompt = prompt[0]
+                if isinstance(prompt, list):
+                    return prompt
+            if not isinstance(prompt, str):
+                return None
+            if self.tokenizer is not None:
+                tokens = list(self.tokenizer.encode(prompt).ids)
+                self.metrics.tokenize.labels("local").observe(time.perf_counter() - start)
+                return tokens
+            key, query = prompt, {"model": self.model, "prompt": prompt}
+        cached = self.tokens.get(key)
+        if cached is not None:
+            self.metrics.tokenize.labels("cache").observe(time.perf_counter() - start)
+            return cached
+        fetched = await self._tokenize(query)
+        if fetched is not None:
+            self.tokens.put(key, fetched)
+            self.metrics.tokenize.labels("engine").observe(time.perf_counter() - start)
+        return fetched
+
+    async def _tokenize(self, query: dict[str, Any]) -> list[int] | None:
+        """Ask an engine's ``/tokenize`` (round-robin over the live API servers; a second one if
+        the first fails)."""
+        assert self._session is not None
+        urls = list(dict.fromkeys(t.url for t in self.upstreams.up().values()))
+        if not urls:
+            return None
+        first = next(self._rr) % len(urls)
+        timeout = aiohttp.ClientTimeout(total=self._timeouts[2])
+        payload = _json.encode(query)
+        for url in (urls[first:] + urls[:first])[:2]:
+            try:
+                async with self._session.post(url + "/tokenize", data=payload, timeout=timeout,
+                                              headers={"Content-Type": "application/json"}) as resp:  # fmt: skip
+                    data = await resp.read()
+                    if resp.status >= 500:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                if resp.status == 200:
+                    tokens = msgspec.json.decode(data).get("tokens")
+                    if isinstance(tokens, list):
+                        return tokens
+                # The engine refused the prompt: the request will get its own answer to that.
+                self.metrics.errors.labels("tokenize_refused").inc()
+                return None
+            except (*_UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as exc:
+                self.metrics.errors.labels("tokenize").inc()
+                log.debug("kvbridge proxy: %s/tokenize failed: %r", url, exc)
+        return None
+
+    # -- the other endpoints ------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """An engine's own model list (vLLM's cards say max_model_len, root...), else one card."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self._timeouts[2])
+        for url in list(dict.fromkeys(t.url for t in self.upstreams.up().values()))[:2]:
+            try:
+                async with self._session.get(url + "/v1/models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return web.Response(body=await resp.read(), content_type="application/json")
+            except _UPSTREAM_ERRORS:
+                continue
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "kvbridge-proxy", "root": self.model}
+        return web.Response(body=_json.encode({"object": "list", "data": [card]}), content_type="application/json")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self._refresh(force=True)
+        nats = self.nats_up
+        workers = {
+            w: {"url": t.url, "dp_rank": t.dp_rank, "down": self.upstreams.is_down(w),
+                "source": "static" if w in self.upstreams.static else "load report"}
+            for w, t in sorted(self.upstreams.all.items())
+        }  # fmt: skip
+        if self.subscriber is None:  # run without NATS: a least-loaded balancer by design
+            status, state, routing = "ok", "off", "least-loaded"
+        elif nats:
+            status, state, routing = "ok", "connected", "kv-aware"
+        else:
+            status, state, routing = "degraded", "down", "least-loaded among the last known workers"
+        body = {"status": "unavailable" if not workers else status, "model": self.model, "nats": state,
+                "routing": routing, "workers": workers}  # fmt: skip
+        return web.Response(status=503 if not workers else 200, body=_json.encode(body), content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._refresh(force=True)
+        data = generate_latest(self.metrics.registry) + generate_latest(REGISTRY)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        allowed = _ROUTES.get(request.path)
+        if allowed is not None:
+            return _error(405, f"{request.method} is not allowed on {request.path}: use {allowed}", headers={"Allow": allowed})
+        return _error(404, f"no such endpoint: {request.method} {request.path} (this gateway serves "
+                      f"{', '.join(f'{m} {p}' for p, m in _ROUTES.items())})")  # fmt: skip
+
+
+def _load_tokenizer(tokenizer: Any) -> Any:
+    if tokenizer is None or not isinstance(tokenizer, str):
+        return tokenizer
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError("a local tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
+    return Tokenizer.from_file(tokenizer)

@@ -1,0 +1,496 @@
+"""``kvbridge proxy`` with real HTTP and a real nats-server: the official openai client against the
+gateway in front of three stand-in engines (kvbridge.tools.standin)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections import Counter
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from bridge_support import wait_until
+
+from kvbridge.bus.connection import ConnectError
+from kvbridge.config import Config
+from kvbridge.routing.proxy import KvProxy
+from kvbridge.routing.upstreams import Target
+from kvbridge.tools.standin import StandinEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+BS = 16
+SYSTEM = "You are a careful assistant who answers in exactly one short sentence. " * 4
+
+
+class Fleet:
+    def __init__(self, proxy: KvProxy, engines: list[StandinEngine], model: str) -> None:
+        self.proxy, self.engines, self.model = proxy, engines, model
+        self.by_worker = {e.worker_id: e for e in engines}
+        self.client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+    def engine_of(self, response_id: str) -> StandinEngine:
+        """The stand-in that answered: its ids are ``<kind>-<worker>-<n>``."""
+        return next(e for e in self.engines if response_id.split("-", 1)[1].startswith(e.worker_id + "-"))
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.proxy.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def _config(server: Any, **kw: Any) -> Config:
+    return Config(servers=server.url, reconnect_wait_s=0.2, heartbeat_s=0.5, **kw)
+
+
+@asynccontextmanager
+async def fleet(server: Any, n: int = 3, *, token_delay_s: float = 0.0, engine_tokenizer: Any = None,
+                **proxy_options: Any) -> AsyncIterator[Fleet]:  # fmt: skip
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    async with AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(StandinEngine(
+                _config(server), model=model, worker_id=f"w{i}", dp_rank=i, block_size=BS, token_delay_s=token_delay_s,
+                tokenizer=engine_tokenizer, load_interval_s=0.1,
+            ))  # fmt: skip
+            for i in range(n)
+        ]
+        proxy = await stack.enter_async_context(
+            KvProxy(_config(server), model=model, port=0, block_size=BS, seed=0, **proxy_options)
+        )
+        f = Fleet(proxy, engines, model)
+        stack.push_async_callback(f.client.close)
+
+        def knows_all() -> bool:
+            proxy._refresh(force=True)
+            return len(proxy.upstreams.all) == n
+
+        await wait_until(knows_all, 10, "the proxy to learn every worker's URL from its load reports")
+        yield f
+
+
+async def _raw_stream(response: Any) -> bytes:
+    return b"".join([chunk async for chunk in response.iter_bytes()])
+
+
+async def test_completions_and_chat_byte_identical(nats_server):
+    async with fleet(nats_server) as f:
+        c = f.client
+        # non-streaming: the body the client got is the body the engine sent
+        raw = await c.completions.with_raw_response.create(model=f.model, prompt=SYSTEM + "Say hi.", max_tokens=5)
+        done = raw.parse()
+        assert raw.http_response.content == f.engine_of(done.id).sent[done.id]
+        assert done.choices[0].text == " w0 w1 w2 w3 w4"
+        raw = await c.chat.completions.with_raw_response.create(
+            model=f.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+        )
+        chat = raw.parse()
+        assert raw.http_response.content == f.engine_of(chat.id).sent[chat.id]
+        assert chat.choices[0].message.content == " w0 w1 w2"
+
+        # streaming: every SSE byte, in order, as the engine wrote them
+        for create, kw in ((c.completions, {"prompt": SYSTEM + "Count."}),
+                           (c.chat.completions, {"messages": [{"role": "user", "content": "Count."}]})):  # fmt: skip
+            async with create.with_streaming_response.create(model=f.model, stream=True, max_tokens=6, **kw) as resp:
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                body = await _raw_stream(resp)
+            first = json.loads(body.split(b"\n\n")[0][len(b"data: "):])
+            assert body == f.engine_of(first["id"]).sent[first["id"]]
+            assert body.endswith(b"data: [DONE]\n\n")
+
+        # and parsed by the client as a stream
+        stream = await c.chat.completions.create(model=f.model, messages=[{"role": "user", "content": "x"}],
+                                                 stream=True, max_tokens=4)  # fmt: skip
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        assert text == " w0 w1 w2 w3"
+
+        models = await c.models.list()
+        assert [(m.id, m.owned_by) for m in models.data] == [(f.model, "kvbridge-standin")]  # the engine's own
+        assert f.metric("kvbridge_proxy_requests_total", endpoint="chat", status="200") == 3
+
+
+async def test_same_prefix_goes_where_it_is_cached(nats_server):
+    async with fleet(nats_server) as f:
+        prefixes = [f"[{i}] " + SYSTEM for i in range(3)]
+        first: dict[int, str] = {}
+        for i, prefix in enumerate(prefixes):
+            r = await f.client.completions.create(model=f.model, prompt=prefix + "first question", max_tokens=1)
+            first[i] = f.engine_of(r.id).worker_id
+        # The index hears the blocks through NATS; then every follow-up lands where its prefix is.
+        n_blocks = len(prefixes[0].encode()) // BS
+
+        def indexed() -> bool:
+            assert f.proxy.index is not None
+            return all(f.proxy.index.find_matches(list(p.encode())).get(first[i], 0) >= n_blocks
+                       for i, p in enumerate(prefixes))  # fmt: skip
+
+        await wait_until(indexed, 10, "the index to hold every prefix's blocks")
+        for round_ in range(3):
+            for i, prefix in enumerate(prefixes):
+                r = await f.client.completions.create(model=f.model, prompt=prefix + f"follow-up {round_}", max_tokens=1)
+                assert f.engine_of(r.id).worker_id == first[i]
+                assert r.usage is not None
+                assert r.usage.prompt_tokens_details is not None
+                assert r.usage.prompt_tokens_details.cached_tokens >= n_blocks * BS
+        # chat: the template's rendering is what /tokenize answered, cached after the first call
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs, max_tokens=1)
+        home = f.engine_of(r.id).worker_id
+        calls = sum(e.tokenize_calls for e in f.engines)
+        await wait_until(lambda: f.proxy.index.find_matches(
+            list(f"<|system|>\n{SYSTEM}\n".encode())).get(home, 0) > 0, 10, "the chat prefix to be indexed")  # fmt: skip
+        msgs2 = msgs + [{"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+        r = await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)
+        assert f.engine_of(r.id).worker_id == home
+        assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # a new prompt: one /tokenize
+        await f.client.chat.completions.create(model=f.model, messages=msgs2, max_tokens=1)
+        assert sum(e.tokenize_calls for e in f.engines) == calls + 1  # the same again: from the LRU
+        assert f.metric("kvbridge_proxy_overlap_blocks_sum") >= 9 * n_blocks
+
+
+async def test_malformed_requests_get_4xx_json(nats_server):
+    async with fleet(nats_server, n=1, max_body_bytes=4096) as f:
+        url = f.proxy.url
+        cases = [
+            ("POST", "/v1/completions", b"{not json", 400),
+            ("POST", "/v1/completions", b"[1, 2]", 400),
+            ("POST", "/v1/completions", json.dumps({"prompt": "hi"}).encode(), 400),
+            ("POST", "/v1/completions", json.dumps({"model": "nope", "prompt": "hi"}).encode(), 404),
+            ("POST", "/v1/chat/completions", json.dumps({"model": f.model}).encode(), 400),
+            ("POST", "/v1/chat/completions", json.dumps({"model": f.model, "messages": "x" * 5000}).encode(), 413),
+            ("GET", "/v1/completions", b"", 405),
+            ("POST", "/v1/models", b"", 405),
+            ("GET", "/v2/nothing", b"", 404),
+        ]
+        async with aiohttp.ClientSession() as s:
+            for method, path, data, status in cases:
+                async with s.request(method, url + path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    body = await r.json(content_type=None)
+                    assert r.status == status, (path, data[:40], body)
+                    assert r.content_type == "application/json"
+                    assert body["error"]["code"] == status and body["error"]["message"]
+        assert sum(e.requests for e in f.engines) == 0  # none of them reached an engine
+        with pytest.raises(openai.NotFoundError):
+            await f.client.completions.create(model="other-model", prompt="hi")
+
+
+async def _warm(f: Fleet, prefix: str) -> StandinEngine:
+    """Send one request with ``prefix``; return the engine that caches it once the index knows."""
+    r = await f.client.completions.create(model=f.model, prompt=prefix + "warm-up", max_tokens=1)
+    home = f.engine_of(r.id)
+    n_blocks = len(prefix.encode()) // BS
+    await wait_until(lambda: f.proxy.index.find_matches(list(prefix.encode())).get(home.worker_id, 0) >= n_blocks,
+                     10, "the index to hold the prefix")  # fmt: skip
+    return home
+
+
+async def test_dp_rank_header_pins_the_rank(nats_server):
+    async with fleet(nats_server) as f:
+        for i in range(6):
+            await f.client.completions.create(model=f.model, prompt=f"{i} " + SYSTEM, max_tokens=1)
+        seen = {e.worker_id: set(e.rank_headers) for e in f.engines if e.rank_headers}
+        assert seen and all(ranks == {str(f.by_worker[w].dp_rank)} for w, ranks in seen.items())
+
+
+async def test_5xx_before_streaming_is_retried_on_the_next_best_worker(nats_server):
+    async with fleet(nats_server) as f:
+        home = await _warm(f, SYSTEM)
+        home.fail_next = 1
+        r = await f.client.completions.create(model=f.model, prompt=SYSTEM + "again", max_tokens=1)
+        assert home.fail_next == 0  # the fault happened: home answered 500
+        assert f.engine_of(r.id) is not home
+        assert f.metric("kvbridge_proxy_retries_total") == 1
+        assert f.proxy.upstreams.is_down(home.worker_id)
+        # every worker failing: the client gets the upstream's own 5xx, not a hang
+        for e in f.engines:
+            e.fail_next = 1
+        f.proxy.upstreams._down_until.clear()
+        with pytest.raises(openai.InternalServerError) as err:
+            await f.client.completions.create(model=f.model, prompt=SYSTEM + "third", max_tokens=1)
+        assert "stand-in failure" in str(err.value)
+        assert sum(e.fail_next for e in f.engines) == 1  # retried once, not over every worker
+
+
+async def test_killed_engine_mid_run(nats_server):
+    async with fleet(nats_server, token_delay_s=0.05) as f:
+        home = await _warm(f, SYSTEM)
+        streaming = await f.client.completions.create(model=f.model, prompt=SYSTEM + "stream", max_tokens=100,
+                                                      stream=True)  # fmt: skip
+        first = await anext(aiter(streaming))
+        assert f.engine_of(first.id) is home
+        # a request waiting for its (non-streamed) answer when the engine dies: not started to stream
+        waiting = asyncio.create_task(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + "waiting", max_tokens=100)
+        )
+        await wait_until(lambda: home.running == 2, 5, "the second request to reach the home engine")
+        for e in f.engines:
+            if e is not home:
+                e.token_delay_s = 0  # the retried request need not take as long again
+        await home.kill()
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientConnectorError):  # the crash happened: nothing listens there
+                await s.get(home.url + "/health")
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await asyncio.wait_for(_drain(streaming), 10)
+        done = await asyncio.wait_for(waiting, 20)
+        assert f.engine_of(done.id) is not home
+        # after the crash: refused connections, every request still answered, by the others
+        answers = await asyncio.gather(*(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + f"after {i}", max_tokens=1) for i in range(5)
+        ))  # fmt: skip
+        assert all(f.engine_of(a.id) is not home for a in answers)
+        assert f.metric("kvbridge_proxy_retries_total") >= 1
+        assert f.metric("kvbridge_proxy_errors_total", kind="upstream_midstream") == 1
+        assert f.proxy.upstreams.is_down(home.worker_id)
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_client_disconnect_cancels_the_upstream_request(nats_server):
+    async with fleet(nats_server, token_delay_s=0.05) as f:
+        stream = await f.client.chat.completions.create(
+            model=f.model, messages=[{"role": "user", "content": "long answer"}], max_tokens=200, stream=True
+        )
+        first = await anext(aiter(stream))
+        engine = f.engine_of(first.id)
+        assert engine.cancelled == 0
+        await stream.close()
+        await wait_until(lambda: engine.cancelled == 1, 10, "the engine to see its request cancelled")
+        assert engine.running == 0
+        await wait_until(lambda: f.metric("kvbridge_proxy_errors_total", kind="client_disconnect") == 1, 5,
+                         "the proxy to count the disconnect")  # fmt: skip
+        # before any byte: a client giving up on a (non-streamed) answer cancels it at the engine too
+        waiting = asyncio.create_task(f.client.completions.create(model=f.model, prompt="slow", max_tokens=200))
+        await wait_until(lambda: sum(e.running for e in f.engines) == 1, 5, "the request to reach an engine")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await wait_until(lambda: sum(e.cancelled for e in f.engines) == 2, 10, "the engine to see it cancelled")
+        assert sum(e.running for e in f.engines) == 0
+
+
+async def test_nats_down_keeps_serving(own_nats_server):
+    server = own_nats_server
+    async with fleet(server) as f:
+        await _warm(f, SYSTEM)
+        assert f.metric("kvbridge_proxy_nats_connected") == 1
+        server.kill()
+        assert not server.running  # kill -9: the broker is gone
+        await wait_until(lambda: not f.proxy.nats_up, 10, "the proxy to notice NATS is down")
+        for e in f.engines:
+            e.token_delay_s = 0.05  # each request stays in flight while the others are routed
+        answers = await asyncio.gather(*(
+            f.client.completions.create(model=f.model, prompt=SYSTEM + f"q{i}", max_tokens=4) for i in range(9)
+        ))  # fmt: skip
+        # least loaded among the last known: 9 at once, 3 to each (the proxy's own in-flight count)
+        assert sorted(Counter(f.engine_of(a.id).worker_id for a in answers).values()) == [3, 3, 3]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f.proxy.url + "/health") as r:
+                health = await r.json()
+            async with s.get(f.proxy.url + "/metrics") as r:
+                text = await r.text()
+        assert r.status == 200
+        assert health["status"] == "degraded" and health["nats"] == "down" and len(health["workers"]) == 3
+        assert "kvbridge_proxy_nats_connected 0.0" in text
+        server.restart()  # the stand-ins' publishers close cleanly against a live broker
+
+
+async def test_local_tokenizer(nats_server, tmp_path):
+    """With --tokenizer the proxy asks no engine for completions' tokens, and routes the same."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = sorted(set(SYSTEM.replace(".", " ").split()) | {"first", "second", "question"})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", ".", *words])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    engine_tok = Tokenizer.from_file(str(path))
+    prefixes = [f"{w} {SYSTEM}" for w in ("first", "second", "question")]
+    async with fleet(nats_server, engine_tokenizer=engine_tok, tokenizer=str(path)) as f:
+        homes = []
+        for p in prefixes:
+            r = await f.client.completions.create(model=f.model, prompt=p + " first", max_tokens=1)
+            homes.append(f.engine_of(r.id))
+        for p, home in zip(prefixes, homes):
+            ids = engine_tok.encode(p).ids
+            await wait_until(lambda: f.proxy.index.find_matches(ids).get(home.worker_id, 0) >= len(ids) // BS, 10,
+                             "the index to hold the prefix")  # fmt: skip
+            r = await f.client.completions.create(model=f.model, prompt=p + " second question", max_tokens=1)
+            assert f.engine_of(r.id) is home
+        assert sum(e.tokenize_calls for e in f.engines) == 0
+        assert f.metric("kvbridge_proxy_tokenize_seconds_count", source="local") == 6
+
+
+async def test_cli_proxy_with_static_workers(nats_server):
+    """`kvbridge proxy --worker ID=URL@RANK` in front of an engine that publishes nothing."""
+    import os
+    import signal
+    import sys
+
+    async with StandinEngine(model="cli-model", worker_id="static") as engine:
+        exe = os.path.join(os.path.dirname(sys.executable), "kvbridge")
+        proc = await asyncio.create_subprocess_exec(
+            exe, "proxy", "--model", "cli-model", "--servers", nats_server.url, "--listen", "127.0.0.1:0",
+            "--worker", f"static={engine.url}@3", stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            while not line.startswith(b"kvbridge proxy for"):
+                assert line, "the proxy exited before serving"
+                line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            url = line.split(b" on ")[1].split(b" ")[0].decode()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"model": "cli-model", "prompt": "hi", "max_tokens": 2}) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["text"] == " w0 w1"
+                async with s.get(url + "/health") as r:
+                    health = await r.json()
+            assert health["workers"] == {"static": {"url": engine.url, "dp_rank": 3, "down": False, "source": "static"}}
+            assert engine.rank_headers == ["3"]
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+def test_advertise_url():
+    from kvbridge.engine.vllm import advertise_url
+
+    assert advertise_url({"KVBRIDGE_ADVERTISE_URL": "http://gpu-7:9000/"}, ["vllm", "serve"]) == "http://gpu-7:9000"
+    assert advertise_url({}, ["vllm", "serve", "m", "--host", "10.0.0.5", "--port=8001"]) == "http://10.0.0.5:8001"
+    assert advertise_url({}, ["vllm", "serve", "m", "--host", "::1"]) == "http://[::1]:8000"
+    assert advertise_url({}, ["python", "bench.py"]) is None
+
+
+async def test_index_service_mode(nats_server):
+    """--index-service: overlap scores from `kvbridge index` replicas over NATS, same routing."""
+    from kvbridge.routing.service import IndexService
+
+    async with fleet(nats_server, index_service=True) as f:
+        assert f.proxy.index is None and f.proxy.index_client is not None
+        async with IndexService(_config(nats_server), model=f.model, block_size=BS) as service:
+            r = await f.client.completions.create(model=f.model, prompt=SYSTEM + "one", max_tokens=1)
+            home = f.engine_of(r.id)
+            ids = list(SYSTEM.encode())
+            await wait_until(lambda: service.index.find_matches(ids).get(home.worker_id, 0) >= len(ids) // BS, 10,
+                             "the index service to hold the prefix")  # fmt: skip
+            for i in range(3):
+                r = await f.client.completions.create(model=f.model, prompt=SYSTEM + f"again {i}", max_tokens=1)
+                assert f.engine_of(r.id) is home
+            assert service.stats["queries"] >= 3 and service.stats["errors"] == 0
+            assert f.metric("kvbridge_proxy_errors_total", kind="index") == 0
+
+
+
+async def test_vllm_plugin_reports_lead_the_proxy_to_each_dp_rank(nats_server, monkeypatch):
+    """The stat-logger plugin's load reports carry KVBRIDGE_ADVERTISE_URL and the DP rank, from the
+    start (an idle engine too); the proxy pins each rank with X-data-parallel-rank."""
+    import socket
+    from types import SimpleNamespace as NS
+
+    from kvbridge.engine import vllm as kv_vllm
+    from kvbridge.wire.subjects import sanitize_token
+
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    cfg = NS(kv_events_config=NS(enable_kv_cache_events=True, publisher="null"),
+             parallel_config=NS(data_parallel_size=2, data_parallel_size_local=2, data_parallel_index=0,
+                                _api_process_rank=0),
+             model_config=NS(served_model_name=model))  # fmt: skip
+    async with StandinEngine(model=model) as api_server:  # one API server, two DP ranks behind it
+        monkeypatch.setenv("KVBRIDGE_ADVERTISE_URL", api_server.url)
+        factory = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.1)
+        logger = factory(vllm_config=cfg, engine_indexes=[0, 1])
+        try:
+            assert logger.plan.url == api_server.url
+            async with KvProxy(_config(nats_server), model=model, port=0, block_size=BS, seed=0) as proxy:
+                host = sanitize_token(socket.gethostname())
+
+                def learned() -> bool:
+                    proxy._refresh(force=True)
+                    return len(proxy.upstreams.all) == 2
+
+                await wait_until(learned, 10, "the proxy to learn both ranks from the plugin's reports")
+                assert proxy.upstreams.all == {f"{host}-dp0": Target(api_server.url, 0),
+                                               f"{host}-dp1": Target(api_server.url, 1)}  # fmt: skip
+                async with aiohttp.ClientSession() as s:
+                    for i in range(12):
+                        async with s.post(proxy.url + "/v1/completions",
+                                          json={"model": model, "prompt": f"{i}", "max_tokens": 1}) as r:  # fmt: skip
+                            assert r.status == 200
+                # equal loads: a seeded pick between the two; each request pinned to the chosen rank
+                for rank in ("0", "1"):
+                    chosen = proxy.metrics.registry.get_sample_value(
+                        "kvbridge_proxy_worker_choices_total", {"worker": f"{host}-dp{rank}"})  # fmt: skip
+                    assert chosen and api_server.rank_headers.count(rank) == chosen
+        finally:
+            kv_vllm.shutdown()
+
+
+def test_demo_http_prints_a_table_per_policy(capsys):
+    from kvbridge.tools.cli import main
+
+    assert main(["demo", "--http", "--http-turns", "12", "--workers", "2", "--prefill-ms-per-block", "0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["KV-aware"], ["round-robin"], ["random"])}
+    assert set(rows) == {"KV-aware", "round-robin", "random"} and all(r[1] == "12" for r in rows.values())
+    assert "TTFT" in out
+
+
+async def test_a_stalled_stream_ends_with_an_error_not_a_hang(nats_server):
+    async with fleet(nats_server, n=1, token_delay_s=30.0, read_timeout_s=0.3) as f:
+        stream = await f.client.completions.create(model=f.model, prompt="stall", max_tokens=5, stream=True)
+        first = await anext(aiter(stream))  # the engine sent its first chunk, then goes silent for 30 s
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await asyncio.wait_for(_drain(stream), 10)
+        engine = f.engine_of(first.id)
+        await wait_until(lambda: engine.cancelled == 1, 10, "the stalled request to be cancelled at the engine")
+
+
+async def test_nats_unreachable_at_start_with_workers_given():
+    """Given --worker, the proxy starts without NATS, serves by load, and connects when NATS comes."""
+    import socket
+
+    from kvbridge.tools.server import NatsServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = Config(servers=[f"nats://127.0.0.1:{port}"], connect_timeout_s=0.5, reconnect_wait_s=0.2)
+    async with StandinEngine(model="early") as engine:
+        async with KvProxy(config, model="early", port=0, workers={"only": engine.url}) as proxy:
+            assert not proxy.nats_up
+            async with aiohttp.ClientSession() as session:
+                async with session.post(proxy.url + "/v1/completions", json={"model": "early", "prompt": "hi"}) as r:
+                    assert r.status == 200
+                async with session.get(proxy.url + "/health") as r:
+                    assert (await r.json())["nats"] == "down"
+            with NatsServer(port=port):
+                await wait_until(lambda: proxy.nats_up, 10, "the proxy to connect once NATS is there")
+    with pytest.raises(ConnectError):  # and without workers, nothing to serve: a clear error at start
+        async with KvProxy(config, model="early", port=0):
+            pass
+
+
+def test_worker_specs_and_token_lru():
+    from kvbridge.routing.upstreams import TokenCache, parse_worker
+
+    assert parse_worker("gpu-0=http://10.0.0.5:8000/") == ("gpu-0", Target("http://10.0.0.5:8000"))
+    assert parse_worker("gpu-1=http://10.0.0.5:8000@1") == ("gpu-1", Target("http://10.0.0.5:8000", 1))
+    assert parse_worker("g=https://u@host:8000") == ("g", Target("https://u@host:8000"))  # user info is no rank
+    for bad in ("gpu-0", "=http://x", "gpu-0=", "gpu-0=10.0.0.5:8000"):
+        with pytest.raises(ValueError, match="--worker"):
+            parse_worker(bad)
+    lru = TokenCache(2)
+    lru.put("a", [1])
+    lru.put("b", [2])
+    assert lru.get("a") == [1]  # now the most recent: "b" goes first
+    lru.put("c", [3])
+    assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == ([1], None, [3], 2)
