@@ -62,12 +62,38 @@ struct Request {
     extras: Option<(Value, Vec<Option<Value>>)>,
     /// A hybrid pool's tables of groups 1.. (`blocks` is group 0's, a main group's).
     others: Vec<Table>,
+    /// Token positions whose window tails sparse retention keeps (the spec's `boundaries`).
+    boundaries: Vec<usize>,
 }
 
 struct Table {
     blocks: Vec<u32>,
     /// Leading entries released by the window (`NULL_BLOCK`).
     skipped: usize,
+}
+
+/// The spec's `check_retention`, with its messages.
+fn check_retention(
+    interval: Option<&Bound<'_, PyAny>>,
+    block_size: usize,
+    has_groups: bool,
+) -> PyResult<Option<usize>> {
+    let Some(interval) = interval.filter(|i| !i.is_none()) else {
+        return Ok(None);
+    };
+    if !has_groups {
+        return Err(PyValueError::new_err(
+            "retention_interval applies to window groups: it needs groups",
+        ));
+    }
+    match interval.extract::<usize>() {
+        Ok(v) if interval.is_exact_instance_of::<PyInt>() && v % block_size == 0 => Ok(Some(v)),
+        _ => Err(PyValueError::new_err(format!(
+            "retention_interval must be None or an int >= 0 that is a multiple of block_size \
+             ({block_size}), got {}",
+            interval.repr()?
+        ))),
+    }
 }
 
 /// The spec's `check_groups`, with its messages: (kind, window object, window) per group.
@@ -162,6 +188,10 @@ pub struct Manager {
     /// The groups as the spec's `check_groups` returns them (a tuple of pairs) or None.
     #[pyo3(get)]
     groups: Py<PyAny>,
+    /// vLLM's prefix_cache_retention_interval for window groups (None: every block).
+    retention: Option<usize>,
+    /// Per group: its window (None: a main group); empty for a single group.
+    windows: Vec<Option<usize>>,
     #[pyo3(get)]
     num_blocks: usize,
     #[pyo3(get)]
@@ -312,10 +342,11 @@ impl Manager {
 impl Manager {
     #[new]
     #[pyo3(
-        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true, groups = None),
+        signature = (num_blocks, block_size, *, algo = "xxh3", seed = None, medium = Some("GPU".to_string()), enable_events = true, groups = None, retention_interval = None),
         // pyo3 cannot render the `Some(..)` default; stubtest compares this with _native.pyi.
-        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True, groups=None)"
+        text_signature = "(num_blocks, block_size, *, algo='xxh3', seed=None, medium='GPU', enable_events=True, groups=None, retention_interval=None)"
     )]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
@@ -325,6 +356,7 @@ impl Manager {
         medium: Option<String>,
         enable_events: bool,
         groups: Option<&Bound<'_, PyAny>>,
+        retention_interval: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // The spec checks the groups first too.
         let groups = groups.filter(|g| !g.is_none()).map(check_groups).transpose()?;
@@ -343,8 +375,9 @@ impl Manager {
         }
         let root = new_chain(algo, block_size as i64, seed, None, None)?;
         let algo = root.algo;
+        let retention = check_retention(retention_interval, block_size, groups.is_some())?;
         let groups = groups.unwrap_or_default();
-        let windows = groups.iter().map(|g| g.2).collect();
+        let windows: Vec<Option<usize>> = groups.iter().map(|g| g.2).collect();
         let mut group_fields = Vec::with_capacity(groups.len());
         for (kind, window, _) in &groups {
             let kind = PyString::new(py, kind).into_any().unbind();
@@ -359,7 +392,7 @@ impl Manager {
         };
         Ok(Manager {
             state: Mutex::new(State {
-                core: Core::new(num_blocks, block_size, enable_events, windows),
+                core: Core::new(num_blocks, block_size, enable_events, windows.clone()),
                 requests: PyDict::new(py).unbind(),
                 slots: Vec::new(),
                 free_slots: Vec::new(),
@@ -383,11 +416,18 @@ impl Manager {
             lora_in_extra_keys: algo != Algo::DynamoSeq,
             group_fields,
             groups: groups_obj,
+            retention,
+            windows,
             num_blocks,
             block_size,
             seed: seed.map_or_else(|| py.None(), |s| s.clone().unbind()),
             medium: medium.into_pyobject(py)?.unbind(),
         })
+    }
+
+    #[getter]
+    fn retention_interval(&self) -> Option<usize> {
+        self.retention
     }
 
     #[getter]
@@ -502,10 +542,13 @@ impl Manager {
         }
         if full > 0 {
             let tokens = &req.tail[..full * bs];
-            let tables = std::iter::once(&req.blocks).chain(req.others.iter().map(|t| &t.blocks));
-            for (g, table) in tables.enumerate() {
-                let blocks = &table[full0..full0 + full];
-                core.cache(blocks, hashes, tokens, req.last_hash, req.lora, g);
+            let (parent, lora, range) = (req.last_hash, req.lora, full0..full0 + full);
+            // Group 0 is a main group: it keeps every block.
+            core.cache(&req.blocks[range.clone()], hashes, tokens, parent, lora, 0, None);
+            let mut mask = Vec::new();
+            for (g, t) in (1..).zip(&req.others) {
+                let mask = self.retained(g, &req.boundaries, full0, full0 + full, &mut mask);
+                core.cache(&t.blocks[range.clone()], hashes, tokens, parent, lora, g, mask);
             }
             req.last_hash = hashes.last().copied();
             req.tail.drain(..full * bs);
@@ -691,6 +734,15 @@ impl Manager {
         };
         let num_new = tokens.len().div_ceil(bs) - num_hit;
         let hits = if others.is_empty() { &blocks[..] } else { &hits[..] };
+        // get_computed_blocks' shared_prefix_boundary: group 0 ran past the hit.
+        let mut boundaries = Vec::new();
+        if self.retention.is_some() {
+            let longest = st.core.held_prefix(0, hashes, (tokens.len() - 1) / bs);
+            boundaries.push(tokens.len() - 1);
+            if longest > num_hit {
+                boundaries.push(longest * bs);
+            }
+        }
         if !st.core.can_take(hits, num_new * (1 + others.len())) {
             return Ok(None);
         }
@@ -716,9 +768,11 @@ impl Manager {
             let parent = num_hit.checked_sub(1).map(|i| hashes[i]);
             let cached_tokens = &tokens[num_hit * bs..num_full * bs];
             let tables = std::iter::once(&blocks).chain(others.iter().map(|t| &t.blocks));
+            let mut mask = Vec::new();
             for (g, table) in tables.enumerate() {
                 let new = &table[num_hit..num_full];
-                st.core.cache(new, &hashes[num_hit..], cached_tokens, parent, lora, g);
+                let mask = self.retained(g, &boundaries, num_hit, num_full, &mut mask);
+                st.core.cache(new, &hashes[num_hit..], cached_tokens, parent, lora, g, mask);
             }
         }
         if let Some((_, per_block)) = extras.as_mut() {
@@ -733,6 +787,7 @@ impl Manager {
             lora,
             extras,
             others,
+            boundaries,
         };
         let slot = match st.free_slots.pop() {
             Some(s) => {
@@ -746,6 +801,41 @@ impl Manager {
         };
         st.requests.bind(py).set_item(request_id, slot)?;
         Ok(Some(num_hit * bs))
+    }
+
+    /// The spec's `_retained`: which of blocks [start, end) window group `g` keeps under sparse
+    /// retention, in `out`; None keeps all.
+    #[inline]
+    fn retained<'a>(
+        &self,
+        g: usize,
+        boundaries: &[usize],
+        start: usize,
+        end: usize,
+        out: &'a mut Vec<bool>,
+    ) -> Option<&'a [bool]> {
+        let interval = self.retention?;
+        let window = self.windows.get(g).copied().flatten()?;
+        let bs = self.block_size;
+        let need = (window - 1).div_ceil(bs);
+        out.clear();
+        out.resize(end - start, false);
+        if interval > 0 {
+            let per_segment = interval / bs;
+            if need >= per_segment {
+                return None;
+            }
+            for i in start..end {
+                out[i - start] = i % per_segment >= per_segment - need;
+            }
+        }
+        for &boundary in boundaries {
+            let last = boundary / bs;
+            for j in start.max(last.saturating_sub(need))..end.min(last) {
+                out[j - start] = true;
+            }
+        }
+        Some(out)
     }
 
     /// Leading blocks of `st.hashes` (a `num_tokens`-token sequence's) a new request hits: the

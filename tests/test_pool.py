@@ -908,8 +908,8 @@ class CopyView:
     one less per removal (the shared spec's copy count, without the re-announce exception,
     which this pool never needs: it re-sends nothing)."""
 
-    def __init__(self, groups, block_size):
-        self.groups, self.bs = groups, block_size
+    def __init__(self, groups, block_size, sparse=False):
+        self.groups, self.bs, self.sparse = groups, block_size, sparse
         self.copies = {}
 
     def apply_all(self, events):
@@ -917,7 +917,9 @@ class CopyView:
             if isinstance(e, BlockStored):
                 kind, window = self.groups[e.group_idx]
                 assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (kind, window)
-                assert e.block_size == self.bs and len(e.token_ids) == self.bs * len(e.block_hashes)
+                # Sparse retention announces the kept blocks with every block's tokens.
+                assert e.block_size == self.bs and len(e.token_ids) % self.bs == 0
+                assert len(e.token_ids) == self.bs * len(e.block_hashes) or self.sparse
                 for h in e.block_hashes:
                     self.copies[e.group_idx, h] = self.copies.get((e.group_idx, h), 0) + 1
             elif isinstance(e, BlockRemoved):
@@ -951,12 +953,16 @@ class HybridPoolMachine(RuleBasedStateMachine):
     states, per-group tables and snapshots; allocate and hit_blocks equal the rule read off
     the event stream; every removal removes a stored copy; a snapshot replays to the copies."""
 
-    @initialize(num_blocks=st.integers(6, 24), block_size=st.integers(1, 3), groups=st.sampled_from(GROUP_CONFIGS))
-    def setup(self, num_blocks, block_size, groups):
+    @initialize(
+        num_blocks=st.integers(6, 24), block_size=st.integers(1, 3), groups=st.sampled_from(GROUP_CONFIGS),
+        segments=st.sampled_from([None, None, 0, 2, 3]),
+    )
+    def setup(self, num_blocks, block_size, groups, segments):
         self.bs, self.groups = block_size, groups
-        self.mgr = NativeKVCacheManager(num_blocks, block_size, groups=groups)
-        self.spec = PyKVCacheManager(num_blocks, block_size, groups=groups)
-        self.view = CopyView(groups, block_size)
+        retention = None if segments is None else segments * block_size
+        self.mgr = NativeKVCacheManager(num_blocks, block_size, groups=groups, retention_interval=retention)
+        self.spec = PyKVCacheManager(num_blocks, block_size, groups=groups, retention_interval=retention)
+        self.view = CopyView(groups, block_size, sparse=retention is not None)
         self.reqs = {}  # rid -> (tokens, lora_name)
         self.next_id = 0
 
@@ -1043,7 +1049,7 @@ class HybridPoolMachine(RuleBasedStateMachine):
     def snapshot_replays_to_the_copies(self):
         snap = self.mgr.snapshot()
         assert snap == self.spec.snapshot()
-        assert CopyView(self.groups, self.bs).apply_all(snap).copies == self.view.copies
+        assert CopyView(self.groups, self.bs).apply_all(snap).copies == self.view.copies  # dense shape
 
 
 HybridPoolMachine.TestCase.settings = settings(
@@ -1063,3 +1069,78 @@ def test_longest_hit_is_the_coordinators_fixed_point():
     assert [pool.window_blocks(g) for g in range(3)] == [0, 1, 2]
     assert pool.longest_hit(hashes, 5) == 2
     assert pool.longest_hit(hashes, 1) == 1 and pool.longest_hit([99], 1) == 0
+
+
+def test_sparse_retention_keeps_window_tails_at_the_replay_boundary_and_the_junction(Manager):
+    # vLLM's default prefix_cache_retention_interval=0: a window group caches only the k blocks
+    # before each reachable boundary (SlidingWindowManager.reachable_block_mask): the prompt's
+    # num_tokens - 1, and a shared-prefix junction found at admission. W=4, block size 2: k=2.
+    m = Manager(32, 2, groups=HYBRID, retention_interval=0)
+    prompt = list(range(1, 12))  # 5 full blocks and one token: boundary 10 -> block 5
+    h = chain(prompt, 2)
+    m.allocate("a", prompt)
+    full, window = m.take_events()
+    assert full.block_hashes == h and window.block_hashes == h[3:5]
+    assert window.token_ids == prompt[:10] and window.parent_block_hash is None  # every token
+    m.append("a", [0, 0, 0, 0])  # decode blocks are past every boundary: not kept
+    assert [len(e.block_hashes) for e in stored(m.take_events())] == [2, 0]
+    # A snapshot lists what is held, in the dense shape.
+    ha = chain(prompt + [0] * 4, 2)
+    assert [(e.group_idx, e.block_hashes, e.parent_block_hash) for e in m.snapshot()] == [
+        (0, ha[:5], None), (0, ha[5:], ha[4]), (1, h[3:5], h[2])
+    ]
+    # A sibling sharing 3 blocks: group 1 lacks blocks 1-2, so no hit -- but group 0 ran to
+    # block 3, a junction (shared_prefix_boundary) whose window tail the sibling now keeps.
+    sibling = prompt[:6] + [90, 91, 92]
+    assert m.allocate("b", sibling) == 0
+    window = stored(m.take_events())[1]
+    assert window.block_hashes == chain(sibling, 2)[1:3] + chain(sibling, 2)[3:4]
+    assert m.hit_blocks(prompt[:6] + [50, 51]) == 3
+
+
+def test_periodic_retention_and_its_validation(Manager):
+    m = Manager(32, 1, groups=[("full_attention", None), ("sliding_window", 3)], retention_interval=4)
+    m.allocate("a", list(range(1, 11)))  # k=2: the last 2 of every 4 blocks, and before 9
+    window = stored(m.take_events())[1]
+    assert window.block_hashes == [chain(list(range(1, 11)), 1)[i] for i in (2, 3, 6, 7, 8)]
+    assert m.retention_interval == 4
+    for bad, message in [
+        (dict(retention_interval=0), "needs groups"),
+        (dict(groups=HYBRID, retention_interval=3), r"multiple of block_size \(2\), got 3"),
+        (dict(groups=HYBRID, retention_interval=-2), "got -2"),
+        (dict(groups=HYBRID, retention_interval=True), "got True"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Manager(8, 2, **bad)
+        assert outcome(lambda: NativeKVCacheManager(8, 2, **bad)) == outcome(lambda: PyKVCacheManager(8, 2, **bad))
+
+
+def test_hybrid_snapshot_from_another_thread_while_the_engine_mutates(Manager):
+    groups = [("full_attention", None), ("sliding_window", 6)]
+    m = Manager(48, 2, groups=groups, retention_interval=0)
+    stop = threading.Event()
+    steps, errors = [], []
+
+    def engine():
+        try:
+            i = 0
+            while not (i and stop.is_set()):  # at least one step, however the threads run
+                rid = i % 6
+                if rid in m:
+                    m.free(rid)
+                if m.allocate(rid, [i % 4] * 6 + list(range(i % 9))) is not None:
+                    m.append(rid, [1, 2, 3])
+                i += 1
+                steps.append(i)
+        except Exception as exc:  # noqa: BLE001 -- reported below, not lost in the thread
+            errors.append(exc)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        # CopyView checks every event of each snapshot: each is a consistent state.
+        views = [CopyView(groups, 2).apply_all(m.snapshot()) for _ in range(100)]
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and steps and len(views) == 100

@@ -191,6 +191,7 @@ impl Core {
         self.num_free
     }
 
+    #[inline]
     fn hybrid(&self) -> bool {
         !self.windows.is_empty()
     }
@@ -237,6 +238,12 @@ impl Core {
                 None => break,
             }
         }
+    }
+
+    /// How many leading `hashes` (at most `max_blocks`) group `g` holds.
+    pub fn held_prefix(&self, g: usize, hashes: &[u64], max_blocks: usize) -> usize {
+        let held = |h: &&u64| self.cached[g].contains_key(*h);
+        hashes.iter().take(max_blocks).take_while(held).count()
     }
 
     /// The first block holding `h` in group `g`.
@@ -412,7 +419,9 @@ impl Core {
 
     /// Marks in-use blocks without a hash as cached, one chain continuing `parent`; records a
     /// `Stored` event per stretch of hashes not already held by other blocks (hybrid: one
-    /// event for all of them, in group `g`).
+    /// event for all of them, in group `g`; with `mask`, only the blocks it keeps, the event
+    /// still carrying every token).
+    #[allow(clippy::too_many_arguments)]
     pub fn cache(
         &mut self,
         blocks: &[u32],
@@ -421,9 +430,10 @@ impl Core {
         parent: Option<u64>,
         lora: u32,
         g: usize,
+        mask: Option<&[bool]>,
     ) {
         if self.hybrid() {
-            return self.cache_group(blocks, hashes, tokens, parent, lora, g);
+            return self.cache_group(blocks, hashes, tokens, parent, lora, g, mask);
         }
         let bs = self.block_size;
         self.run += 1;
@@ -471,6 +481,7 @@ impl Core {
         self.scratch = stretches;
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn cache_group(
         &mut self,
         blocks: &[u32],
@@ -479,10 +490,15 @@ impl Core {
         parent: Option<u64>,
         lora: u32,
         g: usize,
+        mask: Option<&[bool]>,
     ) {
         let bs = self.block_size;
         self.run += 1;
+        let kept = |i: usize| mask.is_none_or(|m| m[i]);
         for (i, (&b, &h)) in blocks.iter().zip(hashes).enumerate() {
+            if !kept(i) {
+                continue;
+            }
             let bi = b as usize;
             self.hash[bi] = Some(h);
             self.tokens[bi * bs..(bi + 1) * bs].copy_from_slice(&tokens[i * bs..(i + 1) * bs]);
@@ -505,7 +521,16 @@ impl Core {
             }
         }
         if let Some(r) = self.record.as_mut() {
-            r.stored(parent, hashes, tokens, lora, g as u8);
+            match mask {
+                None => r.stored(parent, hashes, tokens, lora, g as u8),
+                Some(m) => {
+                    // vLLM's sparse shape: the kept hashes, every token.
+                    let kept: Vec<u64> = (hashes.iter().zip(m).filter(|(_, &k)| k))
+                        .map(|(&h, _)| h)
+                        .collect();
+                    r.stored(parent, &kept, tokens, lora, g as u8);
+                }
+            }
         }
     }
 
@@ -655,7 +680,7 @@ mod tests {
         assert_eq!(taken, [0, 1, 2, 3]);
         assert_eq!(core.free_block_ids(), [4, 5]);
 
-        core.cache(&taken[..2], &[100, 101], &[1, 2, 3, 4], None, 0, 0);
+        core.cache(&taken[..2], &[100, 101], &[1, 2, 3, 4], None, 0, 0, None);
         core.free_reversed(&taken);
         assert_eq!(core.free_block_ids(), [3, 2, 4, 5, 1, 0]);
         assert_eq!(core.num_free(), 6);
@@ -683,10 +708,10 @@ mod tests {
         let mut core = Core::new(4, 1, true, Vec::new());
         let mut a = Vec::new();
         core.new_blocks(2, &mut a);
-        core.cache(&a, &[7, 8], &[70, 80], None, 0, 0);
+        core.cache(&a, &[7, 8], &[70, 80], None, 0, 0, None);
         let mut b = Vec::new();
         core.new_blocks(1, &mut b);
-        core.cache(&b, &[7], &[70], None, 0, 0); // a second copy of 7: no new event
+        core.cache(&b, &[7], &[70], None, 0, 0, None); // a second copy of 7: no new event
         core.free_reversed(&a);
         assert_eq!(core.free_block_ids(), [3, 1, 0]);
         core.touch(&[1]);
@@ -716,7 +741,7 @@ mod tests {
             for &i in held {
                 let mut b = Vec::new();
                 core.new_blocks(1, &mut b);
-                core.cache(&b, &[hashes[i]], &[i as u32], None, 0, g);
+                core.cache(&b, &[hashes[i]], &[i as u32], None, 0, g, None);
             }
         }
         assert_eq!([0, 1, 2].map(|g| core.window_blocks(g)), [0, 1, 2]);

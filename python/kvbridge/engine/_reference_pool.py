@@ -166,6 +166,15 @@ class BlockPool:
         entry = self._cached.get(self._key(group_idx, block_hash))
         return None if entry is None else entry[0]
 
+    def held_prefix(self, group_idx: int, block_hashes: Sequence[int], max_blocks: int) -> int:
+        """How many leading blocks of ``block_hashes`` (at most max_blocks) group ``group_idx`` holds."""
+        n = 0
+        for h in block_hashes[:max_blocks]:
+            if self._key(group_idx, h) not in self._cached:
+                break
+            n += 1
+        return n
+
     def _key(self, group_idx: int, block_hash: int) -> Any:
         return block_hash if self.groups is None else (group_idx, block_hash)
 
@@ -345,13 +354,16 @@ class BlockPool:
         lora_name: str | None = None,
         lora_id: int | None = None,
         group_idx: int = 0,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Mark newly filled blocks as cached, as one chain continuing ``parent_block_hash``.
 
         The blocks must be in use and not hold a hash yet; ``token_ids`` are exactly their
         tokens; ``chain_values`` (default: the hashes) is what a later hash continues from.
         Records one ``BlockStored`` for the hashes not already cached by other blocks; in a
-        hybrid pool, one for all of them, in group ``group_idx``.
+        hybrid pool, one for all of them, in group ``group_idx``. ``block_mask`` (hybrid): only
+        the blocks it marks True are cached and announced; the event still carries every
+        block's tokens and the chain's parent (vLLM's ``cache_full_blocks(block_mask=)``).
         """
         n = len(blocks)
         if len(block_hashes) != n or len(token_ids) != n * self.block_size:
@@ -365,7 +377,7 @@ class BlockPool:
                 raise ValueError(f"group_idx must be in 0..{len(self.groups) - 1}, got {group_idx!r}")
             self._cache_group(
                 blocks, list(block_hashes), list(token_ids), parent_block_hash,
-                list(chain_values or block_hashes), lora, group_idx,
+                list(chain_values or block_hashes), lora, group_idx, block_mask,
             )
         elif n:
             self._cache(
@@ -396,13 +408,16 @@ class BlockPool:
             self._events.extend(self._stored_slice(run, s, e) for s, e in runs)
 
     def _cache_group(
-        self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any, g: int
+        self, blocks: Sequence[Block], hashes: list, tokens: list, parent: Any, chains: list, lora: Any, g: int,
+        mask: Sequence[bool] | None = None,
     ) -> None:
-        # vLLM's cache_full_blocks: each block enters the (group, hash) map, a second holder
-        # beside the first (BlockHashToBlockMap.insert), and all are announced.
+        # vLLM's cache_full_blocks: each kept block enters the (group, hash) map, a second
+        # holder beside the first (BlockHashToBlockMap.insert), and is announced.
         run = (parent, hashes, tokens, lora, chains, g)
         cached, meta = self._cached, self._meta
         for i, (b, h) in enumerate(zip(blocks, hashes)):
+            if mask is not None and not mask[i]:
+                continue
             b.block_hash = h
             self._seq += 1
             meta[b.block_id] = (self._seq, run, i, g)
@@ -411,8 +426,11 @@ class BlockPool:
                 self._copies.setdefault(key, []).append(b)
             else:
                 cached[key] = (b, run)
-        if self._events is not None:
+        if self._events is not None and mask is None:
             self._events.append(self._stored_slice(run, 0, len(hashes)))
+        elif self._events is not None:  # vLLM's sparse shape: the kept hashes, every token
+            kept = [h for h, keep in zip(hashes, mask) if keep]  # type: ignore[arg-type]
+            self._events.append(self._stored(kept, parent, tokens, lora, g))
 
     def free_blocks(self, ordered_blocks: Iterable[Block]) -> None:
         """Drop one reference per block; the order is eviction order, first evicted first.
@@ -521,6 +539,21 @@ class BlockPool:
         )
 
 
+def check_retention(retention_interval: Any, block_size: int, groups: Any) -> None:
+    """vLLM's prefix_cache_retention_interval check (kv_cache_coordinator.py
+    ``_validate_prefix_cache_retention_interval``), for a hybrid pool only; the native manager
+    raises the same messages."""
+    if retention_interval is None:
+        return
+    if groups is None:
+        raise ValueError("retention_interval applies to window groups: it needs groups")
+    if type(retention_interval) is not int or retention_interval < 0 or retention_interval % block_size:
+        raise ValueError(
+            f"retention_interval must be None or an int >= 0 that is a multiple of block_size "
+            f"({block_size}), got {retention_interval!r}"
+        )
+
+
 def _as_token_list(token_ids: Any) -> list[int]:
     # numpy/array inputs become plain ints (events carry lists); a list is only read, and
     # what is kept of it is sliced off.
@@ -540,7 +573,10 @@ _NOT_TOKENS = "token ids must be a list of int, an int array or an iterable of i
 
 
 class _Request:
-    __slots__ = ("blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id", "tables", "skipped")
+    __slots__ = (
+        "blocks", "num_tokens", "tail", "hasher", "last_hash", "lora_name", "lora_id", "tables", "skipped",
+        "boundaries",
+    )
 
     def __init__(
         self, blocks: list[Block], num_tokens: int, tail: list[int], hasher: BlockHasher, last_hash: int | None,
@@ -557,6 +593,9 @@ class _Request:
         # ``skipped[g]`` entries are None, vLLM's null block, once they left the window.
         self.tables: list[list[Block | None]] = [blocks]  # type: ignore[list-item]
         self.skipped: list[int] = [0]
+        # Token positions whose window tails sparse retention keeps: the prompt's replay
+        # boundary and a shared-prefix junction (coordinator.cache_blocks).
+        self.boundaries: tuple[int, ...] = ()
 
 
 class PyKVCacheManager:
@@ -572,10 +611,14 @@ class PyKVCacheManager:
     attend to (vLLM's ``remove_skipped_blocks`` before ``allocate_slots`` allocates).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, **pool_options: Any) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, retention_interval: int | None = None, **pool_options: Any
+    ) -> None:
         self.pool = BlockPool(num_blocks, block_size, **pool_options)
         self.groups = self.pool.groups
         self.block_size = block_size
+        check_retention(retention_interval, block_size, self.groups)
+        self.retention_interval = retention_interval
         self._requests: dict[Any, _Request] = {}
         self._lora_ids: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -653,6 +696,10 @@ class PyKVCacheManager:
         # (SingleTypeKVCacheManager.add_local_computed_blocks).
         skipped = [pool.skipped_blocks(g, n * bs) for g in range(len(groups))]
         hits = [[pool.get_cached_block(hashes[i], g) for i in range(s, n)] for g, s in enumerate(skipped)]
+        # get_computed_blocks' shared_prefix_boundary: group 0 (the first group the coordinator
+        # asks) ran past the hit, a junction a window group has not kept.
+        longest = pool.held_prefix(0, hashes, (len(tokens) - 1) // bs) if self.retention_interval is not None else n
+        boundaries = (len(tokens) - 1, longest * bs) if longest > n else (len(tokens) - 1,)
         num_new = -(-len(tokens) // bs) - n
         evictable = sum(b.ref_cnt == 0 for hit in hits for b in hit)  # type: ignore[union-attr]
         if num_new * len(groups) + evictable > pool.num_free_blocks:
@@ -664,7 +711,7 @@ class PyKVCacheManager:
         for table in tables:
             table += pool.get_new_blocks(num_new)
         req = _Request(tables[0], 0, [], hasher, hashes[n - 1] if n else None, lora_name, lora_id)  # type: ignore[arg-type]
-        req.tables, req.skipped = tables, skipped
+        req.tables, req.skipped, req.boundaries = tables, skipped, boundaries
         self._cache_filled(req, n, hashes[n:], chains[n:], tokens[n * bs :])
         self._requests[request_id] = req
         return n * bs
@@ -685,8 +732,32 @@ class PyKVCacheManager:
                 table[full0 : full0 + len(hashes)],  # type: ignore[arg-type]
                 hashes, tokens[:cut], parent_block_hash=parent, chain_values=chains,
                 lora_name=req.lora_name, lora_id=req.lora_id, group_idx=g,
+                block_mask=self._retained(g, req, full0, full0 + len(hashes)),
             )
         req.last_hash = hashes[-1]
+
+    def _retained(self, g: int, req: _Request, start: int, end: int) -> list[bool] | None:
+        """SlidingWindowManager.reachable_block_mask for blocks [start, end) of group g (None:
+        all, as for a main group or dense retention): per ``retention_interval``-token segment
+        its last k blocks, and the k blocks before each of the request's boundaries, k =
+        cdiv(W - 1, block_size) (no EAGLE)."""
+        interval, window = self.retention_interval, self.groups[g][1]  # type: ignore[index]
+        if interval is None or window is None:
+            return None
+        bs = self.block_size
+        need = -(-(window - 1) // bs)
+        mask = [False] * (end - start)
+        if interval:
+            per_segment = interval // bs
+            if need >= per_segment:
+                return None
+            for i in range(start, end):
+                mask[i - start] = i % per_segment >= per_segment - need
+        for boundary in req.boundaries:
+            last = boundary // bs
+            for j in range(max(start, last - need), min(end, last)):
+                mask[j - start] = True
+        return mask
 
     def _release_window(self, req: _Request) -> None:
         # SingleTypeKVCacheManager.remove_skipped_blocks: free what the window left behind,

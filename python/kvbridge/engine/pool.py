@@ -67,10 +67,17 @@ single-group rules above do not:
 * ``snapshot()`` lists every block holding a hash, group by group in caching order, so a hash
   two blocks hold appears twice (the shared spec's snapshot rule);
   ``num_cached_blocks``/``cached_block_hashes()`` count (group, hash) keys.
-* Not modelled: vLLM's default sparse retention of window groups
-  (``prefix_cache_retention_interval=0`` caches only the blocks a replay can hit): window
-  groups here cache every full block (``prefix_cache_retention_interval=None``); EAGLE; Mamba
-  and other kinds; per-group block sizes.
+* ``retention_interval`` is vLLM's ``prefix_cache_retention_interval`` for window groups
+  (``SlidingWindowManager.reachable_block_mask``, no EAGLE). None (the default here, so a
+  window group caches every full block) is vLLM's dense setting; vLLM's own default is 0: a
+  window group then caches only the k blocks before each reachable boundary -- the prompt's
+  ``num_tokens - 1`` and the shared-prefix junction found at admission (group 0's own cached
+  prefix, when it runs past the hit: ``get_computed_blocks``' ``shared_prefix_boundary``); a
+  positive multiple of ``block_size`` also keeps the last k blocks of every such segment. Its
+  ``BlockStored`` lists the kept hashes only, with every block's tokens (the shared spec's
+  "sparse" events, often zero hashes); the blocks not kept stay uncached.
+* Not modelled: EAGLE; Mamba and other kinds; per-group block sizes; vLLM's null block
+  (``num_blocks`` are all usable).
 
 ``hit_blocks(token_ids, *, lora_name=None)`` answers, without changing anything, how many
 leading blocks ``allocate`` would hit now (``allocate`` returns that times ``block_size`` when
@@ -155,10 +162,11 @@ class NativeKVCacheManager(_native.KVCacheManager):
     """The reference ``PyKVCacheManager``'s API and behaviour, in one native call per method.
 
     ``NativeKVCacheManager(num_blocks, block_size, *, algo="xxh3", seed=None, medium="GPU",
-    enable_events=True, groups=None)``; ``allocate(request_id, token_ids, *, lora_name=None,
+    enable_events=True, groups=None, retention_interval=None)``; ``allocate(request_id, token_ids, *, lora_name=None,
     lora_id=None)``, ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``,
     ``get_block_ids``, ``get_group_block_ids``, ``hit_blocks(token_ids, *, lora_name=None)``,
-    ``num_tokens``, ``in``, ``len``, ``groups``; ``.pool`` for the pool's queries.
+    ``num_tokens``, ``in``, ``len``, ``groups``, ``retention_interval``; ``.pool`` for the pool's
+    queries.
     """
 
     __slots__ = ()
