@@ -84,3 +84,32 @@ impl NativeIndex {
         self.core.memory_bytes()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_in_answers_out_in_both_key_modes() {
+        let payload = br#"[0, [{"type": "BlockStored", "block_hashes": [10, 11], "parent_block_hash": null,
+            "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": null, "medium": "GPU"}]]"#;
+        let mut engine = NativeIndex::new(2, true);
+        let mut tokens = NativeIndex::new(2, false);
+        for idx in [&mut engine, &mut tokens] {
+            assert_eq!(idx.apply("a", payload), 1);
+            assert_eq!(idx.apply("b", b"not a batch"), 0);
+            assert_eq!(idx.len(), 2);
+        }
+        let mut out = Vec::new();
+        engine.find_matches(&[10, 11, 12], &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!((engine.worker_name(out[0].0), out[0].1), ("a", 2));
+        let mut keys = Vec::new();
+        tokens.find_matches_tokens(&[1, 2, 3, 9, 9], &mut keys, &mut out);
+        assert_eq!(keys.len(), 2);
+        assert_eq!(out.iter().map(|&(_, n)| n).collect::<Vec<_>>(), vec![1]);
+        tokens.remove_worker("a");
+        tokens.find_matches(&keys, &mut out);
+        assert!(out.is_empty() && tokens.is_empty() && tokens.memory_bytes() > 0);
+    }
+}
