@@ -3,6 +3,7 @@ clears, bad events) and the plain model of what they leave, for the view tests o
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 from typing import Any
@@ -21,6 +22,7 @@ def removed(hashes: list, medium: str | None = "GPU", **kw: Any) -> BlockRemoved
     return BlockRemoved(list(hashes), medium, **kw)
 
 
+HYBRID = ("sliding_window", "sliding_window_mla", "mamba")
 KINDS = {0: [None, "full_attention"], 1: [None, "sliding_window"], 2: [None, "mamba", "cross_attention"]}
 MEDIA = ["GPU", "CPU"]
 
@@ -32,7 +34,13 @@ class Model:
         self.held: dict[tuple, Counter] = {}
         self.kinds: dict[int, tuple] = {}
 
-    def apply(self, ev: Any) -> None:
+    def apply_batch(self, batch: list[Any]) -> None:
+        # A batch naming a window or mamba group makes the worker hybrid for all of it.
+        windows = any(isinstance(ev, BlockStored) and ev.kv_cache_spec_kind in HYBRID for ev in batch)
+        for ev in batch:
+            self.apply(ev, windows)
+
+    def apply(self, ev: Any, windows: bool = False) -> None:
         if isinstance(ev, AllBlocksCleared):
             self.held, self.kinds = {}, {}
             return
@@ -49,7 +57,9 @@ class Model:
                 return
             if kind is not None:
                 self.kinds[g] = (kind, window if kind.startswith("sliding_window") else None)
-            if not (ev.parent_block_hash is None and all(h in held for h in ev.block_hashes)):
+            # The re-announce exception: only in a worker with no window or mamba group.
+            plain = not windows and not any(k in HYBRID for k, _ in self.kinds.values())
+            if not (plain and ev.parent_block_hash is None and all(h in held for h in ev.block_hashes)):
                 held.update(ev.block_hashes)
         else:
             for h in ev.block_hashes:
@@ -123,9 +133,12 @@ class Stream:
         out = []
         for _ in range(n):
             batch = []
+            before = copy.deepcopy(self.model)
             for _ in range(self.rnd.randrange(1, 6)):
                 batch.append(self.event())
                 self.model.apply(batch[-1])  # the next event is drawn against what this one left
+            self.model = before
+            self.model.apply_batch(batch)  # and the batch as a whole is what the rule applies
             out.append(batch)
         return out
 

@@ -39,12 +39,18 @@ def _snapshot_residency(pool: KVCacheManager) -> dict:
     return r.held
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from(sorted(GROUPS)), key=st.sampled_from(["tokens", "engine"]))
-def test_index_and_views_follow_hybrid_pools_exactly(seed, shape, key):
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1), shape=st.sampled_from(sorted(GROUPS)), key=st.sampled_from(["tokens", "engine"]),
+    retention=st.sampled_from([None, 0]),
+)
+def test_index_and_views_follow_hybrid_pools_exactly(seed, shape, key, retention):
+    """``retention=0`` is vLLM's default retention: window groups announce only the blocks they
+    keep (sparse stores, all the tokens); None caches every block."""
     rng = random.Random(seed)
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(3, 9) * BS)] for _ in range(3)]
-    pools = {f"w{i}": KVCacheManager(rng.randrange(12, 24), BS, groups=GROUPS[shape]) for i in range(2)}
+    pools = {f"w{i}": KVCacheManager(rng.randrange(12, 24), BS, groups=GROUPS[shape], retention_interval=retention)
+             for i in range(2)}
     index = Index(BS, key=key)
     views = {name: Residency() for name in pools}
     live: dict[str, list[str]] = {name: [] for name in pools}

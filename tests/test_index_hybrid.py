@@ -142,6 +142,27 @@ def test_a_full_report_re_announce_is_not_a_copy(key):
 
 
 @pytest.mark.parametrize("key", ["tokens", "engine"])
+def test_in_a_hybrid_worker_a_chain_stored_again_from_block_0_is_a_copy(key):
+    """vLLM's window group cut the hit to 0 while the full group held the chain: it recomputes
+    and stores a second physical copy, parent None, every block already held -- the shape of a
+    re-announce. With a window group known (or named in the same payload) it counts."""
+    idx = Index(block_size=4, key=key)
+    full = stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention")
+    window = stored(ENGINE[3:], PROMPT, bs=4, group=1, kind="sliding_window", window=4)  # sparse: the tail
+    idx.apply("w", batch(full, window))
+    idx.apply("w", batch(full))  # the recompute's second copy
+    idx.apply("w", batch(removed(ENGINE, group=0)))  # the first copy evicted
+    assert query(idx) == {"w": 4}  # the second still holds
+    idx.apply("w", batch(removed(ENGINE, group=0)))
+    assert query(idx) == {}
+    # A snapshot lists group 0's chains first: the payload's window group counts already.
+    late = Index(block_size=4, key=key)
+    late.apply("w", batch(full, full, window))
+    late.apply("w", batch(removed(ENGINE, group=0)))
+    assert query(late) == {"w": 4}
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
 def test_placeholders_count_in_their_medium(key):
     idx = Index(block_size=4, key=key)
     idx.apply("w", batch(stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention")))
@@ -401,8 +422,11 @@ class Model:
         slot = self.res[w].setdefault(cls, {})
         skipped = n - len(pairs)
         self.stats["blocks_stored"] += len(pairs)
-        if ev.parent_block_hash is None and not skipped and all(e in slot for e in ev.block_hashes):
-            return  # the full-report re-announce
+        # The full-report re-announce, in a worker without window or mamba groups (with them a
+        # chain stored again from block 0 is usually a real copy: docs/hybrid.md).
+        plain = not any(isinstance(k, tuple) for k in self.kinds.get(w, {}).values())
+        if plain and ev.parent_block_hash is None and not skipped and all(e in slot for e in ev.block_hashes):
+            return
         for e, k in pairs:
             if e in slot:
                 slot[e][1] += 1

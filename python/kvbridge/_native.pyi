@@ -264,7 +264,7 @@ class Index:
     Residency is per (worker, medium, KV-cache group, locality); ``group_idx`` None is group 0.
     A block stored twice (vLLM does not de-duplicate) needs two removals, except a chain from
     block 0 that the (worker, medium, group) already holds whole (vLLM's full-report
-    re-announce). Token-less placeholders (``block_size`` 0) and sparse window/mamba stores are
+    re-announce) in a worker without window or mamba groups. Token-less placeholders (``block_size`` 0) and sparse window/mamba stores are
     keyed through the worker's earlier stores of the same engine hash (key="tokens"). A worker's
     hit is vLLM's: the blocks all its full-attention groups hold, cut back to the largest n
     where each sliding-window group holds its last cdiv(W - 1, block_size) blocks before n (a

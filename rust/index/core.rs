@@ -188,6 +188,10 @@ fn kind_of(code: u8, window: i64, block_size: usize) -> Result<Kind, BadKind> {
     })
 }
 
+/// The `Stored::kind` codes of `sliding_window`, `sliding_window_mla` and `mamba` (1 + their
+/// place in `parse::KINDS`).
+const WINDOW_CODES: [u8; 3] = [3, 4, 5];
+
 /// Main groups (a bitset) and window groups (group, blocks) of a worker's kinds. An unannounced
 /// group 0 is main: the group every engine without groups writes to.
 fn plan(kinds: &[Kind]) -> (u64, Vec<(u8, u32)>) {
@@ -610,9 +614,12 @@ impl Core {
             self.touch(w, &events, hashes);
         }
         let mut last = LastClass::default();
+        // A payload that names a window or mamba group makes its worker hybrid for the whole
+        // payload: a snapshot lists group 0's chains before the window groups' events.
+        let windows = events.iter().any(|e| matches!(e, Event::Stored(s) if WINDOW_CODES.contains(&s.kind)));
         for ev in events.drain(..) {
             match ev {
-                Event::Stored(s) => self.stored(w, s, hashes, tokens, &mut last),
+                Event::Stored(s) => self.stored(w, s, hashes, tokens, &mut last, windows),
                 Event::Removed { hashes: r, medium, group, remote } => {
                     self.removed(w, &hashes[r], medium, group, remote, &mut last)
                 }
@@ -807,7 +814,16 @@ impl Core {
         worker.kinds.get(g as usize).copied().unwrap_or_default()
     }
 
-    fn stored<'a>(&mut self, w: u32, s: Stored<'a>, hashes: &[u64], tokens: &[u32], last: &mut LastClass<'a>) {
+    /// `windows`: the payload names a window or mamba group (see `apply`).
+    fn stored<'a>(
+        &mut self,
+        w: u32,
+        s: Stored<'a>,
+        hashes: &[u64],
+        tokens: &[u32],
+        last: &mut LastClass<'a>,
+        windows: bool,
+    ) {
         let keys = &hashes[s.hashes.clone()];
         let tokens = &tokens[s.tokens.clone()];
         let n = keys.len();
@@ -945,10 +961,15 @@ impl Core {
         }
         let mode = self.mode;
         let e = entry(w, c);
+        // In a worker with window (or mamba) groups those groups cut hits short, so vLLM often
+        // recomputes a chain from block 0 that its main group still holds: a real second copy
+        // that looks exactly like a re-announce. There every store is a copy.
+        let plain = !windows && self.workers[w as usize].as_ref().is_some_and(|x| x.windows.is_empty());
         let (blocks, slab, slot) = self.parts(w, si);
         // vLLM's kv_cache_report_mode="full" re-announces reused prefix blocks from block 0
         // (block_pool.py `emit_cached_block_events`) without storing anything: not a copy.
-        let reannounce = s.parent.is_none()
+        let reannounce = plain
+            && s.parent.is_none()
             && skipped == 0
             && keys.iter().all(|k| match mode {
                 Mode::Engine => blocks.get(k).is_some_and(|h| h.contains(slab, e)),
@@ -1328,6 +1349,14 @@ mod tests {
             apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[3], 1)));
             assert_eq!(scores(&core, &keys), vec![("plain".into(), 4)]);
             assert_eq!(core.stats.unresolved_hashes, 0);
+        }
+    }
+
+    #[test]
+    fn window_codes_name_the_window_kinds() {
+        for c in WINDOW_CODES {
+            let name = KINDS[c as usize - 1];
+            assert!(matches!(name, b"sliding_window" | b"sliding_window_mla" | b"mamba"), "{c}");
         }
     }
 

@@ -20,7 +20,7 @@ Dead links: a path that dies without a FIN or RST (a dead node, a NAT or conntra
 leaves the socket open and swallows every write. The keepalive (``ping_interval_s``,
 ``max_outstanding_pings``) or a caller's probe (``Client.link_alive``) finds it: PINGs go
 unanswered and nothing else arrives either (a PONG queued behind a backlog is late, not lost,
-so any byte received counts as a sign of life). Then the connection is logged (which server, how
+so any byte received counts as a sign of life, and so does a full socket taking bytes again). Then the connection is logged (which server, how
 it was found), counted (``link_failures``) and replaced, its socket aborted rather than closed
 (see ``_replace_dead_link``).
 """
@@ -56,7 +56,7 @@ class Parser(_parser.Parser):
 
     async def parse(self, data: bytes = b"") -> None:
         if data:
-            self.nc._last_read = time.monotonic()  # the keepalive's sign of life
+            self.nc._last_alive = time.monotonic()  # the keepalive's sign of life
         buf = self.buf
         buf.extend(data)
         while self.state == _parser.AWAITING_CONTROL_LINE and buf:
@@ -80,6 +80,12 @@ class Parser(_parser.Parser):
         await super().parse()
 
 
+# The keepalive's PING waits this share of ping_interval_s for something to ride with (an idle
+# publisher's heartbeat comes every heartbeat_s, as often as the PINGs by default). What is left
+# of the interval is the PONG's (any byte received counts as one).
+_PING_RIDES = 0.8
+_PING = _nats.PING_PROTO
+
 # `_native_headers`' answer for a block in a form it leaves to nats-py.
 _OTHER: Any = object()
 
@@ -102,7 +108,7 @@ class Client(_nats.Client):
         self._direct: dict[int, DirectHandler] = {}
         #: Connections found dead by silence (PINGs unanswered) and replaced.
         self.link_failures = 0
-        self._last_read = time.monotonic()
+        self._last_alive = time.monotonic()
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         """A plain subscription (no queue group) whose messages go to ``handler`` from the read
@@ -161,7 +167,7 @@ class Client(_nats.Client):
                 await asyncio.wait((pong,), timeout=timeout)
                 if self._transport is not transport or not self.is_connected:
                     return False  # reconnecting already: nothing to tell about the link
-                if not pong.done() and self._last_read <= since:
+                if not pong.done() and self._last_alive <= since:
                     how = f"no PONG, nothing received for {timeout:.1f} s after a probe PING ({why})"
                     await self._replace_dead_link(how)
                     return False
@@ -171,19 +177,37 @@ class Client(_nats.Client):
 
     async def _process_connect_init(self) -> None:
         await super()._process_connect_init()
-        self._last_read = time.monotonic()  # the handshake was read without the parser
+        self._last_alive = time.monotonic()  # the handshake was read without the parser
+        # The other sign of life: a socket whose buffers were full takes more (the peer
+        # acknowledged what it had). A publisher the server reads slowly (the server throttles
+        # fast producers for slow consumers) has its PONG behind its own backlog.
+        writer = getattr(self._transport, "_io_writer", None)
+        if isinstance(writer, asyncio.StreamWriter):
+            protocol = writer.transport.get_protocol()
+            resume = protocol.resume_writing
+
+            def resumed() -> None:
+                self._last_alive = time.monotonic()
+                resume()
+
+            protocol.resume_writing = resumed  # type: ignore[method-assign]
 
     async def _ping_interval(self) -> None:
-        """nats-py's keepalive, where any byte received counts as an answer: a subscriber far
-        behind reads the PONG only after everything the server queued before it, seconds later on
-        a link that works. A dead path delivers nothing at all."""
+        """nats-py's keepalive with two changes. Any byte received counts as an answer (and a
+        full socket taking bytes again: ``_process_connect_init``): a subscriber far behind reads
+        the PONG only after everything the server queued before it, seconds later on a link that
+        works; a dead path delivers nothing at all. And the PING
+        rides with the next thing written (an idle publisher's heartbeat: one send instead of
+        two), or goes alone shortly before the next tick."""
         interval = self.options["ping_interval"]
-        tick = time.monotonic()
+        ride = interval * _PING_RIDES
+        tick, wait = time.monotonic(), interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait)
+            wait = interval
             if not self.is_connected:
                 continue
-            if self._last_read > tick:
+            if self._last_alive > tick:
                 self._pings_outstanding = 0
             tick = time.monotonic()
             try:
@@ -191,16 +215,36 @@ class Client(_nats.Client):
                 if self._pings_outstanding > self.options["max_outstanding_pings"]:
                     await self._process_op_err(StaleConnectionError())
                     return
-                await self._send_ping()
+                self._pongs.append(asyncio.get_running_loop().create_future())
+                pending = self._pending
+                pending.append(_PING)
+                self._pending_data_size += len(_PING)
+                try:
+                    await asyncio.sleep(ride)
+                except asyncio.CancelledError:
+                    self._withdraw_pings()  # reconnecting or closing
+                    raise
+                wait = interval - ride
+                if self._pending is pending and self.is_connected:  # nothing written meanwhile
+                    await self._flush_pending()
             except (asyncio.CancelledError, RuntimeError, AttributeError):  # as nats-py's: closing
                 break
+
+    def _withdraw_pings(self) -> None:
+        """Takes the keepalive's PINGs out of what is still to be written: sent on the next
+        connection, their PONGs would be taken for other PINGs' (a flush's)."""
+        pending = self._pending
+        kept = [cmd for cmd in pending if cmd is not _PING]
+        if len(kept) != len(pending):
+            self._pending_data_size -= (len(pending) - len(kept)) * len(_PING)
+            self._pending = kept
 
     async def _process_op_err(self, e: Exception) -> None:
         # nats-py files an EOF (a closed socket: nothing dead about the path) under stale too.
         if isinstance(e, StaleConnectionError) and not isinstance(e, UnexpectedEOF) and self.is_connected:
             pings = self._pings_outstanding - 1  # the one that tipped it over was not sent
             if pings >= self.options["max_outstanding_pings"]:
-                silent = time.monotonic() - self._last_read
+                silent = time.monotonic() - self._last_alive
                 how = f"no PONG, nothing received for {silent:.1f} s ({pings} PINGs unanswered)"
             else:  # the server's -ERR 'Stale Connection': our PONGs stopped reaching it
                 how = "the server found this connection stale (our PONGs did not reach it)"
@@ -219,4 +263,5 @@ class Client(_nats.Client):
         writer = getattr(self._transport, "_io_writer", None)  # TCP and TLS; websockets time out on their own
         if isinstance(writer, asyncio.StreamWriter):
             writer.transport.abort()
+        self._withdraw_pings()
         await super()._process_op_err(StaleConnectionError())

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from kvbridge.wire.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, merge_runs
 from kvbridge.wire.hashing import BlockHasher
-from kvbridge.engine.pool import Block
+from kvbridge.engine.pool import Block, announce_empty_groups
 
 if TYPE_CHECKING:
     from kvbridge._native import Algorithm
@@ -853,9 +853,11 @@ class PyKVCacheManager:
             return self.pool.take_events()
 
     def snapshot(self) -> list[BlockStored]:
-        """Every cached block as ``BlockStored`` events, parents before children."""
+        """Every cached block as ``BlockStored`` events, parents before children (hybrid: see
+        ``announce_empty_groups``)."""
         with self._lock:
-            return self.pool.snapshot()
+            pool = self.pool
+            return announce_empty_groups(pool.snapshot(), pool.groups, pool.block_size, pool.medium)
 
     def get_block_ids(self, request_id: Any) -> list[int]:
         """The request's block table (hybrid: group 0's)."""

@@ -97,9 +97,12 @@ hash 64k tokens or more.
 
 from __future__ import annotations
 
-from kvbridge import _native
+from typing import Sequence
 
-__all__ = ["Block", "KVCacheManager", "NativeKVCacheManager"]
+from kvbridge import _native
+from kvbridge.wire.events import BlockStored
+
+__all__ = ["Block", "KVCacheManager", "NativeKVCacheManager", "announce_empty_groups"]
 
 class Block:
     """One KV block. ``block_hash`` is its 64-bit event hash while cached. A block is in the
@@ -174,6 +177,28 @@ class NativeKVCacheManager(_native.KVCacheManager):
     @property
     def pool(self) -> _NativePool:
         return _NativePool(self)
+
+    def snapshot(self) -> list[BlockStored]:
+        """Every cached block as ``BlockStored`` events, parents before children (hybrid: see
+        :func:`announce_empty_groups`)."""
+        return announce_empty_groups(super().snapshot(), self.groups, self.block_size, self.medium)
+
+
+def announce_empty_groups(
+    events: list[BlockStored], groups: Sequence[tuple[str, int | None]] | None, block_size: int, medium: str | None
+) -> list[BlockStored]:
+    """A hybrid pool's snapshot ends with a store of no blocks naming the kind of each group that
+    holds nothing: a view rebuilt from it must know the group exists (a window group holding
+    nothing allows no hit past its window), as one that followed the stream does."""
+    if not groups:
+        return events
+    named = {ev.group_idx for ev in events}
+    return events + [
+        BlockStored([], None, [], block_size, None, medium, None, group_idx=g, kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window)  # fmt: skip
+        for g, (kind, window) in enumerate(groups)
+        if g not in named
+    ]
 
 
 KVCacheManager = NativeKVCacheManager

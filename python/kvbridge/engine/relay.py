@@ -65,7 +65,7 @@ from kvbridge.wire.events import (
     merge_runs,
     slice_event,
 )
-from kvbridge.wire.residency import WINDOW_KINDS, Residency, kind_event
+from kvbridge.wire.residency import WINDOW_KINDS, Residency, kind_event, names_windows
 from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
@@ -126,12 +126,14 @@ class RelayView:
 
     def apply(self, events: list[Any]) -> None:
         res, sources = self.residency, self.sources
+        windows = names_windows(events)
         for ev in events:
             cls = ev.__class__
             if cls is BlockStored:
                 hashes = ev.block_hashes
                 got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
-                                ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0)  # fmt: skip
+                                ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0,
+                                1, windows)  # fmt: skip
                 if got is None or got[1] or not hashes:
                     continue  # skipped, a re-announce or no blocks: no copy added
                 by_hash = sources.setdefault(got[0], {})

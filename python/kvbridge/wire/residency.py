@@ -17,9 +17,12 @@ its stores announced. The rules (docs/hybrid.md; the Rust ``Index`` reads events
   drops one, a block is held while it has a copy. A removal of a block not held is counted
   (``unknown_removes``) and changes nothing. The exception is vLLM's full-report-mode
   re-announce (``emit_cached_block_events``: cached prefix blocks sent again from block 0 with
-  parent None, no state change): a parent-None store all of whose blocks the ``(medium, group)``
-  already holds adds no copies. A genuine second copy of a whole chain from block 0 is then
-  not counted either; the events cannot tell the two apart.
+  parent None, no state change): in a worker without window or mamba groups, a parent-None
+  store all of whose blocks the ``(medium, group)`` already holds adds no copies. The events
+  cannot tell a re-announce from a genuine second copy of a whole chain from block 0; without
+  window groups such a copy is rare (a one-block prompt recomputed), with them it is common
+  (a window group cut the hit to 0 while the main group held the chain), so there every store
+  counts and re-announces over-count.
 * ``AllBlocksCleared`` empties every medium and group and forgets the kinds.
 
 Views read events as *ops* (:data:`Op`): what the native scan (``_native.scan_batch_msgpack``)
@@ -46,6 +49,7 @@ __all__ = [
     "UNSCORED_KINDS",
     "WINDOW_KINDS",
     "kind_event",
+    "names_windows",
     "ops_of",
 ]
 
@@ -56,6 +60,8 @@ WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 # among them: the Index scores it as a window of one block (MambaManager's hit).
 UNSCORED_KINDS = frozenset({"chunked_local_attention", "encoder_only_attention", "cross_attention", "unknown"})
 KINDS = MAIN_KINDS | WINDOW_KINDS | UNSCORED_KINDS | {"mamba"}
+#: Groups that cut a worker's hits short, so that a chain stored again from block 0 is a copy.
+HYBRID_KINDS = WINDOW_KINDS | {"mamba"}
 
 STORED, REMOVED, CLEARED = 0, 1, 2
 
@@ -101,6 +107,11 @@ def ops_of(events: Iterable[Any]) -> tuple[list[Op], int]:
     return out, n_blocks
 
 
+def names_windows(events: Iterable[Any]) -> bool:
+    """Whether a batch names a window or mamba group (see :meth:`Residency.store`)."""
+    return any(ev.__class__ is BlockStored and ev.kv_cache_spec_kind in HYBRID_KINDS for ev in events)
+
+
 def kind_event(group: int, kind: str, window: int | None) -> BlockStored:
     """A store of no blocks that announces ``group``'s kind: how a view's state says a kind its
     blocks' events do not (the kind changed since, or the group holds nothing)."""
@@ -136,11 +147,12 @@ class Residency:
 
     def store(
         self, hashes: list[Any], medium: str | None, group_idx: Any = None, kind: str | None = None,
-        window: Any = None, root: int = 0, n: int = 1,
+        window: Any = None, root: int = 0, n: int = 1, windows: bool = False,
     ) -> tuple[Key, int] | None:  # fmt: skip
         """Applies ``n`` stores (one op). Returns the ``(medium, group)`` and the index of the first
         hash that got a copy (``root`` when the leading parent-None run was a re-announce), or None
-        when the events were skipped."""
+        when the events were skipped. ``windows``: the batch this store came in names a window or
+        mamba group (:func:`names_windows`), so the worker counts as hybrid already."""
         group = self._group(group_idx, n)
         if group is None:
             return None
@@ -163,7 +175,11 @@ class Residency:
             if not hashes:
                 return key, 0
             held = self._sets[key] = set()
-        first = root if root and held.issuperset(hashes[:root]) else 0
+        # The re-announce exception holds for workers without window or mamba groups only: those
+        # groups cut hits short, and vLLM then recomputes from block 0 a chain its main group
+        # still holds -- a real copy that looks exactly like a re-announce (module doc).
+        plain = root and not windows and not any(k in HYBRID_KINDS for k, _ in self.kinds.values())
+        first = root if plain and held.issuperset(hashes[:root]) else 0
         new = hashes[first:] if first else hashes
         if held.isdisjoint(new):
             before = len(held)
@@ -232,9 +248,12 @@ class Residency:
         self.kinds.clear()
 
     def apply_ops(self, ops: list[Op]) -> None:
+        # A batch naming a window group makes the worker hybrid for all of it: a snapshot lists
+        # group 0's chains before the window groups' events.
+        windows = any(op[5] in HYBRID_KINDS for op in ops)
         for kind, hashes, medium, group_idx, root, spec_kind, window, n in ops:
             if kind == STORED:
-                self.store(hashes, medium, group_idx, spec_kind, window, root, n)
+                self.store(hashes, medium, group_idx, spec_kind, window, root, n, windows)
             elif kind == REMOVED:
                 self.remove(hashes, medium, group_idx, n)
             else:
