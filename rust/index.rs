@@ -286,6 +286,17 @@ impl Index {
         Ok(())
     }
 
+    /// How many times `worker`'s cache was cleared (`AllBlocksCleared`) since the index first
+    /// heard of it; None for a worker it does not know (never heard, or removed). A router
+    /// compares it with the value at its decision: anything it guessed the worker holds is gone.
+    fn clears(&self, py: Python<'_>, worker: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        let worker = worker
+            .cast::<PyString>()
+            .map_err(|_| type_error("worker", "str", worker))?
+            .to_str()?;
+        Ok(self.read(py, false, |core| core.clears(worker)))
+    }
+
     /// Forgets every block and worker; the stats keep counting.
     fn clear(&self, py: Python<'_>) {
         self.write(py, true, |core| core.clear());

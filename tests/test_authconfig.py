@@ -93,8 +93,10 @@ async def scenario(server, prefix: str, **kw) -> None:
 async def test_generated_users_keep_workers_apart_and_let_routers_sync(tmp_path):
     with NatsServer(config_file=conf_file(tmp_path, "au", jetstream=False)) as server:
         await scenario(server, "au")
-        # A router may not publish events.
+        # A router may not publish events, but may share routing decisions with its replicas.
         assert await refused(server, "r1", "au.events.Mx_1.w1")
+        assert not await refused(server, "r1", "au.route.Mx_1")
+        assert await refused(server, "w1", "au.route.Mx_1")
 
 
 async def test_generated_users_with_jetstream(tmp_path):

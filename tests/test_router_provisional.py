@@ -227,3 +227,49 @@ async def test_a_restarted_replica_converges_and_malformed_messages_are_ignored(
     finally:
         await s1.close()
         await s2.close()
+
+
+async def test_a_worker_restart_seen_by_a_real_subscriber_drops_what_it_was_sent(nats_server):
+    """Through a real subscriber: the worker's publisher restarts (a new epoch, its cache empty),
+    and the router forgets the blocks it provisionally sent there."""
+    from kvbridge import Config, KvEventPublisher, KvEventSubscriber
+
+    cfg = Config(servers=nats_server.url, model="prov-restart", heartbeat_s=0.2, reconnect_wait_s=0.2)
+    index = Index(BS)
+    async with KvEventSubscriber(cfg, model="prov-restart", index=index) as sub:
+        pub = await KvEventPublisher(cfg.replace(worker_id="w0")).start()
+        await wait_until(lambda: ("prov-restart", "w0") in sub.worker_states(), 10, "the worker to be heard")
+        epoch = sub.worker_states()[("prov-restart", "w0")][1]
+        router = Router(index, workers=["w0"], subscriber=sub, model="prov-restart")
+        assert router.choose(PREFIX)[0] == "w0"
+        assert router.stats["provisional_entries"] == 16
+        await pub.close()
+        pub = await KvEventPublisher(cfg.replace(worker_id="w0")).start()
+        try:
+            await wait_until(lambda: sub.worker_states().get(("prov-restart", "w0"), (None, epoch))[1] != epoch,
+                             10, "the restarted worker's new epoch")  # fmt: skip
+            router.costs(PREFIX)
+            assert router.stats["restarts_seen"] == 1
+            assert router.stats["provisional_entries"] == 0
+        finally:
+            await pub.close()
+
+
+def test_an_all_blocks_cleared_drops_the_provisional_entries():
+    from kvbridge import AllBlocksCleared
+
+    index = Index(BS)
+    index.apply("w0", KVEventBatch(0.0, [BlockStored([77], None, [9, 9, 9, 9], BS, None, "GPU", None)]))
+    router = Router(index, workers=["w0"])
+    router.choose(PREFIX)
+    assert router.stats["provisional_entries"] == 16
+    router.costs(PREFIX)  # nothing cleared: the entries stay
+    assert router.stats["provisional_entries"] == 16
+    index.apply("w0", KVEventBatch(0.0, [AllBlocksCleared()]))  # the worker's cache was reset
+    assert index.clears("w0") == 1 and index.clears("nobody") is None
+    assert router.costs(PREFIX)["w0"] == 16 + 1
+    assert router.stats["provisional_reset"] == 1 and router.stats["provisional_entries"] == 0
+    # a worker the index first hears of after the choice is not "cleared" by that
+    router.choose(PREFIX, workers=["new"])
+    index.apply("new", KVEventBatch(0.0, [BlockStored([78], None, [8, 8, 8, 8], BS, None, "GPU", None)]))
+    assert router.costs(PREFIX, workers=["new"])["new"] == 0 + 1

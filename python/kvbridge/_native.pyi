@@ -321,6 +321,9 @@ class Index:
         numpy uint64, or bytes of packed native-endian 64-bit ints) and ``tokens`` as one
         (array('I'), numpy) are read without a Python int per item."""
     def remove_worker(self, worker: str) -> None: ...
+    def clears(self, worker: str) -> int | None:
+        """How many times ``worker``'s cache was cleared (AllBlocksCleared) since the index first
+        heard of it; None for a worker it does not know."""
     def clear(self) -> None: ...
     @property
     def workers(self) -> list[str]:

@@ -290,6 +290,8 @@ struct Worker {
     slots: Vec<Slot>,
     /// By group: what its stores said it is.
     kinds: Vec<Kind>,
+    /// Times its cache was cleared (AllBlocksCleared), so a router knows its guesses are void.
+    clears: u64,
     /// `plan(&kinds)`, kept for queries: main groups (bits) and window groups.
     main: u64,
     windows: Vec<(u8, u32)>,
@@ -345,6 +347,12 @@ impl Core {
 
     pub fn worker_names(&self) -> Vec<Arc<str>> {
         self.workers.iter().flatten().map(|w| w.name.clone()).collect()
+    }
+
+    /// How often `name`'s cache was cleared since the index first heard of it.
+    pub fn clears(&self, name: &str) -> Option<u64> {
+        let &w = self.ids.get(name)?;
+        Some(self.workers[w as usize].as_ref()?.clears)
     }
 
     pub fn name(&self, id: u32) -> &Arc<str> {
@@ -719,6 +727,7 @@ impl Core {
             kinds: Vec::new(),
             main: 1,
             windows: Vec::new(),
+            clears: 0,
         });
         Some(w)
     }
@@ -1046,6 +1055,7 @@ impl Core {
             ..
         } = self;
         let worker = workers[w as usize].as_mut().expect("live worker");
+        worker.clears += 1;
         worker.kinds.clear();
         (worker.main, worker.windows) = plan(&[]);
         if worker.slots.iter().all(|s| s.held == 0) {

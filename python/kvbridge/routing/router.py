@@ -128,7 +128,8 @@ class Router:
 
     ``provisional_ttl_s``: how long a choice counts as the chosen worker holding the request's
     full blocks before its own events say so (:mod:`kvbridge.routing.provisional`; 0 turns it
-    off); ``max_provisional`` bounds those entries. ``subscriber`` (a
+    off); ``max_provisional`` bounds those entries; a worker whose cache the index saw cleared
+    (``Index.clears``) loses them. ``subscriber`` (a
     :class:`kvbridge.KvEventSubscriber` feeding ``index``) tells which workers' streams are exact
     and which are being repaired, and which restarted (see :attr:`stats`); ``model`` picks its
     workers when it follows several models.
@@ -197,6 +198,8 @@ class Router:
         self._peer_sent: dict[tuple[str, int], tuple[str, float]] = {}
         self._next_id = 0
         self._epochs: dict[str, str | None] = {}
+        # Per worker, the index's count of its cache clears at the router's last decision for it.
+        self._clears_seen: dict[str, int | None] = {}
         #: Called with each :class:`Decision` this router makes or ends (RouteSync publishes them).
         self.listeners: list[Callable[[Decision], None]] = []
         self._counts = {"decisions": 0, "peer_decisions": 0, "peer_dones": 0, "restarts_seen": 0}
@@ -326,6 +329,8 @@ class Router:
         if not keys or not self.provisional.enabled:
             return out
         for w, sent in self.provisional.scores(keys).items():
+            if self._cleared_since(w):
+                continue
             score = out.get(w, 0)
             if type(score) is dict or isinstance(score, Mapping):
                 held = max(score.values(), default=0)
@@ -385,6 +390,8 @@ class Router:
             self._sent.setdefault(worker, deque()).append((decision.ts, decision.id))
             if keys:
                 self.provisional.add(worker, keys)
+                if self.index is not None and hasattr(self.index, "clears"):
+                    self._clears_seen[worker] = self.index.clears(worker)
             self._counts["decisions"] += 1
         self._tell(decision)
         score = scores.get(worker, 0)
@@ -431,6 +438,21 @@ class Router:
             if decision.keys:
                 age = max(0.0, time.time() - decision.ts)
                 self.provisional.add(decision.worker, decision.keys, ttl_s=self.provisional.ttl_s - age)
+
+    def _cleared_since(self, worker: str) -> bool:
+        """Whether the index saw ``worker``'s cache cleared (or forgot the worker) since the
+        router's last decision for it: then what it was sent is gone."""
+        clears = getattr(self.index, "clears", None)
+        if clears is None or worker not in self._clears_seen:
+            return False
+        seen, now = self._clears_seen[worker], clears(worker)
+        self._clears_seen[worker] = now
+        # None -> 0 is the worker's first events reaching the index, not a clear; 0 -> None is
+        # the worker removed (expired, restarted).
+        if now == seen or (seen is None and not now):
+            return False
+        self.provisional.reset(worker)
+        return True
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` restarted, cleared its cache or is gone: what it was sent is not there."""
