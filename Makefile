@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench wheel clean
+.PHONY: setup demo test bench bench-native wheel clean
 
 $(BIN)/maturin:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,17 @@ bench: setup
 	$(BIN)/python bench/decode_gc.py
 	$(BIN)/python bench/idle.py
 	$(BIN)/python bench/vllm_record.py
+
+# The index core against Dynamo's native indexers (dynamo-kv-router from crates.io): its own cargo
+# package and target dir under bench/native, so neither the wheel nor `make test` ever builds it.
+# Cargo.lock pins every crate; after one `cargo fetch` there it builds offline. PYO3_PYTHON: the
+# index core's crate links libpython when not built as an extension. Then the same queries from
+# Python (bench/index_boundary.py), on the stream and queries the native run dumps.
+NATIVE_DUMP := $(abspath target)/bench-native
+bench-native: setup
+	cd bench/native && PYO3_PYTHON=$(abspath $(BIN))/python cargo run --release --locked --quiet -- $(ARGS)
+	cd bench/native && PYO3_PYTHON=$(abspath $(BIN))/python cargo run --release --locked --quiet -- --dump $(NATIVE_DUMP)
+	$(BIN)/python bench/index_boundary.py $(NATIVE_DUMP)
 
 # Release artefacts in dist/: the manylinux_2_28 abi3 wheel for this machine's architecture
 # (linked through zig against glibc 2.28, so it installs on any Linux with glibc >= 2.28; maturin

@@ -1,4 +1,8 @@
-"""kvbridge.Index beside NVIDIA Dynamo's RadixTree, fed the same event stream, in one run.
+"""kvbridge.Index from Python beside NVIDIA Dynamo's RadixTree through its Python binding, fed the
+same event stream, in one run: what a Python router sees of each. The ratios to Dynamo here are
+not goals: every event crosses into Dynamo's runtime threads, a hand-off that dominates its figure
+and swings with the machine's state. kvbridge against Dynamo's indexers natively (the crate
+dynamo-kv-router) is bench/native (``make bench-native``).
 
     python bench/index.py [--workers 64] [--steps 120] [--queries 2000] [--runs 5] [--coalesce 4] [--no-nats] [--write]
 
@@ -579,17 +583,17 @@ def main() -> None:
         f"{n_blocks:,} block events ({n_blocks / len(stream):.1f} per payload, {n_blocks / n_events:.1f} per event); "
         f"{len(idx):,} distinct blocks, {entries:,} (block, worker) entries at the end.",
         "",
-        "| what | kvbridge | Dynamo RadixTree | ratio | goal |",
+        "| what | kvbridge | Dynamo RadixTree through its Python binding | ratio (not a goal: see bench/native) | goal |",
         "|---|---|---|---|---|",
         f"| apply, vLLM-step payloads (bytes in) | **{rate(kv_steps_t) / 1e6:.2f} M** block events/s "
         f"({', '.join(f'{rate(t) / 1e6:.2f}' for t in kv_steps_all)}) | {rate(dyn_t) / 1e6:.2f} M, one event per call "
-        f"({', '.join(f'{rate(t) / 1e6:.2f}' for t in dyn_all)}) | **{dyn_t / kv_steps_t:.1f}x** | ≥ 20x |",
+        f"({', '.join(f'{rate(t) / 1e6:.2f}' for t in dyn_all)}) | **{dyn_t / kv_steps_t:.1f}x** | — |",
         f"| apply, one event per payload (bytes in) | **{rate(kv_events_t) / 1e6:.2f} M** "
         f"({', '.join(f'{rate(t) / 1e6:.2f}' for t in kv_events_all)}) | {rate(dyn_t) / 1e6:.2f} M | "
-        f"**{dyn_t / kv_events_t:.1f}x** | ≥ 10x |",
+        f"**{dyn_t / kv_events_t:.1f}x** | — |",
         f"| find_matches, {QUERY_BLOCKS} blocks, {args.workers} workers: p50 / p99 | **{kv_tok[0]:.1f} / {kv_tok[1]:.1f} µs** "
         f"tokens in | {dyn_lat[0]:.1f} / {dyn_lat[1]:.1f} µs on precomputed hashes | **{dyn_lat[0] / kv_tok[0]:.1f}x** p50, "
-        f"{dyn_lat[1] / kv_tok[1]:.1f}x p99 | ≤ 10 / ≤ 50 µs, ≥ 2x |",
+        f"{dyn_lat[1] / kv_tok[1]:.1f}x p99 | ≤ 10 / ≤ 50 µs |",
         f"| find_matches on precomputed keys: p50 / p99 | {kv_keys[0]:.1f} / {kv_keys[1]:.1f} µs | {dyn_lat[0]:.1f} / {dyn_lat[1]:.1f} µs | "
         f"{dyn_lat[0] / kv_keys[0]:.1f}x p50 | — |",
         f"| memory per (block, worker) entry | **{mem / entries:.1f} B** key=tokens ({mem:,} B); "

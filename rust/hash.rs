@@ -3,7 +3,7 @@
 
 pub(crate) mod algo;
 pub(crate) mod args;
-mod buffer;
+pub(crate) mod buffer;
 mod cbor;
 mod output;
 mod pickle;

@@ -8,9 +8,10 @@
 //! the GIL released, so a query thread and an applying thread never block each other on the
 //! GIL and the lock at once.
 
-mod core;
+pub(crate) mod core;
 mod holders;
-mod parse;
+pub(crate) mod parse;
+mod table;
 
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
@@ -22,8 +23,10 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyS
 use self::core::{Core, Mode};
 use self::parse::{detect, parse, reduce_bytes, Format};
 use crate::hash::algo::{Algo, Chain};
+use crate::hash::buffer::Buffer;
 use crate::hash::tokens;
 use crate::hash::value::Value;
+use crate::scan::{Hash, Reader};
 
 /// Payloads and queries at least this long are handled with the GIL released.
 const DETACH_MIN_BYTES: usize = 64 << 10;
@@ -31,7 +34,66 @@ const DETACH_MIN_TOKENS: usize = 1 << 16;
 const KEY_NESTING_LIMIT: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<Index>()
+    m.add_class::<Index>()?;
+    m.add_function(wrap_pyfunction!(unpack_query_ints, m)?)
+}
+
+/// A query field's msgpack array of ints, as the index service receives it (a `msgspec.Raw`),
+/// as a memoryview of packed native ints ('I' for `tokens`, 'Q' otherwise), which
+/// `Index.find_matches` reads without a Python int per item; None for an absent field or nil.
+/// ValueError in msgspec's words (the service's error replies read the same either way).
+#[pyfunction]
+fn unpack_query_ints<'py>(raw: &Bound<'py, PyAny>, field: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = raw.py();
+    let buffer = Buffer::get(raw, pyo3::ffi::PyBUF_ND)?;
+    let b: &[u8] = if buffer.len() == 0 {
+        &[]
+    } else {
+        // SAFETY: a contiguous (PyBUF_ND) export of len() bytes (Raw is bytes-like).
+        unsafe { std::slice::from_raw_parts(buffer.ptr(), buffer.len() * buffer.itemsize()) }
+    };
+    let mut r = Reader { b, p: 0 };
+    if b.is_empty() || r.nil() {
+        return Ok(None);
+    }
+    let tokens = field == "tokens";
+    let bad = |at: String, what: String| PyValueError::new_err(format!("Expected {what} - at `$.{field}{at}`"));
+    let Some(n) = r.array_len() else {
+        return Err(bad(String::new(), format!("`array | null`, got `{}`", msgpack_type(b[0]))));
+    };
+    let mut out: Vec<u8> = Vec::with_capacity(n * if tokens { 4 } else { 8 });
+    for i in 0..n {
+        let marker = r.peek().unwrap_or(0xc1);
+        let v = match r.int() {
+            Some(Hash::U(v)) => v,
+            Some(Hash::I(v)) if v >= 0 => v as u64,
+            Some(_) => return Err(bad(format!("[{i}]"), "`int` >= 0".into())),
+            None => return Err(bad(format!("[{i}]"), format!("`int`, got `{}`", msgpack_type(marker)))),
+        };
+        if tokens {
+            let t = u32::try_from(v).map_err(|_| bad(format!("[{i}]"), "`int` <= 4294967295".into()))?;
+            out.extend_from_slice(&t.to_ne_bytes());
+        } else {
+            out.extend_from_slice(&v.to_ne_bytes());
+        }
+    }
+    let view = PyMemoryView::from(PyBytes::new(py, &out).as_any())?;
+    Ok(Some(view.call_method1("cast", (if tokens { "I" } else { "Q" },))?))
+}
+
+/// msgspec's name for the type of the msgpack value starting with `marker`.
+fn msgpack_type(marker: u8) -> &'static str {
+    match marker {
+        0xa0..=0xbf | 0xd9..=0xdb => "str",
+        0xca | 0xcb => "float",
+        0xc2 | 0xc3 => "bool",
+        0xc0 => "null",
+        0x90..=0x9f | 0xdc | 0xdd => "array",
+        0x80..=0x8f | 0xde | 0xdf => "object",
+        0xc4..=0xc6 => "bytes",
+        0xc7..=0xc9 | 0xd4..=0xd8 => "ext",
+        _ => "int",
+    }
 }
 
 type NameCache = (Arc<str>, Py<PyString>);
@@ -146,9 +208,13 @@ impl Index {
     /// block (None or a tuple of the block's multimodal / cache-salt keys, without the LoRA
     /// name). `medium`: count only blocks held in that medium. `remote`: credit copies whose
     /// events said locality="REMOTE". `by_medium`: `{worker: {medium: count}}`, each medium
-    /// scored on its own residency.
+    /// scored on its own residency. `lists`: the answer as two parallel lists `(workers,
+    /// counts)` in worker id order, for a router's hot path (no dict to build); `top_k`: only
+    /// the k workers with the longest hits, longest first (ties in id order). `block_hashes` as
+    /// a buffer (array('Q'), numpy, bytes of packed native-endian 64-bit ints) and `tokens` as
+    /// one (array('I'), numpy) are read without a Python int per item.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false))]
+    #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false, lists = false, top_k = None))]
     fn find_matches<'py>(
         &self,
         py: Python<'py>,
@@ -159,41 +225,14 @@ impl Index {
         medium: Option<&Bound<'py, PyAny>>,
         by_medium: bool,
         remote: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let tokens = tokens.filter(|t| !t.is_none());
-        let block_hashes = block_hashes.filter(|t| !t.is_none());
-        let lora_name = opt_str("lora_name", lora_name)?;
+        lists: bool,
+        top_k: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let medium = opt_str("medium", medium)?;
-        let extra_keys = extra_keys.filter(|k| !k.is_none());
-        let keys: Vec<u64> = match (tokens, block_hashes) {
-            (Some(_), Some(_)) => {
-                return Err(PyTypeError::new_err(
-                    "pass tokens or block_hashes, not both",
-                ))
-            }
-            (None, None) => {
-                return Err(PyTypeError::new_err(
-                    "find_matches() needs tokens or block_hashes",
-                ))
-            }
-            (None, Some(h)) => {
-                if lora_name.is_some() || extra_keys.is_some() {
-                    return Err(PyValueError::new_err(
-                        "lora_name and extra_keys go with tokens; block hashes already include them",
-                    ));
-                }
-                read_block_hashes(h)?
-            }
-            (Some(t), None) => {
-                if self.mode == Mode::Engine {
-                    return Err(PyValueError::new_err(
-                        "an Index(key='engine') is keyed by the engines' block hashes: pass \
-                         block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
-                    ));
-                }
-                self.hash_tokens(py, t, lora_name, extra_keys)?
-            }
-        };
+        if by_medium && (lists || top_k.is_some()) {
+            return Err(PyValueError::new_err("by_medium answers per medium: not with lists or top_k"));
+        }
+        let keys = self.query_keys(py, QueryArgs { tokens, block_hashes, lora_name, extra_keys })?;
         let long = keys.len() >= DETACH_MIN_TOKENS / 16;
         let out = PyDict::new(py);
         if by_medium {
@@ -217,21 +256,24 @@ impl Index {
                 };
                 inner.set_item(m, n)?;
             }
-            return Ok(out);
+            return Ok(out.into_any());
         }
-        let mut found = Vec::new();
-        let names: Vec<(u32, Arc<str>, u32)> = self.read(py, long, |core| {
-            core.find_matches(&keys, medium.map(Some), remote, &mut found);
-            found
-                .iter()
-                .map(|&(w, n)| (w, core.name(w).clone(), n))
-                .collect()
+        let rows = self.named(py, long, |core, found| {
+            core.find_matches(&keys, medium.map(Some), remote, found);
+            if let Some(k) = top_k {
+                found.sort_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
+                found.truncate(k);
+            }
         });
-        let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
-        for (w, name, n) in names {
-            out.set_item(name_obj(py, &mut cache, w, name), n)?;
+        if lists {
+            let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
+            let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
+            return Ok((names, counts).into_pyobject(py)?.into_any());
         }
-        Ok(out)
+        for (name, n) in rows {
+            out.set_item(name, n)?;
+        }
+        Ok(out.into_any())
     }
 
     /// Forgets `worker` and every block it holds (a no-op for an unknown worker).
@@ -323,7 +365,103 @@ impl Index {
     }
 }
 
+/// What a query asks about, as the caller passed it.
+struct QueryArgs<'a, 'py> {
+    tokens: Option<&'a Bound<'py, PyAny>>,
+    block_hashes: Option<&'a Bound<'py, PyAny>>,
+    lora_name: Option<&'a Bound<'py, PyAny>>,
+    extra_keys: Option<&'a Bound<'py, PyAny>>,
+}
+
 impl Index {
+    /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
+    fn query_keys(&self, py: Python<'_>, q: QueryArgs<'_, '_>) -> PyResult<Vec<u64>> {
+        let QueryArgs { tokens, block_hashes, lora_name, extra_keys } = q;
+        let tokens = tokens.filter(|t| !t.is_none());
+        let block_hashes = block_hashes.filter(|t| !t.is_none());
+        let lora_name = opt_str("lora_name", lora_name)?;
+        let extra_keys = extra_keys.filter(|k| !k.is_none());
+        Ok(match (tokens, block_hashes) {
+            (Some(_), Some(_)) => {
+                return Err(PyTypeError::new_err(
+                    "pass tokens or block_hashes, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(PyTypeError::new_err(
+                    "find_matches() needs tokens or block_hashes",
+                ))
+            }
+            (None, Some(h)) => {
+                if lora_name.is_some() || extra_keys.is_some() {
+                    return Err(PyValueError::new_err(
+                        "lora_name and extra_keys go with tokens; block hashes already include them",
+                    ));
+                }
+                read_block_hashes(h)?
+            }
+            (Some(t), None) => {
+                if self.mode == Mode::Engine {
+                    return Err(PyValueError::new_err(
+                        "an Index(key='engine') is keyed by the engines' block hashes: pass \
+                         block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
+                    ));
+                }
+                self.hash_tokens(py, t, lora_name, extra_keys)?
+            }
+        })
+    }
+
+    /// Runs `query` (which fills (worker id, count) pairs) under the read lock, and pairs each
+    /// count with the worker's name as a Python str: the cached one when the id still names the
+    /// same worker, made and cached otherwise. When the state's lock is free at once (a short
+    /// query), the name cache is locked first and compared with the workers' names under the
+    /// state's lock, so no name is cloned per worker; otherwise (the read may wait with the GIL
+    /// released, and nothing may then hold the cache) the names are cloned and compared after.
+    fn named<'py>(
+        &self,
+        py: Python<'py>,
+        long: bool,
+        query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
+    ) -> Vec<(Bound<'py, PyString>, u32)> {
+        fn rows(core: &Core, query: impl FnOnce(&Core, &mut Vec<(u32, u32)>), cached: &[Option<NameCache>]) -> Vec<(u32, Option<Arc<str>>, u32)> {
+            let mut found = Vec::new();
+            query(core, &mut found);
+            found
+                .into_iter()
+                .map(|(w, n)| {
+                    let name = core.name(w);
+                    let known = cached.get(w as usize).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(&c.0, name));
+                    (w, (!known).then(|| name.clone()), n)
+                })
+                .collect()
+        }
+        let lock_names = || self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = lock_names();
+        let free = match self.core.try_read() {
+            _ if long => None,
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        };
+        let found = match free {
+            Some(core) => rows(&core, query, &cache),
+            None => {
+                drop(cache);
+                let found = self.read(py, long, |core| rows(core, query, &[]));
+                cache = lock_names();
+                found
+            }
+        };
+        found
+            .into_iter()
+            .map(|(w, fresh, n)| match fresh {
+                None => (cache[w as usize].as_ref().expect("cached").1.bind(py).clone(), n),
+                Some(name) => (name_obj(py, &mut cache, w, name), n),
+            })
+            .collect()
+    }
+
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
     /// otherwise with the GIL released (waiting for the lock included).
     fn write<R: Send>(&self, py: Python<'_>, long: bool, f: impl FnOnce(&mut Core) -> R + Send) -> R {
@@ -425,14 +563,21 @@ fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
 }
 
 /// Block hashes as a router passes them: ints (-2**63..2**64-1, negatives as two's complement,
-/// as a signed 64-bit engine writes them) or bytes (reduced like vLLM: the last 8 bytes).
+/// as a signed 64-bit engine writes them) or bytes (reduced like vLLM: the last 8 bytes), in a
+/// list or any iterable; or a buffer, read without a Python object per hash: 64-bit ints
+/// (array('Q'), numpy), or bytes-like (bytes, bytearray, memoryview of bytes) of packed
+/// native-endian 64-bit ints.
 fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(type_error("block_hashes", "a list of int or bytes", obj));
+    const WANT: &str = "a list of int or bytes, or a buffer of 64-bit ints";
+    if obj.is_instance_of::<PyString>() {
+        return Err(type_error("block_hashes", WANT, obj));
     }
-    let iter = obj
-        .try_iter()
-        .map_err(|_| type_error("block_hashes", "a list of int or bytes", obj))?;
+    let is_seq = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
+    // SAFETY: obj is a live object.
+    if !is_seq && unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
+        return hashes_from_buffer(obj, WANT);
+    }
+    let iter = obj.try_iter().map_err(|_| type_error("block_hashes", WANT, obj))?;
     let mut out = Vec::new();
     for (i, item) in iter.enumerate() {
         let item = item?;
@@ -453,6 +598,31 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         }
     }
     Ok(out)
+}
+
+fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> {
+    let buffer = Buffer::get(obj, pyo3::ffi::PyBUF_RECORDS_RO)?;
+    let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
+    if let Some(layout) = buffer.int_layout().filter(|l| l.size == 8) {
+        return Ok((0..n)
+            .map(|i| {
+                // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
+                let v = unsafe { base.offset(i as isize * stride).cast::<u64>().read_unaligned() };
+                if layout.swap { v.swap_bytes() } else { v }
+            })
+            .collect());
+    }
+    if buffer.itemsize() == 1 && stride == 1 && n % 8 == 0 {
+        // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
+        let bytes = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(base, n) } };
+        return Ok(bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap())).collect());
+    }
+    Err(PyTypeError::new_err(format!(
+        "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
+        buffer.format(),
+        n * buffer.itemsize(),
+        if buffer.itemsize() == 1 { ", not a multiple of 8" } else { "" }
+    )))
 }
 
 /// Query extra keys, one entry per full block, in the canonical form payloads decode to:

@@ -5,6 +5,7 @@ mod encode;
 mod hash;
 mod index;
 mod natsproto;
+pub mod native;
 mod pool;
 mod scan;
 mod wake;

@@ -187,9 +187,24 @@ def check_equal(idx: Index, ref: RefIndex, queries=()) -> None:
         want = ref.find_matches(keys)
         assert idx.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra) == want
         assert idx.find_matches(block_hashes=keys) == want
+        check_lists(idx, want, keys, tokens, lora_name=lora_name, extra_keys=query_extra)
         assert idx.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra, medium="CPU") == (
             ref.find_matches(keys, "CPU")
         )
+
+
+def check_lists(idx: Index, want: dict[str, int], keys: list[int], tokens, **tokens_args) -> None:
+    """find_matches(lists=True) and buffer inputs answer what the dict does."""
+    from array import array
+
+    packed = array("Q", [k & MASK for k in keys])
+    assert idx.find_matches(block_hashes=packed.tobytes()) == want
+    for kwargs in ({"block_hashes": packed}, {"block_hashes": memoryview(packed)}, {"tokens": tokens, **tokens_args}):
+        workers, counts = idx.find_matches(**kwargs, lists=True)
+        assert dict(zip(workers, counts)) == want and len(workers) == len(want)
+    workers, counts = idx.find_matches(block_hashes=packed, top_k=2, lists=True)
+    assert counts == sorted(want.values(), reverse=True)[:2]
+    assert all(want[w] == n for w, n in zip(workers, counts))
 
 
 # --- random event streams --------------------------------------------------------------------
@@ -531,6 +546,8 @@ def test_many_workers_beyond_one_word_of_bits():
 
 
 def test_wrong_argument_types_raise_naming_the_argument():
+    import array
+
     idx = Index(BS)
     payload = encode_batch(KVEventBatch(0.0, []))
     cases = [
@@ -556,6 +573,10 @@ def test_wrong_argument_types_raise_naming_the_argument():
         (lambda: idx.find_matches(block_hashes=[1, "x"]), TypeError, r"block_hashes\[1\] must be int or bytes"),
         (lambda: idx.find_matches(block_hashes=[2**64]), ValueError, r"block_hashes\[0\]"),
         (lambda: idx.find_matches(block_hashes=b"ab"), TypeError, "block_hashes must be"),
+        (lambda: idx.find_matches(block_hashes=array.array("I", [1, 2])), TypeError, "block_hashes must be"),
+        (lambda: idx.find_matches(block_hashes="ab", lists=True), TypeError, "block_hashes must be"),
+        (lambda: idx.find_matches(block_hashes=[1], top_k=-1, lists=True), OverflowError, "negative"),
+        (lambda: idx.find_matches([1, 2], by_medium=True, lists=True), ValueError, "not with lists or top_k"),
         (lambda: idx.find_matches(block_hashes=[1], lora_name="a"), ValueError, "go with tokens"),
         (lambda: Index(BS, key="engine").find_matches([1, 2]), ValueError, "block_hashes="),
         (lambda: idx.remove_worker(None), TypeError, "worker must be str"),
@@ -564,6 +585,17 @@ def test_wrong_argument_types_raise_naming_the_argument():
         with pytest.raises(exc, match=match):
             call()
     assert idx.stats["payloads"] == 0  # nothing got as far as the index
+
+
+def test_block_hashes_from_numpy_any_byte_order_and_stride():
+    np = pytest.importorskip("numpy")
+    idx = Index(BS, key="engine")
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2**63 + 5, 7, 9], None, [1] * 6, BS, None, "GPU", None)])))
+    keys = [2**63 + 5, 7, 9, 11]
+    for arr in (np.array(keys, dtype=np.uint64), np.array(keys, dtype=">u8"), np.repeat(np.array(keys, dtype=np.uint64), 2)[::2]):
+        assert idx.find_matches(block_hashes=arr) == {"a": 3}
+        assert idx.find_matches(block_hashes=arr, lists=True) == (["a"], [3])
+    assert idx.find_matches(block_hashes=np.array(keys, dtype=np.uint64).view(np.int64), lists=True) == (["a"], [3])
 
 
 def test_inputs_and_properties():

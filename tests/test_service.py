@@ -165,6 +165,9 @@ async def test_block_hash_queries_on_an_engine_keyed_index(nats_server):
     await fleet.close()
 
 
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
 @pytest.mark.timeout(120)
 async def test_malformed_queries_get_errors_and_the_service_carries_on(nats_server):
     model = "svc-bad"
@@ -188,6 +191,12 @@ async def test_malformed_queries_get_errors_and_the_service_carries_on(nats_serv
                 (b'{"tokens": [1], "colour": "red"}', None, "unknown field `colour`"),
                 (b'{"tokens": [1], "lora_name": 5}', None, "Expected `str | null`, got `int` - at `$.lora_name`"),
                 (b"\xc1\xff", {"Content-Type": "application/msgpack"}, "malformed query: not msgpack"),
+                # msgpack's ints are read natively: the same words as msgspec's
+                (msgspec.msgpack.encode({"tokens": [1, 2**32]}), MSGPACK, "Expected `int` <= 4294967295 - at `$.tokens[1]`"),
+                (msgspec.msgpack.encode({"tokens": "abc"}), MSGPACK, "Expected `array | null`, got `str` - at `$.tokens`"),
+                (msgspec.msgpack.encode({"block_hashes": [1, -1]}), MSGPACK, "Expected `int` >= 0 - at `$.block_hashes[1]`"),
+                (msgspec.msgpack.encode({"block_hashes": [1.5]}), MSGPACK, "Expected `int`, got `float` - at `$.block_hashes[0]`"),
+                (msgspec.msgpack.encode({"tokens": [1], "colour": 1}), MSGPACK, "unknown field `colour`"),
                 (b'{"tokens": [1]}', {"Content-Type": "text/plain"}, "unknown Content-Type 'text/plain'"),
             ]
             for payload, headers, why in bad:

@@ -16,6 +16,7 @@ __all__ = [
     "encode_batch_msgpack",
     "_encode_layout",
     "scan_batch_msgpack",
+    "unpack_query_ints",
     "eventfd_signal",
     "timerfd_new",
     "timerfd_every",
@@ -149,6 +150,10 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 #: consecutive events of one kind and the same medium, group_idx, spec kind and window merged, a
 #: parent-None store always starting an op (root: its length, else 0) -- kvbridge.wire.residency.Op.
 #: None when the payload is not vLLM's msgpack shape and needs a full decode.
+def unpack_query_ints(raw: Buffer, field: str) -> memoryview | None:
+    """A query field's msgpack array of ints (a msgspec.Raw) as a memoryview of packed ints ('I'
+    for "tokens", else 'Q'); None when absent or nil; ValueError in msgspec's words."""
+
 def scan_batch_msgpack(
     payload: bytes
 ) -> tuple[
@@ -280,12 +285,14 @@ class Index:
         self,
         tokens: Tokens | None = None,
         *,
-        block_hashes: Iterable[int | bytes] | None = None,
+        block_hashes: Iterable[int | bytes] | Buffer | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
         medium: str | None = None,
         by_medium: Literal[False] = False,
         remote: bool = False,
+        lists: Literal[False] = False,
+        top_k: int | None = None,
     ) -> dict[str, int]:
         """{worker: leading blocks it would hit} for each worker with a hit; ``medium``: in that
         medium only; ``remote``: credit copies stored with locality "REMOTE"."""
@@ -295,13 +302,24 @@ class Index:
         tokens: Tokens | None = None,
         *,
         by_medium: Literal[True],
-        block_hashes: Iterable[int | bytes] | None = None,
+        block_hashes: Iterable[int | bytes] | Buffer | None = None,
         lora_name: str | None = None,
         extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
         medium: str | None = None,
         remote: bool = False,
     ) -> dict[str, dict[str | None, int]]:
         """{worker: {medium: hit on that medium's blocks alone}}, hits of 0 left out."""
+    @overload
+    def find_matches(
+        self, tokens: Tokens | None = None, *, block_hashes: Iterable[int | bytes] | Buffer | None = None,
+        lora_name: str | None = None, extra_keys: Sequence[ExtraKey | list[ExtraKeyItem]] | None = None,
+        medium: str | None = None, by_medium: Literal[False] = False, remote: bool = False,
+        lists: Literal[True], top_k: int | None = None,
+    ) -> tuple[list[str], list[int]]:
+        """The answer as parallel lists (workers, hits) in worker id order, no dict built; with
+        ``top_k`` the k longest hits, longest first. ``block_hashes`` as a buffer (array('Q'),
+        numpy uint64, or bytes of packed native-endian 64-bit ints) and ``tokens`` as one
+        (array('I'), numpy) are read without a Python int per item."""
     def remove_worker(self, worker: str) -> None: ...
     def clears(self, worker: str) -> int | None:
         """How many times ``worker``'s cache was cleared (AllBlocksCleared) since the index first

@@ -27,6 +27,7 @@ use hashbrown::HashMap;
 
 use super::holders::{entry, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
+use super::table::Table;
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::value::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -64,6 +65,10 @@ impl Hasher for MixHasher {
 }
 
 type Map<V> = HashMap<u64, V, Mix>;
+
+/// How far ahead a query prefetches blocks' slots, and their slab entries.
+const AHEAD: usize = 16;
+const HALF: usize = AHEAD / 2;
 
 /// Worker names (from subjects: anyone who may publish chooses them), looked up once per
 /// payload: xxh3 rather than std's SipHash, which took a tenth of a one-event payload's apply.
@@ -295,7 +300,7 @@ struct Worker {
 pub struct Core {
     pub block_size: usize,
     pub mode: Mode,
-    blocks: Map<Holders>,
+    blocks: Table<Holders>,
     slab: Slab,
     workers: Vec<Option<Worker>>,
     ids: HashMap<Arc<str>, u32, NameHash>,
@@ -318,7 +323,7 @@ impl Core {
         Core {
             block_size,
             mode,
-            blocks: Map::default(),
+            blocks: Table::default(),
             slab: Slab::default(),
             workers: Vec::new(),
             ids: HashMap::default(),
@@ -392,11 +397,14 @@ impl Core {
         let Some((plain, any)) = self.filters(medium, remote) else {
             return;
         };
-        self.plain_matches(keys, &plain, out);
+        let mut sorted = self.plain_matches(keys, &plain, out);
         if self.hybrid.iter().any(|&w| w != 0) {
             self.hybrid_matches(keys, &any, out);
+            sorted = false;
         }
-        out.sort_unstable();
+        if !sorted {
+            out.sort_unstable();
+        }
     }
 
     /// `find_matches` once per medium (or for `medium` only): (worker id, medium id, count).
@@ -419,40 +427,52 @@ impl Core {
         out
     }
 
-    /// The leading run of group 0 of the workers that are not hybrid: one bitset walk.
-    fn plain_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
+    /// The leading run of group 0 of the workers that are not hybrid: one bitset walk. Whether
+    /// `out` came out in worker id order.
+    fn plain_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) -> bool {
         let n_words = self.workers.len().div_ceil(64);
+        // The lookups are independent of each other: the slots of the blocks AHEAD on are
+        // requested early, and the slab entries (popular blocks) of those HALF on, whose slots
+        // have arrived by then, so the cache misses overlap instead of coming one after another.
+        for k in keys.iter().take(AHEAD) {
+            self.blocks.prefetch(*k);
+        }
+        for k in keys.iter().take(HALF) {
+            if let Some(h) = self.blocks.get(k) {
+                h.prefetch(&self.slab);
+            }
+        }
         let Some(first) = keys.first().and_then(|k| self.blocks.get(k)) else {
-            return;
+            return true;
         };
         let plain_word = |w: usize| !self.hybrid.get(w).copied().unwrap_or(0);
         if n_words == 1 {
-            // Up to 64 workers: one word per block. The lookups of a chunk of blocks are
-            // independent of each other, so they are done first and their cache misses overlap;
-            // the walk over the words then stops at the first chunk where nobody is left.
-            const CHUNK: usize = 16;
+            // Up to 64 workers: one word per block; the walk stops at the first block nobody
+            // is left holding. Counts go by worker id, so the answer comes out in id order
+            // without a sort (a fifth of a query with tens of workers).
             let mut active = [0u64];
             first.workers_into(&self.slab, filter, &mut active);
-            let mut active = active[0] & plain_word(0);
+            let holding = active[0] & plain_word(0);
+            let mut active = holding;
+            let mut counts = [0u32; 64];
             let mut i = 1;
             while i < keys.len() && active != 0 {
-                let chunk = &keys[i..keys.len().min(i + CHUNK)];
-                let mut cur = [[0u64]; CHUNK];
-                for (c, k) in cur.iter_mut().zip(chunk) {
-                    if let Some(h) = self.blocks.get(k) {
-                        h.workers_into(&self.slab, filter, c);
-                    }
+                self.prefetch_ahead(keys, i);
+                let mut cur = [0u64];
+                if let Some(h) = self.blocks.get(&keys[i]) {
+                    h.workers_into(&self.slab, filter, &mut cur);
                 }
-                for c in &cur[..chunk.len()] {
-                    emit(out, 0, active & !c[0], i);
-                    active &= c[0];
-                    i += 1;
-                    if active == 0 {
-                        break;
-                    }
+                for b in Bits(active & !cur[0]) {
+                    counts[b] = i as u32;
                 }
+                active &= cur[0];
+                i += 1;
             }
-            emit(out, 0, active, keys.len());
+            for b in Bits(active) {
+                counts[b] = keys.len() as u32;
+            }
+            out.extend(Bits(holding).map(|b| (b as u32, counts[b])));
+            true
         } else {
             let mut active = vec![0u64; n_words];
             let mut cur = vec![0u64; n_words];
@@ -461,6 +481,7 @@ impl Core {
                 *a &= plain_word(w);
             }
             for (i, k) in keys.iter().enumerate().skip(1) {
+                self.prefetch_ahead(keys, i);
                 cur.fill(0);
                 if let Some(h) = self.blocks.get(k) {
                     h.workers_into(&self.slab, filter, &mut cur);
@@ -478,6 +499,17 @@ impl Core {
             for (w, a) in active.iter().enumerate() {
                 emit(out, w, *a, keys.len());
             }
+            false
+        }
+    }
+
+    #[inline]
+    fn prefetch_ahead(&self, keys: &[u64], i: usize) {
+        if let Some(k) = keys.get(i + AHEAD) {
+            self.blocks.prefetch(*k);
+        }
+        if let Some(h) = keys.get(i + HALF).and_then(|k| self.blocks.get(k)) {
+            h.prefetch(&self.slab);
         }
     }
 
@@ -1007,7 +1039,7 @@ impl Core {
     }
 
     /// The block map, the holder slab and worker `w`'s slot `si`, borrowed together.
-    fn parts(&mut self, w: u32, si: usize) -> (&mut Map<Holders>, &mut Slab, &mut Slot) {
+    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot) {
         let worker = self.workers[w as usize].as_mut().expect("live worker");
         (&mut self.blocks, &mut self.slab, &mut worker.slots[si])
     }
@@ -1077,28 +1109,29 @@ fn strip_lora(keys: Vec<Option<Value>>, lora_name: Option<&str>) -> Vec<Option<V
 }
 
 /// Removes holder `e` from block `k`, dropping the block when it was the last; whether it held.
-fn remove_entry(blocks: &mut Map<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
-    let hashbrown::hash_map::Entry::Occupied(mut o) = blocks.entry(k) else {
+fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
+    let Some(h) = blocks.get_mut(&k) else {
         return false;
     };
-    match o.get_mut().remove(slab, e) {
+    match h.remove(slab, e) {
         Removed::NotHeld => false,
         Removed::Kept => true,
         Removed::Empty => {
-            o.remove().release(slab);
+            if let Some(h) = blocks.remove(&k) {
+                h.release(slab);
+            }
             true
         }
     }
 }
 
 /// `slot` holds block `k` (once); whether it did not before.
-fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
-    match blocks.entry(k) {
-        hashbrown::hash_map::Entry::Vacant(v) => {
-            v.insert(Holders::one(e));
+fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+    match blocks.get_mut(&k) {
+        None => {
+            blocks.insert(k, Holders::one(e));
         }
-        hashbrown::hash_map::Entry::Occupied(mut o) => {
-            let h = o.get_mut();
+        Some(h) => {
             if h.contains(slab, e) {
                 return false;
             }
@@ -1109,7 +1142,7 @@ fn add_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: En
     true
 }
 
-fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
     let found = remove_entry(blocks, slab, e, k);
     if found {
         slot.held -= 1;
@@ -1119,7 +1152,7 @@ fn drop_holder(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: E
 
 /// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
 #[inline]
-fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
+fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
     let fresh = match mode {
         Mode::Engine => add_holder(blocks, slab, slot, e, k),
         Mode::Tokens => match slot.engine.insert(engine, k) {
@@ -1144,7 +1177,7 @@ fn add_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entr
 
 /// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
 #[inline]
-fn drop_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
+fn drop_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
     if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
         *n -= 1;
         if *n == 0 {
@@ -1165,14 +1198,14 @@ fn drop_copy(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Ent
 }
 
 /// Tokens mode: one more engine hash of `slot` stands for index hash `k`.
-fn add_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+fn add_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
     if !add_holder(blocks, slab, slot, e, k) {
         *slot.dups.entry(k).or_insert(0) += 1;
     }
 }
 
 /// Tokens mode: one engine hash of `slot` standing for `k` is gone.
-fn drop_ref(blocks: &mut Map<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
+fn drop_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
     if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
         *d -= 1;
         if *d == 0 {

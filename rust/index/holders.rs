@@ -374,6 +374,21 @@ impl Holders {
         }
     }
 
+    /// Asks the CPU to bring the slab entry of a set of more than two into cache (a query reads
+    /// it a little later; the block's slot was read first, so its miss would come second).
+    #[inline]
+    pub fn prefetch(&self, slab: &Slab) {
+        #[cfg(target_arch = "x86_64")]
+        if self.a == MANY {
+            if let Some(m) = slab.many.get(self.b as usize) {
+                // SAFETY: a prefetch never faults.
+                unsafe { std::arch::x86_64::_mm_prefetch(m as *const Many as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = slab;
+    }
+
     /// ORs into `out` (a bitset over worker ids) the workers holding this block in a class
     /// `filter` accepts.
     #[inline]

@@ -31,6 +31,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from kvbridge import metrics
+from kvbridge._native import unpack_query_ints
 from kvbridge.config import Config
 from kvbridge.errors import Error
 from kvbridge.bus.connection import connect
@@ -72,7 +73,19 @@ class IndexUnavailableError(Error, TimeoutError):
     """No index service answered, even after the retry."""
 
 
-_decoders: dict[str, Any] = {"json": msgspec.json.Decoder(IndexQuery), "msgpack": msgspec.msgpack.Decoder(IndexQuery)}
+# A msgpack query's ints stay msgpack (msgspec.Raw) until unpack_query_ints packs them for the
+# index: a 128-block query is then one object, not 128 Python ints (or 2048 for tokens).
+_INT_FIELDS = ("tokens", "block_hashes")
+_RawIndexQuery = msgspec.defstruct(
+    "_RawIndexQuery",
+    [
+        (f.name, msgspec.Raw, msgspec.Raw()) if f.name in _INT_FIELDS else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(IndexQuery)
+    ],
+    forbid_unknown_fields=True,
+    omit_defaults=True,
+)
+_decoders: dict[str, Any] = {"json": msgspec.json.Decoder(IndexQuery), "msgpack": msgspec.msgpack.Decoder(_RawIndexQuery)}
 _encoders: dict[str, Any] = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
 _headers = {fmt: {HDR_CONTENT_TYPE: ctype} for fmt, ctype in CONTENT_TYPES.items()}
 
@@ -83,13 +96,22 @@ def _tuples(value: Any) -> Any:
 
 
 def parse_query(payload: bytes, fmt: str) -> IndexQuery:
-    """Decode and check a query; ValueError naming what is wrong."""
+    """Decode and check a query; ValueError naming what is wrong. From msgpack, ``tokens`` and
+    ``block_hashes`` come as memoryviews of packed ints (what ``Index.find_matches`` reads
+    without a Python int per item), from JSON as lists."""
     try:
         query = _decoders[fmt].decode(payload)
+        if fmt == "msgpack":
+            fields = msgspec.structs.asdict(query)
+            for name in _INT_FIELDS:
+                fields[name] = unpack_query_ints(fields[name], name)
+            query = IndexQuery(**fields)
     except msgspec.ValidationError as exc:
         raise ValueError(f"malformed query: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed query: not {fmt}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"malformed query: {exc}") from None
     if (query.tokens is None) == (query.block_hashes is None):
         raise ValueError("malformed query: give exactly one of 'tokens' and 'block_hashes'")
     return query

@@ -1,0 +1,235 @@
+//! The block table: block key -> value, open addressing with linear probing, key and value side
+//! by side in one 16-byte slot.
+//!
+//! Why not hashbrown: a query looks up every block of a prompt, and those lookups are
+//! independent, so their cache misses can overlap if the slots are prefetched ahead; hashbrown
+//! does not say where a key's slot is. Here the slot of a key is its hash's top bits, known
+//! before any memory is read, and a hit is one cache line (hashbrown reads a control group and
+//! then the bucket, two).
+//!
+//! One key value (`EMPTY`) marks free slots; a block with that key lives outside the array.
+
+use std::mem::size_of;
+
+const EMPTY: u64 = 0;
+/// Grown past 3/4 full: linear probing's clusters stay short.
+const MAX_LOAD_NUM: usize = 3;
+const MAX_LOAD_DEN: usize = 4;
+const MIN_CAPACITY: usize = 16;
+
+#[derive(Clone, Copy)]
+struct Slot<V: Copy> {
+    key: u64,
+    val: V,
+}
+
+pub struct Table<V: Copy> {
+    slots: Box<[Slot<V>]>,
+    /// 64 - log2(capacity): a key's home slot is the top bits of its mixed hash.
+    shift: u32,
+    len: usize,
+    /// The value of key `EMPTY`.
+    empty_key: Option<V>,
+}
+
+impl<V: Copy> Default for Table<V> {
+    fn default() -> Self {
+        Table {
+            slots: Box::new([]),
+            shift: 64,
+            len: 0,
+            empty_key: None,
+        }
+    }
+}
+
+/// The keys are hashes already, but not always good ones (tests use 1, 2, 3): a folded
+/// multiply spreads any u64 over the top bits.
+#[inline]
+fn mix(k: u64) -> u64 {
+    let m = (k ^ 0x2d35_8dcc_aa6c_78a5) as u128 * 0x9e37_79b9_7f4a_7c15u128;
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
+impl<V: Copy> Table<V> {
+    #[inline]
+    fn home(&self, k: u64) -> usize {
+        // shift is 64 for the empty table, which has no slot to find.
+        mix(k).checked_shr(self.shift).unwrap_or(0) as usize
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len().wrapping_sub(1)
+    }
+
+    /// The slot holding `k`, if any.
+    #[inline]
+    fn find(&self, k: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = self.home(k);
+        loop {
+            let s = self.slots[i].key;
+            if s == k {
+                return Some(i);
+            }
+            if s == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len + self.empty_key.is_some() as usize
+    }
+
+    /// Asks the CPU to bring `k`'s slot into cache: for a lookup a little later.
+    #[inline]
+    pub fn prefetch(&self, k: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.slots.is_empty() {
+            let p = self.slots.as_ptr().wrapping_add(self.home(k));
+            // SAFETY: a prefetch never faults, and the address is inside the slots.
+            unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = k;
+    }
+
+    #[inline]
+    pub fn get(&self, k: &u64) -> Option<&V> {
+        if *k == EMPTY {
+            return self.empty_key.as_ref();
+        }
+        self.find(*k).map(|i| &self.slots[i].val)
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, k: &u64) -> Option<&mut V> {
+        if *k == EMPTY {
+            return self.empty_key.as_mut();
+        }
+        self.find(*k).map(|i| &mut self.slots[i].val)
+    }
+
+    /// Inserts or replaces; the value replaced.
+    pub fn insert(&mut self, k: u64, v: V) -> Option<V> {
+        if k == EMPTY {
+            return self.empty_key.replace(v);
+        }
+        if (self.len + 1) * MAX_LOAD_DEN > self.slots.len() * MAX_LOAD_NUM {
+            self.grow(v);
+        }
+        let mask = self.mask();
+        let mut i = self.home(k);
+        loop {
+            let s = &mut self.slots[i];
+            if s.key == k {
+                return Some(std::mem::replace(&mut s.val, v));
+            }
+            if s.key == EMPTY {
+                *s = Slot { key: k, val: v };
+                self.len += 1;
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// `v`: any value, to fill the new array's free slots with.
+    fn grow(&mut self, v: V) {
+        let cap = (self.slots.len() * 2).max(MIN_CAPACITY);
+        let old = std::mem::replace(&mut self.slots, vec![Slot { key: EMPTY, val: v }; cap].into_boxed_slice());
+        self.shift = 64 - cap.trailing_zeros();
+        self.len = 0;
+        for s in old.iter().filter(|s| s.key != EMPTY) {
+            self.insert(s.key, s.val);
+        }
+    }
+
+    pub fn remove(&mut self, k: &u64) -> Option<V> {
+        if *k == EMPTY {
+            return self.empty_key.take();
+        }
+        let mut hole = self.find(*k)?;
+        let v = self.slots[hole].val;
+        self.len -= 1;
+        // Backward shift: later slots of the cluster whose home is at or before the hole move
+        // into it, so a lookup never stops at a hole before reaching its key.
+        let mask = self.mask();
+        let mut i = hole;
+        loop {
+            i = (i + 1) & mask;
+            let key = self.slots[i].key;
+            if key == EMPTY {
+                break;
+            }
+            let home = self.home(key);
+            // Distance from home to i, and from the hole to i, both going forward.
+            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[i];
+                hole = i;
+            }
+        }
+        self.slots[hole].key = EMPTY;
+        Some(v)
+    }
+
+    /// Keeps the entries for which `f` says true; `f` may change the values it keeps.
+    pub fn retain(&mut self, mut f: impl FnMut(&u64, &mut V) -> bool) {
+        let mut drop = Vec::new();
+        for s in self.slots.iter_mut().filter(|s| s.key != EMPTY) {
+            if !f(&s.key, &mut s.val) {
+                drop.push(s.key);
+            }
+        }
+        for k in drop {
+            self.remove(&k);
+        }
+        if let Some(v) = self.empty_key.as_mut() {
+            if !f(&EMPTY, v) {
+                self.empty_key = None;
+            }
+        }
+    }
+
+    /// Bytes of the slot array.
+    pub fn allocation_size(&self) -> usize {
+        self.slots.len() * size_of::<Slot<V>>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn agrees_with_a_hashmap_through_inserts_and_removes() {
+        let mut t: Table<u32> = Table::default();
+        let mut m: HashMap<u64, u32> = HashMap::new();
+        let mut x = 7u64;
+        for step in 0..200_000u32 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // Few distinct keys (and key 0 among them): many collisions, removals, reinserts.
+            let k = (x >> 33) % 5000;
+            if x & (1 << 20) != 0 {
+                assert_eq!(t.insert(k, step), m.insert(k, step));
+            } else {
+                assert_eq!(t.remove(&k), m.remove(&k));
+            }
+            if step % 1000 == 0 {
+                t.retain(|k, _| k % 7 != 3);
+                m.retain(|k, _| k % 7 != 3);
+            }
+        }
+        assert_eq!(t.len(), m.len());
+        for k in 0..5000u64 {
+            assert_eq!(t.get(&k), m.get(&k));
+        }
+    }
+}
