@@ -33,7 +33,7 @@ import uuid
 from collections import deque
 from contextlib import contextmanager
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, TypeGuard, cast
 
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
@@ -256,12 +256,12 @@ class Router:
     def overlap(self, score: int | Mapping[str | None, int]) -> float:
         """A worker's overlap in blocks: a plain count as it is, per-medium counts weighed by
         tier (:func:`tiered_overlap`)."""
-        if type(score) is dict or isinstance(score, Mapping):  # (an ABC check costs microseconds)
+        if _per_medium(score):
             if len(score) == 1:  # the common case: one medium
                 for medium, n in score.items():
                     return n * self.medium_weights.get("GPU" if medium is None else medium, self._lowest_weight)
             return tiered_overlap(score, self.medium_weights)
-        return float(score)
+        return float(cast(int, score))
 
     def costs_from_scores(
         self, scores: Scores, num_blocks: int, workers: Sequence[str] | None = None
@@ -332,15 +332,10 @@ class Router:
             if self._cleared_since(w):
                 continue
             score = out.get(w, 0)
-            if type(score) is dict or isinstance(score, Mapping):
-                held = max(score.values(), default=0)
-                if held < sent:
-                    out[w] = {**score, "GPU": max(score.get("GPU", 0), sent)}
+            held = _leading(score)
+            if held < sent:
+                out[w] = {**score, "GPU": max(score.get("GPU", 0), sent)} if _per_medium(score) else sent
             else:
-                held = score
-                if held < sent:
-                    out[w] = sent
-            if held >= sent:
                 self.provisional.confirm(w, keys[:sent])
         return out
 
@@ -394,9 +389,7 @@ class Router:
                     self._clears_seen[worker] = self.index.clears(worker)
             self._counts["decisions"] += 1
         self._tell(decision)
-        score = scores.get(worker, 0)
-        held = max(score.values(), default=0) if type(score) is dict or isinstance(score, Mapping) else score
-        return worker, min(held, num_blocks)
+        return worker, min(_leading(scores.get(worker, 0)), num_blocks)
 
     def done(self, worker: str) -> None:
         """A request sent to ``worker`` finished: its in-flight count goes down by one (the
@@ -561,6 +554,17 @@ def report_loads(
 ) -> ReportLoads:
     """:class:`ReportLoads` over ``subscriber``: load = latest report + routed since."""
     return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s)
+
+
+def _per_medium(score: Any) -> TypeGuard[Mapping[str | None, int]]:
+    """Whether a worker's score is ``{medium: blocks}`` (checking for a dict first: an ABC check
+    costs a microsecond, per worker per decision)."""
+    return type(score) is dict or isinstance(score, Mapping)
+
+
+def _leading(score: Any) -> int:
+    """The leading blocks a worker holds in any medium, whichever form its score has."""
+    return max(score.values(), default=0) if _per_medium(score) else score
 
 
 def _check_worker(name: str, worker: Any) -> str:

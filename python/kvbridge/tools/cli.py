@@ -37,6 +37,16 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", dest="tls_key", help="client key (mutual TLS)")
 
 
+def _stop_on_signals(event: asyncio.Event | None = None) -> asyncio.Event:
+    """An event (``event``, or a new one) that SIGINT and SIGTERM set: how every long-running
+    command learns to stop cleanly."""
+    stop = asyncio.Event() if event is None else event
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 def _config(args: argparse.Namespace, **extra: Any) -> Config:
     names = ("servers", "subject_prefix", "user", "password", "token", "creds_file", "tls_ca", "tls_cert", "tls_key")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -134,9 +144,7 @@ async def _watch(args: argparse.Namespace) -> int:
 
     # Views: a worker's blocks per medium and group are shown beside each of its lines.
     sub = KvEventSubscriber(_config(args), model=args.model, worker=args.worker, on_update=on_update)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, done.set)
+    _stop_on_signals(done)
     async with sub:
         print(f"watching {sub.subject} on {', '.join(sub.config.servers)} (Ctrl-C to stop)", file=sys.stderr)
         await done.wait()
@@ -159,10 +167,7 @@ async def _discover(args: argparse.Namespace) -> int:
     extra = {"encoding": args.encoding} if args.encoding else {}
     discovery = Discovery(args.discover, _config(args, **extra), model=args.model, worker=args.worker,
                           interval_s=args.interval)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     async with discovery:
         print(f"following {discovery.url} every {args.interval}s (Ctrl-C to stop)", file=sys.stderr, flush=True)
         await stop.wait()
@@ -181,10 +186,7 @@ async def _relay(args: argparse.Namespace) -> int:
         _config(args, **extra), endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
         dp_rank=args.dp_rank,
     )  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     failed = False
     async with relay:
         print(
@@ -214,10 +216,7 @@ async def _index(args: argparse.Namespace) -> int:
     service = IndexService(
         _config(args, **extra), block_size=args.block_size, key=args.key, queue_group=args.queue_group
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     async with service:
         print(
             f"index of {service.subscriber.subject}: answering {service.subject} (queue group "
@@ -263,10 +262,7 @@ async def _proxy(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
         tokenize_cache=args.tokenize_cache,
     )  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     async with proxy:
         index = "index service" if args.index_service else "in-process index"
         print(f"kvbridge proxy for {args.model} on {proxy.url} ({index}, NATS {', '.join(config.servers)}); "
