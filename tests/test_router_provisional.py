@@ -138,7 +138,10 @@ def test_a_restarted_worker_loses_its_provisional_entries():
     assert router.costs(PREFIX)[worker] == 16 + 1
     assert router.stats["restarts_seen"] == 1
     assert router.stats["provisional_reset"] == 1
-    # a worker that expired (gone from the subscriber) loses them too
+    # a worker that expired (gone from the subscriber) loses them too; so does one the caller
+    # says restarted
+    router.forget_worker(router.choose(PREFIX + [2])[0])
+    assert router.stats["provisional_reset"] == 2
     other, _ = router.choose(PREFIX + [1])
     del sub.states[("m", other)]
     router.costs(PREFIX)

@@ -101,6 +101,7 @@ from typing import Sequence
 
 from kvbridge import _native
 from kvbridge.wire.events import BlockStored
+from kvbridge.wire.residency import kind_event
 
 __all__ = ["Block", "KVCacheManager", "NativeKVCacheManager", "announce_empty_groups"]
 
@@ -194,10 +195,7 @@ def announce_empty_groups(
         return events
     named = {ev.group_idx for ev in events}
     return events + [
-        BlockStored([], None, [], block_size, None, medium, None, group_idx=g, kv_cache_spec_kind=kind,
-                    kv_cache_spec_sliding_window=window)  # fmt: skip
-        for g, (kind, window) in enumerate(groups)
-        if g not in named
+        kind_event(g, kind, window, block_size, medium) for g, (kind, window) in enumerate(groups) if g not in named
     ]
 
 

@@ -124,11 +124,6 @@ class ProvisionalResidency:
             self._entries -= len(held)
             self.stats["reset"] += 1
 
-    def clear(self) -> None:
-        self._held.clear()
-        self._decisions.clear()
-        self._entries = 0
-
     def _prune(self, now: float) -> None:
         decisions = self._decisions
         while decisions and decisions[0][0] <= now:

@@ -112,10 +112,13 @@ def names_windows(events: Iterable[Any]) -> bool:
     return any(ev.__class__ is BlockStored and ev.kv_cache_spec_kind in HYBRID_KINDS for ev in events)
 
 
-def kind_event(group: int, kind: str, window: int | None) -> BlockStored:
+def kind_event(
+    group: int, kind: str, window: int | None, block_size: int = 0, medium: str | None = None
+) -> BlockStored:
     """A store of no blocks that announces ``group``'s kind: how a view's state says a kind its
-    blocks' events do not (the kind changed since, or the group holds nothing)."""
-    return BlockStored([], None, [], 0, None, None, None, group_idx=group, kv_cache_spec_kind=kind,
+    blocks' events do not (the kind changed since, or the group holds nothing). A pool gives its
+    own ``block_size`` and ``medium``, so the event looks like its others."""
+    return BlockStored([], None, [], block_size, None, medium, None, group_idx=group, kv_cache_spec_kind=kind,
                        kv_cache_spec_sliding_window=window)  # fmt: skip
 
 
