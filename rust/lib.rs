@@ -8,6 +8,7 @@ mod natsproto;
 pub mod native;
 mod pool;
 mod scan;
+mod view;
 mod wake;
 
 #[pymodule]
@@ -20,5 +21,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pool::register(m)?;
     index::register(m)?;
     natsproto::register(m)?;
+    view::register(m)?;
     Ok(())
 }

@@ -19,9 +19,9 @@ use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 /// Deeper `Any` values than this (inside extra_keys / metadata) are left to msgspec.
 const MAX_DEPTH: u32 = 32;
 
-const STORED: u8 = 0;
-const REMOVED: u8 = 1;
-const CLEARED: u8 = 2;
+pub(crate) const STORED: u8 = 0;
+pub(crate) const REMOVED: u8 = 1;
+pub(crate) const CLEARED: u8 = 2;
 
 #[derive(Clone, Copy)]
 pub(crate) enum Hash {
@@ -330,7 +330,7 @@ impl<'a> Reader<'a> {
     }
 
     /// One event; its hashes go to `hashes`. Returns its kind and what a view's rule reads of it.
-    fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<(u8, Attrs<'a>)> {
+    pub(crate) fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<(u8, Attrs<'a>)> {
         let n = self.map_len()?;
         if n == 0 || self.raw_str()? != b"type" {
             return None;
@@ -410,13 +410,13 @@ const STORED_SLOTS: &[(usize, Slot)] = &[
 const REMOVED_SLOTS: &[(usize, Slot)] = &[(1, Slot::Medium), (2, Slot::Group)];
 
 #[derive(Clone, Copy)]
-struct Attrs<'a> {
-    medium: Option<&'a [u8]>,
-    group: Option<Hash>,
-    spec: Option<&'a [u8]>,
-    window: Option<Hash>,
+pub(crate) struct Attrs<'a> {
+    pub(crate) medium: Option<&'a [u8]>,
+    pub(crate) group: Option<Hash>,
+    pub(crate) spec: Option<&'a [u8]>,
+    pub(crate) window: Option<Hash>,
     /// A store with parent None: the re-announce rule looks at it alone.
-    root: bool,
+    pub(crate) root: bool,
 }
 
 fn int_value(h: Option<Hash>) -> Option<i128> {

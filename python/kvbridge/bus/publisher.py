@@ -52,7 +52,9 @@ from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    DecodeError,
     KVEventBatch,
+    decode_batch,
     encode_batch,
     slice_event,
 )
@@ -114,12 +116,14 @@ def _check_events(events: Any, what: str) -> None:
 
 
 class _Own:
-    """A ``publish_batch`` hand-off: goes out as a message of its own, as ``payload`` if given."""
+    """A ``publish_batch`` / ``publish_payload`` hand-off: goes out as a message of its own, as
+    ``payload`` if given. ``batch`` None: only the bytes were handed over (decoded if they
+    cannot go as they are)."""
 
-    __slots__ = ("batch", "payload")
+    __slots__ = ("batch", "payload", "n_events")
 
-    def __init__(self, batch: KVEventBatch, payload: bytes | None) -> None:
-        self.batch, self.payload = batch, payload
+    def __init__(self, batch: KVEventBatch | None, payload: bytes | None, n_events: int) -> None:
+        self.batch, self.payload, self.n_events = batch, payload, n_events
 
 
 class _Waker:
@@ -256,7 +260,24 @@ class KvEventPublisher:
         if payload is not None and not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"publish_batch(): payload must be bytes, got {type(payload).__name__}")
         q = self._queue
-        q.append(_Own(batch, None if payload is None else bytes(payload)))
+        q.append(_Own(batch, None if payload is None else bytes(payload), len(batch.events)))
+        if len(q) > self._queue_max:
+            self._drop_oldest()
+        if self._sleeping:
+            self._nudge()
+
+    def publish_payload(self, payload: bytes, n_events: int) -> None:
+        """Hand over a msgpack ``KVEventBatch``'s bytes (``n_events`` events in it) to go out
+        unchanged as a message of its own: :meth:`publish_batch` without the decoded batch, for a
+        relay that forwards an engine's bytes and never builds its events. In JSON mode, or
+        beyond the server's ``max_payload``, the bytes are decoded when sent and go out as
+        ``publish_batch`` would send them (a payload that does not decode then is counted in
+        ``stats["invalid_events"]``). The caller vouches that the bytes are a batch
+        (``_native.scan_batch_msgpack`` or ``decode_batch`` read them). Never blocks."""
+        if payload.__class__ is not bytes:
+            raise TypeError(f"publish_payload(): payload must be bytes, got {type(payload).__name__}")
+        q = self._queue
+        q.append(_Own(None, payload, n_events))
         if len(q) > self._queue_max:
             self._drop_oldest()
         if self._sleeping:
@@ -296,7 +317,7 @@ class KvEventPublisher:
                     q.appendleft(old)
                     return
                 self._dropped_batches += 1
-                self._dropped_events += len(old.batch.events if old.__class__ is _Own else old[1])
+                self._dropped_events += old.n_events if old.__class__ is _Own else len(old[1])
 
     def attach(self, manager: Any) -> None:
         """Serve snapshots from ``manager`` (a :class:`kvbridge.engine.pool.KVCacheManager` or anything with
@@ -551,12 +572,18 @@ class KvEventPublisher:
         """A publish_batch() hand-off: its own message, the given bytes when they can go as they are."""
         payload = own.payload
         if payload is not None and self._format == "msgpack" and len(payload) <= self.max_payload:
-            self._number(payload, len(own.batch.events))
+            self._number(payload, own.n_events)
             self._last_emit = time.monotonic()
             return
         if payload is not None:
             self._counts["split_batches"] += 1
         batch = own.batch
+        if batch is None:
+            try:
+                batch = decode_batch(payload)  # type: ignore[arg-type]
+            except DecodeError as exc:
+                self._invalid(own.n_events, f"payload handed over is not a batch: {exc}")
+                return
         self._emit(batch.ts, batch.events, batch.data_parallel_rank)
 
     def _number(self, payload: bytes, n_events: int) -> None:

@@ -9,10 +9,11 @@ an end marker whose seq is -1 and payload empty. vLLM 0.33 puts the topic in the
 vLLM and SGLang do not: only the last two frames are read.
 
 The relay forwards each engine batch's payload bytes unchanged as one NATS message, through a
-:class:`KvEventPublisher` (``publish_batch(batch, payload)``; in JSON mode it is re-encoded). Only a
-batch larger than the server's ``max_payload`` is split by the publisher, at event boundaries
-(``split_batches`` counts those). It decodes each batch only to keep its own view (below), and keeps
-the engine's seq:
+:class:`KvEventPublisher` (``publish_payload``; in JSON mode it is re-encoded). Only a batch larger
+than the server's ``max_payload`` is split by the publisher, at event boundaries (``split_batches``
+counts those). It reads each batch only to keep its own view (below), from the bytes, in Rust: no
+Python event is built for a batch in vLLM 0.33's shape (other engines' shapes are decoded first).
+It keeps the engine's seq:
 
 * **gap** (ZMQ PUB drops at its high-water mark, the relay joined late or its connection dropped):
   the missing range is asked of the replay endpoint and forwarded in order before the frame that
@@ -54,18 +55,21 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvbridge import metrics
+import msgspec
+
+from kvbridge import _native, metrics
 from kvbridge.config import Config, ConfigError
 from kvbridge.wire.events import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
     DecodeError,
+    KVEventBatch,
     decode_batch,
+    encode_batch,
     merge_runs,
     slice_event,
 )
-from kvbridge.wire.residency import WINDOW_KINDS, Residency, kind_event, names_windows
+from kvbridge.wire.residency import WINDOW_KINDS, kind_event
 from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint"]
@@ -110,54 +114,51 @@ def _check_connectable(endpoint: str) -> str:
     return endpoint
 
 
+_stored_decoder = msgspec.msgpack.Decoder(BlockStored)
+
+
+def _wire_safe(ev: Any) -> Any:
+    """``ev`` as the wire can carry it, read the same by the view: a ``group_idx`` or window that
+    is not an int (a bool, from hand-built events; the wire's decoders never make one) becomes
+    one the rule skips and counts alike (group -1: ``bad_groups``; window 0: ``bad_windows`` for
+    a window kind, ignored otherwise)."""
+    cls = ev.__class__
+    if cls is AllBlocksCleared:
+        return ev
+    group = ev.group_idx
+    if group is not None and group.__class__ is not int:
+        ev = msgspec.structs.replace(ev, group_idx=-1)
+    if cls is BlockStored:
+        window = ev.kv_cache_spec_sliding_window
+        if window is not None and window.__class__ is not int:
+            ev = msgspec.structs.replace(ev, kv_cache_spec_sliding_window=0)
+    return ev
+
+
 class RelayView:
     """The blocks an engine holds, as the forwarded events say: the relay's stand-in for a pool
     (``take_events`` / ``snapshot``, for :meth:`KvEventPublisher.attach`). ``residency`` follows the
     events by the one rule every view shares (:mod:`kvbridge.wire.residency`: per ``(medium,
-    group)``, each block's copies); ``sources`` remembers, per ``(medium, group)`` and block, the
-    ``BlockStored`` and index each copy came in, so applying an event copies nothing and a
-    snapshot keeps every field of it."""
+    group)``, each block's copies), kept in Rust from the payload bytes
+    (:class:`kvbridge._native.ResidencyView`, which reads like a ``Residency``); each copy keeps the
+    ``BlockStored`` it came in as that event's bytes, so a snapshot keeps every field of it."""
 
-    __slots__ = ("residency", "sources")
+    __slots__ = ("residency",)
 
     def __init__(self) -> None:
-        self.residency = Residency()
-        self.sources: dict[tuple[Any, int], dict[Any, list[tuple[BlockStored, int]]]] = {}
+        self.residency = _native.ResidencyView()
+
+    def apply_payload(self, payload: bytes) -> tuple[int, int] | None:
+        """Applies a msgpack batch as received, whole: ``(events, block hashes)``, or None (nothing
+        applied) when it is not in vLLM 0.33's shape -- :meth:`apply` its decoded events then."""
+        return self.residency.apply(payload)
 
     def apply(self, events: list[Any]) -> None:
-        res, sources = self.residency, self.sources
-        windows = names_windows(events)
-        for ev in events:
-            cls = ev.__class__
-            if cls is BlockStored:
-                hashes = ev.block_hashes
-                got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
-                                ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0,
-                                1, windows)  # fmt: skip
-                if got is None or got[1] or not hashes:
-                    continue  # skipped, a re-announce or no blocks: no copy added
-                by_hash = sources.setdefault(got[0], {})
-                for i, h in enumerate(hashes):
-                    copies = by_hash.get(h)
-                    if copies is None:
-                        by_hash[h] = [(ev, i)]
-                    else:
-                        copies.append((ev, i))
-            elif cls is BlockRemoved:
-                dropped: list[Any] = []
-                key = res.remove(ev.block_hashes, ev.medium, ev.group_idx, dropped=dropped)
-                if dropped and key is not None:
-                    by_hash = sources[key]
-                    for h in dropped:
-                        copies = by_hash[h]
-                        copies.pop()
-                        if not copies:
-                            del by_hash[h]
-                    if not by_hash:
-                        del sources[key]
-            elif cls is AllBlocksCleared:
-                res.clear()
-                sources.clear()
+        """Applies decoded (or hand-built) events: encoded in vLLM 0.33's shape, then read as any
+        payload."""
+        payload = encode_batch(KVEventBatch(0.0, [_wire_safe(ev) for ev in events]))
+        if self.residency.apply(payload) is None:  # kvbridge's encoder writes nothing else
+            raise ValueError("events the view cannot read")
 
     @property
     def blocks(self) -> set[Any]:
@@ -174,8 +175,11 @@ class RelayView:
         event it came in (so with its real parent, and counted again by a view that applies it);
         last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind the events
         before would not leave as it is here."""
+        groups, raws = self.residency.sources()
+        events = {src: _stored_decoder.decode(raw) for src, raw in raws.items()}
         out: list[BlockStored] = []
-        for by_hash in self.sources.values():
+        for _medium, _group, blocks in groups:
+            by_hash = {h: [(events[src], i) for src, i in copies] for h, copies in blocks}
             order: list[Any] = []
             placed: set[Any] = set()
             for h in by_hash:
@@ -201,7 +205,7 @@ class RelayView:
 
     def __len__(self) -> int:
         """Blocks held, counted once per ``(medium, group)`` that holds them."""
-        return sum(self.residency.counts().values())
+        return len(self.residency)
 
 
 class _Malformed(Exception):
@@ -405,18 +409,24 @@ class Relay:
         self._expected = seq + 1
 
     def _forward(self, payload: bytes) -> bool:
-        try:
-            batch = decode_batch(payload)
-        except DecodeError as exc:
-            self._malformed(exc)
-            self._lose(1, "undecodable")
-            return False
-        pub = self.publisher
+        view, pub = self.view, self.publisher
         if len(payload) > pub.max_payload:
             self._counts["split_batches"] += 1  # the publisher splits it: more than the server takes at once
         with pub.lock:  # the view and the hand-off change together, as a snapshot sees them
-            self.view.apply(batch.events)
-            pub.publish_batch(batch, payload)
+            # vLLM 0.33's shape: the view reads the bytes in Rust, the bytes go out as they came.
+            got = view.apply_payload(payload)
+            if got is None:
+                # Another engine's shape (older vLLM, SGLang): decoded, then read as vLLM's.
+                try:
+                    batch = decode_batch(payload)
+                except DecodeError as exc:
+                    self._malformed(exc)
+                    self._lose(1, "undecodable")
+                    return False
+                view.apply(batch.events)
+                pub.publish_batch(batch, payload)
+            else:
+                pub.publish_payload(payload, got[0])
         self._counts["forwarded"] += 1
         return True
 

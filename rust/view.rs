@@ -1,0 +1,544 @@
+//! `_native.ResidencyView`: the relay's view of an engine's cache, kept from vLLM payload bytes.
+//!
+//! The relay forwards vLLM's bytes unchanged and keeps a view of them for snapshots; decoding each
+//! batch into Python events and applying them in Python cost it ~10x a plain forwarder's CPU
+//! (bench/relay.py). This reads the payload with the scanner (rust/scan.rs: it validates the whole
+//! payload against the schema msgspec decodes with, so a payload is applied whole or not at all)
+//! and applies kvbridge.wire.residency's rule to it per event, exactly as `RelayView` did
+//! in Python: per `(medium, group)`, each block's copies; each group's kind and window; the
+//! full-report re-announce exception; bad `group_idx`, unknown kinds and window kinds without a
+//! window skipped and counted (docs/hybrid.md). tests/test_residency.py checks it against
+//! `Residency` on random hybrid streams.
+//!
+//! For snapshots each copy remembers the `BlockStored` it came in: the event's own msgpack bytes
+//! (copied out of the payload once per event, shared by its copies, freed with its last copy) and
+//! the block's index in it. Python decodes those few events when a snapshot is asked for and cuts
+//! the snapshot from them (`kvbridge.engine.relay.RelayView.snapshot`).
+
+use std::hash::{BuildHasher, Hasher};
+
+use hashbrown::HashMap;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
+
+use crate::scan::{Attrs, Hash, Reader, CLEARED, REMOVED, STORED};
+
+/// Payloads at least this long are applied with the GIL released.
+const DETACH_MIN_BYTES: usize = 16 << 10;
+const MAX_GROUPS: i128 = 64;
+
+/// vLLM's `KVCacheSpecKind` values, in kvbridge.wire.residency's classes.
+const KINDS: [&[u8]; 10] = [
+    b"full_attention",
+    b"mla_attention",
+    b"sink_full_attention",
+    b"sliding_window",
+    b"sliding_window_mla",
+    b"mamba",
+    b"chunked_local_attention",
+    b"encoder_only_attention",
+    b"cross_attention",
+    b"unknown",
+];
+fn is_window(kind: u8) -> bool {
+    kind == 3 || kind == 4
+}
+/// Groups that cut a worker's hits short (window kinds and mamba): no re-announce exception.
+fn is_hybrid(kind: u8) -> bool {
+    (3..=5).contains(&kind)
+}
+fn is_unscored(kind: u8) -> bool {
+    kind >= 6
+}
+
+/// A block hash as Python sees it: msgpack ints of either width are one int.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Key {
+    I(i64),
+    /// Above i64::MAX (a u64 hash past 2**63).
+    U(u64),
+    B(Box<[u8]>),
+}
+
+impl Key {
+    fn of(b: &[u8], h: Hash) -> Key {
+        match h {
+            Hash::U(v) if v <= i64::MAX as u64 => Key::I(v as i64),
+            Hash::U(v) => Key::U(v),
+            Hash::I(v) => Key::I(v),
+            Hash::B(s, e) => Key::B(b[s..e].into()),
+        }
+    }
+
+    fn to_object<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match self {
+            Key::I(v) => v.into_pyobject(py)?.into_any(),
+            Key::U(v) => v.into_pyobject(py)?.into_any(),
+            Key::B(v) => PyBytes::new(py, v).into_any(),
+        })
+    }
+}
+
+/// One multiply over the hash's 64 bits: block hashes are uniformly random already.
+#[derive(Clone, Copy, Default)]
+struct Mix;
+struct MixHasher(u64);
+impl BuildHasher for Mix {
+    type Hasher = MixHasher;
+    fn build_hasher(&self) -> MixHasher {
+        MixHasher(0)
+    }
+}
+impl Hasher for MixHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..chunk.len()].copy_from_slice(chunk);
+            self.0 = (self.0.rotate_left(23) ^ u64::from_le_bytes(w)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 ^= x;
+    }
+    fn write_i64(&mut self, x: i64) {
+        self.0 ^= x as u64;
+    }
+    fn write_isize(&mut self, x: isize) {
+        // the enum's discriminant
+        self.0 ^= (x as u64) << 61;
+    }
+    fn finish(&self) -> u64 {
+        let m = (self.0 ^ 0x2d35_8dcc_aa6c_78a5) as u128 * 0x9e37_79b9_7f4a_7c15u128;
+        (m as u64) ^ ((m >> 64) as u64)
+    }
+}
+
+/// A copy: the source event (index into `View::sources`) and the block's index in it.
+type Copy_ = (u32, u32);
+
+struct Entry {
+    /// Insertion order: a snapshot lists blocks in the order they came, as Python's dicts did.
+    order: u64,
+    first: Copy_,
+    /// Further copies, rare: empty Vecs allocate nothing.
+    more: Vec<Copy_>,
+}
+
+struct Group {
+    medium: Option<Box<str>>,
+    group: u8,
+    blocks: HashMap<Key, Entry, Mix>,
+}
+
+struct Source {
+    raw: Box<[u8]>,
+    copies: u32,
+}
+
+#[derive(Default)]
+struct Stats {
+    bad_groups: u64,
+    bad_windows: u64,
+    unknown_kinds: u64,
+    unscored_group_events: u64,
+    unknown_removes: u64,
+}
+
+#[derive(Default)]
+struct View {
+    /// `(medium, group)`s holding blocks, in the order they first did (few: a linear search).
+    groups: Vec<Group>,
+    /// `(group, kind, window)` in the order groups first named a kind.
+    kinds: Vec<(u8, u8, Option<i128>)>,
+    sources: Vec<Option<Source>>,
+    free: Vec<u32>,
+    order: u64,
+    stats: Stats,
+}
+
+fn int_of(h: Option<Hash>) -> Option<i128> {
+    match h? {
+        Hash::U(v) => Some(v as i128),
+        Hash::I(v) => Some(v as i128),
+        Hash::B(..) => None,
+    }
+}
+
+struct Ev<'a> {
+    kind: u8,
+    attrs: Attrs<'a>,
+    hashes: std::ops::Range<usize>,
+    raw: std::ops::Range<usize>,
+}
+
+impl View {
+    fn kind_of(&self, group: u8) -> Option<u8> {
+        self.kinds.iter().find(|k| k.0 == group).map(|k| k.1)
+    }
+
+    fn set_kind(&mut self, group: u8, kind: u8, window: Option<i128>) {
+        match self.kinds.iter_mut().find(|k| k.0 == group) {
+            Some(k) => *k = (group, kind, window),
+            None => self.kinds.push((group, kind, window)),
+        }
+    }
+
+    fn group_of(&mut self, group: Option<Hash>) -> Option<u8> {
+        match group {
+            None => Some(0),
+            Some(h) => match int_of(Some(h)) {
+                Some(g) if (0..MAX_GROUPS).contains(&g) => Some(g as u8),
+                _ => {
+                    self.stats.bad_groups += 1;
+                    None
+                }
+            },
+        }
+    }
+
+    fn find(&self, medium: Option<&[u8]>, group: u8) -> Option<usize> {
+        self.groups.iter().position(|g| g.group == group && g.medium.as_deref().map(str::as_bytes) == medium)
+    }
+
+    fn drop_copy(&mut self, (src, _): Copy_) {
+        let slot = &mut self.sources[src as usize];
+        let s = slot.as_mut().expect("a copy's source is alive");
+        s.copies -= 1;
+        if s.copies == 0 {
+            *slot = None;
+            self.free.push(src);
+        }
+    }
+
+    fn new_source(&mut self, raw: &[u8]) -> u32 {
+        let s = Some(Source {
+            raw: raw.into(),
+            copies: 0,
+        });
+        match self.free.pop() {
+            Some(i) => {
+                self.sources[i as usize] = s;
+                i
+            }
+            None => {
+                self.sources.push(s);
+                (self.sources.len() - 1) as u32
+            }
+        }
+    }
+
+    fn store(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash], windows: bool) {
+        let a = &ev.attrs;
+        let Some(group) = self.group_of(a.group) else {
+            return;
+        };
+        if let Some(spec) = a.spec {
+            let Some(kind) = KINDS.iter().position(|k| *k == spec) else {
+                self.stats.unknown_kinds += 1;
+                return;
+            };
+            let kind = kind as u8;
+            let window = if is_window(kind) {
+                match int_of(a.window) {
+                    Some(w) if w >= 1 => Some(w),
+                    _ => {
+                        self.stats.bad_windows += 1;
+                        return;
+                    }
+                }
+            } else {
+                None
+            };
+            self.set_kind(group, kind, window);
+        }
+        if self.kind_of(group).is_some_and(is_unscored) {
+            self.stats.unscored_group_events += 1;
+        }
+        if hashes.is_empty() {
+            return;
+        }
+        let at = self.find(a.medium, group);
+        // vLLM's full-report re-announce: a parent-None store all of whose blocks are held adds
+        // no copies -- in a worker without window or mamba groups only (kvbridge.wire.residency).
+        let plain = a.root && !windows && !self.kinds.iter().any(|k| is_hybrid(k.1));
+        if let (true, Some(at)) = (plain, at) {
+            let held = &self.groups[at].blocks;
+            if hashes.iter().all(|&h| held.contains_key(&Key::of(b, h))) {
+                return;
+            }
+        }
+        let at = at.unwrap_or_else(|| {
+            self.groups.push(Group {
+                medium: a.medium.map(|m| String::from_utf8_lossy(m).into()),
+                group,
+                blocks: HashMap::default(),
+            });
+            self.groups.len() - 1
+        });
+        let src = self.new_source(&b[ev.raw.clone()]);
+        self.sources[src as usize].as_mut().unwrap().copies = hashes.len() as u32;
+        let blocks = &mut self.groups[at].blocks;
+        blocks.reserve(hashes.len());
+        for (i, &h) in hashes.iter().enumerate() {
+            let copy = (src, i as u32);
+            match blocks.entry(Key::of(b, h)) {
+                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().more.push(copy),
+                hashbrown::hash_map::Entry::Vacant(e) => {
+                    self.order += 1;
+                    e.insert(Entry {
+                        order: self.order,
+                        first: copy,
+                        more: Vec::new(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn remove(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash]) {
+        let a = &ev.attrs;
+        let Some(group) = self.group_of(a.group) else {
+            return;
+        };
+        if self.kind_of(group).is_some_and(is_unscored) {
+            self.stats.unscored_group_events += 1;
+        }
+        let Some(at) = self.find(a.medium, group) else {
+            self.stats.unknown_removes += hashes.len() as u64;
+            return;
+        };
+        let mut dropped: Vec<Copy_> = Vec::with_capacity(hashes.len());
+        let blocks = &mut self.groups[at].blocks;
+        for &h in hashes {
+            let key = Key::of(b, h);
+            let Some(e) = blocks.get_mut(&key) else {
+                self.stats.unknown_removes += 1;
+                continue;
+            };
+            // The last copy goes first, as the Python view popped it.
+            match e.more.pop() {
+                Some(c) => dropped.push(c),
+                None => {
+                    dropped.push(e.first);
+                    blocks.remove(&key);
+                }
+            }
+        }
+        if blocks.is_empty() {
+            self.groups.remove(at);
+        }
+        for c in dropped {
+            self.drop_copy(c);
+        }
+    }
+
+    fn clear(&mut self) {
+        self.groups.clear();
+        self.kinds.clear();
+        self.sources.clear();
+        self.free.clear();
+    }
+
+    /// Applies a whole vLLM-shaped msgpack batch, or nothing (`None`) when the payload is not one.
+    /// Returns `(events, block hashes)`.
+    fn apply(&mut self, b: &[u8]) -> Option<(usize, usize)> {
+        let mut r = Reader { b, p: 0 };
+        let len = r.array_len()?;
+        if !(2..=3).contains(&len) {
+            return None;
+        }
+        match r.byte()? {
+            0xcb => r.take(8)?,
+            0xca => r.take(4)?,
+            _ => return None,
+        };
+        let n_events = r.array_len()?;
+        let mut hashes = Vec::new();
+        let mut evs = Vec::with_capacity(n_events);
+        let mut windows = false;
+        for _ in 0..n_events {
+            let (h0, p0) = (hashes.len(), r.p);
+            let (kind, attrs) = r.event(&mut hashes)?;
+            if kind == STORED {
+                windows |= attrs.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
+            }
+            evs.push(Ev {
+                kind,
+                attrs,
+                hashes: h0..hashes.len(),
+                raw: p0..r.p,
+            });
+        }
+        if len == 3 && !r.nil() {
+            r.int()?;
+        }
+        if r.p != b.len() {
+            return None; // msgspec rejects trailing bytes: so does the view
+        }
+        for ev in &evs {
+            let hs = &hashes[ev.hashes.clone()];
+            match ev.kind {
+                STORED => self.store(b, ev, hs, windows),
+                REMOVED => self.remove(b, ev, hs),
+                CLEARED => self.clear(),
+                _ => unreachable!(),
+            }
+        }
+        Some((n_events, hashes.len()))
+    }
+}
+
+fn medium_obj<'py>(py: Python<'py>, m: &Option<Box<str>>) -> Bound<'py, PyAny> {
+    match m {
+        Some(m) => PyString::new(py, m).into_any(),
+        None => py.None().into_bound(py),
+    }
+}
+
+/// What the relay's view holds, kept from payload bytes (module doc). The reading side is
+/// `kvbridge.wire.residency.Residency`'s: ``held``, ``kinds``, ``stats``, ``counts()``,
+/// ``blocks()``, ``==``.
+#[pyclass(module = "kvbridge._native")]
+pub struct ResidencyView {
+    view: View,
+}
+
+#[pymethods]
+impl ResidencyView {
+    #[new]
+    fn new() -> Self {
+        ResidencyView { view: View::default() }
+    }
+
+    /// Applies a msgpack ``KVEventBatch`` in vLLM 0.33's shape whole, returning ``(events,
+    /// block hashes)``; ``None`` (nothing applied) for any payload ``scan_batch_msgpack`` would
+    /// not read either.
+    fn apply(&mut self, py: Python<'_>, payload: &Bound<'_, PyBytes>) -> Option<(usize, usize)> {
+        let b = payload.as_bytes();
+        let view = &mut self.view;
+        if b.len() >= DETACH_MIN_BYTES {
+            py.detach(|| view.apply(b))
+        } else {
+            view.apply(b)
+        }
+    }
+
+    /// ``{(medium, group): {hash: copies}}``, built on each call.
+    #[getter]
+    fn held<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for g in &self.view.groups {
+            let d = PyDict::new(py);
+            for (k, e) in &g.blocks {
+                d.set_item(k.to_object(py)?, 1 + e.more.len())?;
+            }
+            out.set_item((medium_obj(py, &g.medium), g.group), d)?;
+        }
+        Ok(out)
+    }
+
+    /// ``{group: (kind, window or None)}``.
+    #[getter]
+    fn kinds<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for &(g, k, w) in &self.view.kinds {
+            let kind = PyString::new(py, std::str::from_utf8(KINDS[k as usize]).unwrap());
+            out.set_item(g, (kind, w))?;
+        }
+        Ok(out)
+    }
+
+    /// The skipped and unknown counts, named as `Residency.stats` names them.
+    #[getter]
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.view.stats;
+        let out = PyDict::new(py);
+        out.set_item("bad_groups", s.bad_groups)?;
+        out.set_item("bad_windows", s.bad_windows)?;
+        out.set_item("unknown_kinds", s.unknown_kinds)?;
+        out.set_item("unscored_group_events", s.unscored_group_events)?;
+        out.set_item("unknown_removes", s.unknown_removes)?;
+        Ok(out)
+    }
+
+    /// How many blocks each ``(medium, group)`` holds (a block with copies once).
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for g in &self.view.groups {
+            out.set_item((medium_obj(py, &g.medium), g.group), g.blocks.len())?;
+        }
+        Ok(out)
+    }
+
+    /// Every hash held in some medium and group.
+    fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
+        let out = PySet::empty(py)?;
+        for g in &self.view.groups {
+            for k in g.blocks.keys() {
+                out.add(k.to_object(py)?)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Blocks held, counted once per ``(medium, group)`` that holds them.
+    fn __len__(&self) -> usize {
+        self.view.groups.iter().map(|g| g.blocks.len()).sum()
+    }
+
+    /// ``(groups, sources)`` for a snapshot: ``groups`` lists ``(medium, group, blocks)`` in the
+    /// order the ``(medium, group)`` first held a block, ``blocks`` each held ``(hash, copies)``
+    /// in the order the block came, ``copies`` ``[(source, index), ...]`` oldest first;
+    /// ``sources`` maps each source to the msgpack bytes of the ``BlockStored`` it is.
+    fn sources<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyDict>)> {
+        let groups = PyList::empty(py);
+        let raws = PyDict::new(py);
+        for g in &self.view.groups {
+            let mut entries: Vec<(&Key, &Entry)> = g.blocks.iter().collect();
+            entries.sort_unstable_by_key(|(_, e)| e.order);
+            let blocks = PyList::empty(py);
+            for (k, e) in entries {
+                let copies = PyList::empty(py);
+                for &(src, i) in std::iter::once(&e.first).chain(&e.more) {
+                    if !raws.contains(src)? {
+                        let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
+                        raws.set_item(src, PyBytes::new(py, &s.raw))?;
+                    }
+                    copies.append((src, i))?;
+                }
+                blocks.append((k.to_object(py)?, copies))?;
+            }
+            groups.append((medium_obj(py, &g.medium), g.group, blocks))?;
+        }
+        Ok((groups, raws))
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        let Ok(other) = other.cast::<ResidencyView>() else {
+            return false;
+        };
+        let (a, b) = (&self.view, &other.borrow().view);
+        let mut ka = a.kinds.clone();
+        let mut kb = b.kinds.clone();
+        ka.sort_unstable();
+        kb.sort_unstable();
+        ka == kb
+            && a.groups.len() == b.groups.len()
+            && a.groups.iter().all(|g| {
+                let Some(at) = b.find(g.medium.as_deref().map(str::as_bytes), g.group) else {
+                    return false;
+                };
+                let h = &b.groups[at].blocks;
+                h.len() == g.blocks.len()
+                    && g.blocks.iter().all(|(k, e)| h.get(k).is_some_and(|f| f.more.len() == e.more.len()))
+            })
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("ResidencyView(held={}, kinds={})", self.held(py)?.repr()?, self.kinds(py)?.repr()?))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ResidencyView>()
+}
