@@ -200,16 +200,6 @@ impl View {
         self.groups.iter().position(|g| g.group == group && g.medium.as_deref().map(str::as_bytes) == medium)
     }
 
-    fn drop_copy(&mut self, (src, _): Copy_) {
-        let slot = &mut self.sources[src as usize];
-        let s = slot.as_mut().expect("a copy's source is alive");
-        s.copies -= 1;
-        if s.copies == 0 {
-            *slot = None;
-            self.free.push(src);
-        }
-    }
-
     fn new_source(&mut self, raw: &[u8]) -> u32 {
         let s = Some(Source {
             raw: raw.into(),
@@ -307,28 +297,34 @@ impl View {
             self.stats.unknown_removes += hashes.len() as u64;
             return;
         };
-        let mut dropped: Vec<Copy_> = Vec::with_capacity(hashes.len());
-        let blocks = &mut self.groups[at].blocks;
+        let View {
+            groups,
+            sources,
+            free,
+            stats,
+            ..
+        } = self;
+        let blocks = &mut groups[at].blocks;
         for &h in hashes {
-            let key = Key::of(b, h);
-            let Some(e) = blocks.get_mut(&key) else {
-                self.stats.unknown_removes += 1;
+            let hashbrown::hash_map::Entry::Occupied(mut e) = blocks.entry(Key::of(b, h)) else {
+                stats.unknown_removes += 1;
                 continue;
             };
             // The last copy goes first, as the Python view popped it.
-            match e.more.pop() {
-                Some(c) => dropped.push(c),
-                None => {
-                    dropped.push(e.first);
-                    blocks.remove(&key);
-                }
+            let (src, _) = match e.get_mut().more.pop() {
+                Some(c) => c,
+                None => e.remove().first,
+            };
+            let slot = &mut sources[src as usize];
+            let s = slot.as_mut().expect("a copy's source is alive");
+            s.copies -= 1;
+            if s.copies == 0 {
+                *slot = None;
+                free.push(src);
             }
         }
         if blocks.is_empty() {
-            self.groups.remove(at);
-        }
-        for c in dropped {
-            self.drop_copy(c);
+            groups.remove(at);
         }
     }
 
