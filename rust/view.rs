@@ -51,29 +51,33 @@ fn is_unscored(kind: u8) -> bool {
     kind >= 6
 }
 
-/// A block hash as Python sees it: msgpack ints of either width are one int.
+/// A block hash as Python sees it: msgpack ints of either width are one int. 16 bytes (the
+/// rare bytes hash behind a thin pointer), so a map slot with its entry is 40: the maps are
+/// large and probed at random, and smaller slots miss the cache less.
 #[derive(Clone, PartialEq, Eq, Hash)]
 enum Key {
+    /// 0..=u64::MAX: what engines send.
+    N(u64),
+    /// Negative.
     I(i64),
-    /// Above i64::MAX (a u64 hash past 2**63).
-    U(u64),
-    B(Box<[u8]>),
+    #[allow(clippy::box_collection)]
+    B(Box<Box<[u8]>>),
 }
 
 impl Key {
     fn of(b: &[u8], h: Hash) -> Key {
         match h {
-            Hash::U(v) if v <= i64::MAX as u64 => Key::I(v as i64),
-            Hash::U(v) => Key::U(v),
+            Hash::U(v) => Key::N(v),
+            Hash::I(v) if v >= 0 => Key::N(v as u64),
             Hash::I(v) => Key::I(v),
-            Hash::B(s, e) => Key::B(b[s..e].into()),
+            Hash::B(s, e) => Key::B(Box::new(b[s..e].into())),
         }
     }
 
     fn to_object<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         Ok(match self {
+            Key::N(v) => v.into_pyobject(py)?.into_any(),
             Key::I(v) => v.into_pyobject(py)?.into_any(),
-            Key::U(v) => v.into_pyobject(py)?.into_any(),
             Key::B(v) => PyBytes::new(py, v).into_any(),
         })
     }
@@ -120,8 +124,15 @@ struct Entry {
     /// Insertion order: a snapshot lists blocks in the order they came, as Python's dicts did.
     order: u64,
     first: Copy_,
-    /// Further copies, rare: empty Vecs allocate nothing.
-    more: Vec<Copy_>,
+    /// Further copies, rare: behind a thin pointer, None when there are none.
+    #[allow(clippy::box_collection)]
+    more: Option<Box<Vec<Copy_>>>,
+}
+
+impl Entry {
+    fn n_more(&self) -> usize {
+        self.more.as_ref().map_or(0, |m| m.len())
+    }
 }
 
 struct Group {
@@ -272,13 +283,13 @@ impl View {
         for (i, &h) in hashes.iter().enumerate() {
             let copy = (src, i as u32);
             match blocks.entry(Key::of(b, h)) {
-                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().more.push(copy),
+                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().more.get_or_insert_default().push(copy),
                 hashbrown::hash_map::Entry::Vacant(e) => {
                     self.order += 1;
                     e.insert(Entry {
                         order: self.order,
                         first: copy,
-                        more: Vec::new(),
+                        more: None,
                     });
                 }
             }
@@ -311,8 +322,14 @@ impl View {
                 continue;
             };
             // The last copy goes first, as the Python view popped it.
-            let (src, _) = match e.get_mut().more.pop() {
-                Some(c) => c,
+            let entry = e.get_mut();
+            let (src, _) = match entry.more.as_mut().and_then(|m| m.pop()) {
+                Some(c) => {
+                    if entry.more.as_ref().is_some_and(|m| m.is_empty()) {
+                        entry.more = None;
+                    }
+                    c
+                }
                 None => e.remove().first,
             };
             let slot = &mut sources[src as usize];
@@ -426,7 +443,7 @@ impl ResidencyView {
         for g in &self.view.groups {
             let d = PyDict::new(py);
             for (k, e) in &g.blocks {
-                d.set_item(k.to_object(py)?, 1 + e.more.len())?;
+                d.set_item(k.to_object(py)?, 1 + e.n_more())?;
             }
             out.set_item((medium_obj(py, &g.medium), g.group), d)?;
         }
@@ -495,7 +512,7 @@ impl ResidencyView {
             let blocks = PyList::empty(py);
             for (k, e) in entries {
                 let copies = PyList::empty(py);
-                for &(src, i) in std::iter::once(&e.first).chain(&e.more) {
+                for &(src, i) in std::iter::once(&e.first).chain(e.more.iter().flat_map(|m| m.iter())) {
                     if !raws.contains(src)? {
                         let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
                         raws.set_item(src, PyBytes::new(py, &s.raw))?;
@@ -526,7 +543,7 @@ impl ResidencyView {
                 };
                 let h = &b.groups[at].blocks;
                 h.len() == g.blocks.len()
-                    && g.blocks.iter().all(|(k, e)| h.get(k).is_some_and(|f| f.more.len() == e.more.len()))
+                    && g.blocks.iter().all(|(k, e)| h.get(k).is_some_and(|f| f.n_more() == e.n_more()))
             })
     }
 
