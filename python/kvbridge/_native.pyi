@@ -24,6 +24,7 @@ __all__ = [
     "Index",
     "parse_nats_headers",
     "scan_nats_msgs",
+    "ResidencyView",
 ]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.wire.hashing) --------------------
@@ -344,3 +345,44 @@ class Index:
         creation, kept by clear()); blocks, workers (now)."""
     def __len__(self) -> int:
         """Distinct blocks held by any worker."""
+
+
+# --- the relay's view from payload bytes (rust/view.rs; used by kvbridge.engine.relay.RelayView) ---
+
+@final
+class ResidencyView:
+    """What an engine's cache holds, kept from its msgpack payloads by the rule of
+    ``kvbridge.wire.residency`` (per ``(medium, group)``, each block's copies; each group's kind
+    and window; the full-report re-announce exception; bad ``group_idx``, unknown kinds and
+    window kinds without a window skipped and counted). Reads like a ``Residency``. Each copy
+    keeps the msgpack bytes of the ``BlockStored`` it came in, for snapshots. Not thread-safe:
+    one caller at a time (the relay holds its publisher's lock)."""
+
+    def __new__(cls) -> ResidencyView: ...
+    def apply(self, payload: bytes) -> tuple[int, int] | None:
+        """Applies a ``KVEventBatch`` in vLLM 0.33's msgpack shape whole (with the GIL released
+        from 16 KiB), returning ``(events, block hashes)``; None, applying nothing, for any
+        payload ``scan_batch_msgpack`` would not read either."""
+    @property
+    def held(self) -> dict[tuple[str | None, int], dict[int | bytes, int]]:
+        """``{(medium, group): {hash: copies}}``, built on each call."""
+    @property
+    def kinds(self) -> dict[int, tuple[str, int | None]]:
+        """``{group: (kind, window or None)}``, in the order groups first named a kind."""
+    @property
+    def stats(self) -> dict[str, int]:
+        """bad_groups, bad_windows, unknown_kinds, unscored_group_events, unknown_removes."""
+    def counts(self) -> dict[tuple[str | None, int], int]:
+        """Blocks each ``(medium, group)`` holds, a block with copies once."""
+    def blocks(self) -> set[int | bytes]:
+        """Every hash held in some medium and group."""
+    def sources(
+        self,
+    ) -> tuple[list[tuple[str | None, int, list[tuple[int | bytes, list[tuple[int, int]]]]]], dict[int, bytes]]:
+        """``(groups, sources)``: per ``(medium, group)`` in the order it first held a block, each
+        held hash in the order it came with its copies ``(source, index in it)``, oldest first;
+        ``sources``: each source's ``BlockStored`` as msgpack bytes."""
+    def __len__(self) -> int:
+        """Blocks held, counted once per ``(medium, group)``."""
+    def __eq__(self, other: object, /) -> bool:
+        """Same ``held`` and ``kinds``."""

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import zmq
 import zmq.asyncio
@@ -72,7 +72,7 @@ from kvbridge.wire.events import (
 from kvbridge.wire.residency import WINDOW_KINDS, kind_event
 from kvbridge.bus.publisher import KvEventPublisher
 
-__all__ = ["Relay", "RelayView", "engine_endpoint"]
+__all__ = ["Relay", "RelayView", "engine_endpoint", "snapshot_events"]
 
 log = logging.getLogger("kvbridge.relay")
 
@@ -117,6 +117,38 @@ def _check_connectable(endpoint: str) -> str:
 
 
 _stored_decoder = msgspec.msgpack.Decoder(BlockStored)
+
+
+def snapshot_events(
+    groups: Iterable[dict[Any, list[tuple[BlockStored, int]]]], kinds: dict[int, tuple[str, int | None]]
+) -> list[BlockStored]:
+    """:meth:`RelayView.snapshot` of a view that holds, per ``(medium, group)``, ``{hash: [(event,
+    index), ...]}`` (each copy's ``BlockStored`` and the block's index in it, oldest first, hashes in
+    the order they came) and ``kinds`` (``{group: (kind, window)}``)."""
+    out: list[BlockStored] = []
+    for by_hash in groups:
+        order: list[Any] = []
+        placed: set[Any] = set()
+        for h in by_hash:
+            chain = []
+            k = h
+            while k in by_hash and k not in placed:
+                placed.add(k)
+                chain.append(k)
+                ev, i = by_hash[k][0]
+                k = ev.block_hashes[i - 1] if i else ev.parent_block_hash
+                if k is None:
+                    break
+            order.extend(reversed(chain))
+        out += merge_runs((by_hash[h][0] for h in order), slice_event)
+        out += merge_runs((copy for h in order for copy in by_hash[h][1:]), slice_event)
+    said: dict[int, tuple[str, int | None]] = {}
+    for ev in out:
+        if ev.kv_cache_spec_kind is not None:
+            kind = ev.kv_cache_spec_kind
+            said[ev.group_idx or 0] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
+    out.extend(kind_event(g, *kind) for g, kind in kinds.items() if said.get(g) != kind)
+    return out
 
 
 def _wire_safe(ev: Any) -> Any:
@@ -179,31 +211,8 @@ class RelayView:
         before would not leave as it is here."""
         groups, raws = self.residency.sources()
         events = {src: _stored_decoder.decode(raw) for src, raw in raws.items()}
-        out: list[BlockStored] = []
-        for _medium, _group, blocks in groups:
-            by_hash = {h: [(events[src], i) for src, i in copies] for h, copies in blocks}
-            order: list[Any] = []
-            placed: set[Any] = set()
-            for h in by_hash:
-                chain = []
-                k = h
-                while k in by_hash and k not in placed:
-                    placed.add(k)
-                    chain.append(k)
-                    ev, i = by_hash[k][0]
-                    k = ev.block_hashes[i - 1] if i else ev.parent_block_hash
-                    if k is None:
-                        break
-                order.extend(reversed(chain))
-            out += merge_runs((by_hash[h][0] for h in order), slice_event)
-            out += merge_runs((copy for h in order for copy in by_hash[h][1:]), slice_event)
-        said: dict[int, tuple[str, int | None]] = {}
-        for ev in out:
-            if ev.kv_cache_spec_kind is not None:
-                kind = ev.kv_cache_spec_kind
-                said[ev.group_idx or 0] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
-        out.extend(kind_event(g, *kind) for g, kind in self.residency.kinds.items() if said.get(g) != kind)
-        return out
+        by_group = ({h: [(events[src], i) for src, i in copies] for h, copies in blocks} for _, _, blocks in groups)
+        return snapshot_events(by_group, self.residency.kinds)
 
     def __len__(self) -> int:
         """Blocks held, counted once per ``(medium, group)`` that holds them."""
