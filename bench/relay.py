@@ -17,6 +17,13 @@ recovery, not throughput). CPU per block event: each process's user+system time 
 over the measured window divided by the block events the sink received in it. Both forwarders run
 in each round, alternately, on the same cores; the ratios are from the same round.
 
+``--plugin``: vLLM's API server with the kvbridge plugin, stood in for by a process whose main
+thread runs pure-Python "frontend" work (a counting loop) while one daemon thread runs a relay per
+data-parallel rank on its own event loop, as the plugin does; two engine stand-ins publish 50k
+block events/s each (paced). Printed: the relays' thread's share of a core, and the share of the
+GIL they take from the frontend (its loop rate with the relays running against the same process
+with the engines silent, alternated).
+
 A step: what vLLM's BlockPool emits for a full prefix cache (4-14 prefill chunks of 1-64 blocks,
 6-10 decode blocks, one BlockStored each, group 0, full attention, 16 tokens per block; as many
 single-block BlockRemoved as blocks stored, oldest first). The steps form a ring: the first steps
@@ -278,6 +285,126 @@ def run_one(kind: str, url: str, frames: list[tuple[bytes, int]], seconds: float
         engine.close()
 
 
+def _api_server_main(url: str, endpoints: list[tuple[str, str]], seconds: float, ready, go, out) -> None:
+    """The stand-in API server: relays on a daemon thread's loop, frontend work on the main thread."""
+    import threading
+
+    from kvbridge.config import Config
+    from kvbridge.engine.relay import Relay
+
+    loop = asyncio.new_event_loop()
+    relays: list[Relay] = []
+    tid: list[int] = []
+
+    def run_loop() -> None:
+        tid.append(threading.get_native_id())
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+    thread = threading.Thread(target=run_loop, name="kvbridge-vllm", daemon=True)
+    thread.start()
+
+    async def start() -> None:
+        for rank, (endpoint, replay) in enumerate(endpoints):
+            relay = Relay(Config(servers=url, model="bench", worker_id=f"dp{rank}"), endpoint=endpoint,
+                          replay_endpoint=replay, topic=TOPIC.decode(), dp_rank=None)  # fmt: skip
+            relays.append(await relay.start())
+
+    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    ready.set()
+    try:
+        while True:
+            phase = go.get()
+            if phase is None:
+                break
+            c0 = cpu_s_task(tid[0])
+            n = 0
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:  # the frontend: pure Python, needs the GIL throughout
+                for _ in range(1000):
+                    n += 1
+            out.put((phase, n / seconds, (cpu_s_task(tid[0]) - c0) / seconds))
+    finally:
+        async def stop() -> None:
+            for relay in relays:
+                await relay.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def cpu_s_task(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def run_plugin(url: str, frames: list[tuple[bytes, int]], rate: float, seconds: float, rounds: int) -> list[dict]:
+    """2 engines at ``rate`` block events/s each into the stand-in API server; per round, the
+    frontend's rate with the engines publishing and with them silent."""
+    ctx = mp.get_context("spawn")
+    engines = [Engine(frames), Engine(frames)]
+    ready, go, out = ctx.Event(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_api_server_main, daemon=True,
+                       args=(url, [(e.endpoint, e.replay_endpoint) for e in engines], seconds, ready, go, out))  # fmt: skip
+    proc.start()
+    try:
+        if not ready.wait(60) or not all(e.wait_subscribed(30) for e in engines):
+            raise RuntimeError("the API server stand-in did not start")
+        per_frame = statistics.fmean(b for _, b in frames)
+        period = per_frame / rate
+        results = []
+        for i in range(rounds):
+            row = {}
+            for phase in (("busy", "idle") if i % 2 == 0 else ("idle", "busy")):
+                go.put(phase)
+                if phase == "busy":
+                    start = time.perf_counter()
+                    sent = 0
+                    while out.empty():  # deadline schedule, both engines in step
+                        due = start + sent * period
+                        now = time.perf_counter()
+                        if due > now:
+                            time.sleep(min(due - now, 0.01))
+                            continue
+                        for e in engines:
+                            e.pub.send_multipart([TOPIC, e.seq.to_bytes(8, "big"), frames[e.seq % len(frames)][0]])
+                            e.seq += 1
+                            e.answer_replays()
+                        sent += 1
+                    row["block_events_s"] = 2 * sent * per_frame / (time.perf_counter() - start)
+                else:
+                    while out.empty():  # silent engines still answer the relays' idle probes
+                        for e in engines:
+                            e.answer_replays()
+                        time.sleep(0.005)
+                _, loops, relay_cpu = out.get(timeout=seconds + 30)
+                row[phase] = (loops, relay_cpu)
+            results.append(row)
+        go.put(None)
+        proc.join(60)
+        return results
+    finally:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10)
+        for e in engines:
+            e.close()
+
+
+def plugin_table(rows: list[dict]) -> str:
+    lines = [
+        "| round | block events/s (2 ranks) | relays' thread: share of a core (bounds its GIL share) | frontend loop rate, engines silent | with the relays busy | frontend rate lost |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for i, r in enumerate(rows, 1):
+        idle, busy = r["idle"][0], r["busy"][0]
+        lines.append(f"| {i} | {r['block_events_s'] / 1e3:.0f} k | {r['busy'][1] * 100:.1f}% | {idle / 1e6:.2f} M/s "
+                     f"| {busy / 1e6:.2f} M/s | {max(0.0, 1 - busy / idle) * 100:.1f}% |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def table(rounds: list[dict]) -> str:
     lines = [
         "| round | path | batches/s | block events/s | vs raw | forwarder CPU µs / block event | vs raw | engine µs/ev | sink µs/ev | identical |",
@@ -307,6 +434,8 @@ def main() -> None:
     ap.add_argument("--blocks-per-step", type=int, default=600)
     ap.add_argument("--pool-blocks", type=int, default=50_000)
     ap.add_argument("--window", type=int, default=64, help="frames in flight beyond what the sink has")
+    ap.add_argument("--plugin", action="store_true", help="the API-server stand-in instead (module doc)")
+    ap.add_argument("--rate", type=float, default=50_000, help="--plugin: block events/s per rank")
     args = ap.parse_args()
 
     frames = make_frames(args.frames, args.blocks_per_step, args.pool_blocks)
@@ -314,6 +443,11 @@ def main() -> None:
     size = statistics.fmean(len(p) for p, _ in frames)
     print(f"# relay bench: {len(frames)} vLLM 0.33 steps, {per:.0f} block events / {size / 1024:.1f} KiB each, "
           f"{platform.python_version()}, {os.cpu_count()} CPUs")  # fmt: skip
+    if args.plugin:
+        with NatsServer() as server:
+            rows = run_plugin(server.url, frames, args.rate, args.seconds, args.runs)
+        print(plugin_table(rows))
+        return
     rounds = []
     with NatsServer() as server:
         for i in range(args.runs):
