@@ -57,7 +57,8 @@ import zmq.asyncio
 
 import msgspec
 
-from kvbridge import _native, metrics
+from kvbridge._native import ResidencyView
+from kvbridge.metrics import register
 from kvbridge.config import Config, ConfigError
 from kvbridge.wire.events import (
     AllBlocksCleared,
@@ -180,7 +181,7 @@ class RelayView:
     __slots__ = ("residency",)
 
     def __init__(self) -> None:
-        self.residency = _native.ResidencyView()
+        self.residency = ResidencyView()
 
     def apply_payload(self, payload: bytes) -> tuple[int, int] | None:
         """Applies a msgpack batch as received, whole: ``(events, block hashes)``, or None (nothing
@@ -281,7 +282,7 @@ class Relay:
              "engine_restarts", "split_batches", "idle_probes", "duplicates"),
             0,
         )  # fmt: skip
-        metrics.register("relay", self)
+        register("relay", self)
 
     @property
     def publisher(self) -> KvEventPublisher:
