@@ -200,7 +200,7 @@ class Engine:
             for seq in range(first, self.seq):
                 self.router.send_multipart([ident, b"", TOPIC, seq.to_bytes(8, "big"),
                                             self.frames[seq % len(self.frames)][0]])  # fmt: skip
-            self.router.send_multipart([ident, b"", TOPIC, (-1).to_bytes(8, "big", signed=True), b""])
+            self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])  # vLLM's end marker
 
     def run(self, received, seconds: float, warmup: float, window: int, pids: dict[str, int]) -> dict:
         """Publish at saturation for warmup + seconds; measure the last ``seconds``."""
