@@ -89,8 +89,12 @@ _HOLE = object()
 
 # After this long without hand-offs the loop stops polling and sleeps until the next publish()
 # wakes it. A wake costs the engine thread a syscall and a cross-thread wake-up (~7-20 us on a
-# busy 2-core box), a poll costs it nothing: so engines that hand over steadily never pay it.
-_IDLE_BEFORE_SLEEP_S = 0.05
+# busy 2-core box), a poll costs it nothing -- but each poll costs the process a loop wake-up
+# (tens of us of CPU), so polling pays only while hand-offs come faster than the polls: two
+# empty polls and the loop sleeps. (At 50 ms, an engine stepping every few ms kept the loop
+# polling for good: ~10 wake-ups per step, 2.5x vLLM's own publisher's CPU per block event at
+# 100k block events/s in bench/engine_route.py.)
+_IDLE_BEFORE_SLEEP_S = 0.0005
 # linger_ms 0: the poll interval while hand-offs keep coming (a timerfd: asyncio's own timers
 # round up to whole milliseconds). Adds at most this to latency; costs the loop ~4k wake-ups/s.
 _POLL_NS = 250_000
@@ -690,7 +694,10 @@ class KvEventPublisher:
                     continue
                 return
             now = loop.time()
-            if handed or self._queue:  # a heartbeat or a re-send is not traffic: no reason to poll
+            # Polling pays when hand-offs pile up while the loop sends; one at a time (an engine
+            # stepping slower than the loop sends) is cheaper woken by each publish(). A heartbeat
+            # or a re-send is not traffic either.
+            if handed > 1 or self._queue:
                 last_busy = now
             if self._queue:
                 await asyncio.sleep(0)
