@@ -32,6 +32,10 @@ bench: setup
 	$(BIN)/python bench/decode_gc.py
 	$(BIN)/python bench/idle.py
 	$(BIN)/python bench/vllm_record.py
+	$(BIN)/python bench/relay.py
+	$(BIN)/python bench/relay.py --plugin
+	$(BIN)/python bench/consumer.py
+	$(BIN)/python bench/engine_route.py
 
 # The index core against Dynamo's native indexers (dynamo-kv-router from crates.io): its own cargo
 # package and target dir under bench/native, so neither the wheel nor `make test` ever builds it.

@@ -4,7 +4,8 @@ A worker's cache is several caches: one per ``(medium, group)`` -- a hybrid-atte
 one KV-cache group per attention type (vLLM's ``group_idx``; ``None`` is group 0, as older
 engines and SGLang send it), each in every medium it is offloaded to. :class:`Residency` keeps,
 per ``(medium, group)``, ``{block hash: copies}`` and, per group, the kind (and sliding window)
-its stores announced. The rules (docs/hybrid.md; the Rust ``Index`` reads events by the same):
+its stores announced. The rules (docs/hybrid.md; the Rust ``Index`` reads events by the same, and
+so does ``_native.ResidencyView``, the relay's view, held to this class by tests/test_relay_view.py):
 
 * ``group_idx`` must be an int 0..63 (not a bool): any other event is skipped whole and counted
   (``bad_groups``); it removes nothing elsewhere.
