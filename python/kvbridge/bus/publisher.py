@@ -679,7 +679,7 @@ class KvEventPublisher:
         self, loop: asyncio.AbstractEventLoop, linger: float, heartbeat: float, wake: asyncio.Event,
         ticker: _Waker | None,
     ) -> None:
-        # linger 0 (the default) adapts by itself. Busy (hand-offs in the last 50 ms): poll the
+        # linger 0 (the default) adapts by itself. Busy (hand-offs piled up in the last 0.5 ms): poll the
         # queue every 250 us; what arrives while the loop encodes and sends is coalesced into the
         # next messages. Idle: sleep until publish() wakes it, then send at once.
         last_busy = loop.time()
