@@ -4,7 +4,8 @@ Not vLLM's code: a copy of its behaviour (vllm/distributed/kv_events.py of the v
 so that the benches compare against what vLLM does without installing vLLM. What matters for a
 cost comparison is kept exactly: the msgspec Struct options (``array_like`` batch, tagged events,
 ``omit_defaults``, ``gc=False``) and field order, which decide both the bytes and the decode
-cost; and the publisher's path per batch -- ``publish()`` puts the batch on a ``queue.Queue``, one
+cost (the Structs are tests/engine_shapes.py's, plus the two it has no use for); and the
+publisher's path per batch -- ``publish()`` puts the batch on a ``queue.Queue``, one
 thread takes it (``get(timeout=0.1)``, after a ``poll(0)`` of the replay ROUTER), numbers it,
 encodes it with a ``msgspec.msgpack.Encoder``, sends ``[topic, seq, payload]`` on a PUB socket,
 keeps ``(seq, payload)`` in a bounded deque for replay, and calls ``task_done()``. Left out: the
@@ -14,59 +15,31 @@ endpoint arithmetic, vLLM's logging and config objects (not on the per-batch pat
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections import deque
 from itertools import count
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-ExternalBlockHash = bytes | int
+# vLLM's Structs, as the tests copy them (field order and options are part of the bytes).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from engine_shapes import VllmBatch, VllmBlockRemoved, VllmBlockStored, VllmEvent  # noqa: E402
+
+BlockStored, BlockRemoved, EventBatch = VllmBlockStored, VllmBlockRemoved, VllmBatch
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+class AllBlocksCleared(VllmEvent, tag="AllBlocksCleared"):
     pass
 
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+class KVEventBatch(VllmBatch):
+    """vLLM's typed batch: what its consumers decode with."""
 
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[VllmBlockStored | VllmBlockRemoved | AllBlocksCleared]
 
 
 def from_kvbridge(ev: Any) -> Any:
