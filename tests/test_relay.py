@@ -450,6 +450,29 @@ async def test_each_engine_batch_is_one_nats_message_byte_identical(zctx, nats_s
         assert got.lookahead_token_ids == [[70_000, 1], [2]] and got.session_id == "s-1"
 
 
+async def test_a_batch_the_view_cannot_read_is_still_forwarded_and_counted(zctx, nats_sub, nats_server):
+    # An extra key nested 40 deep: msgspec decodes it, the view's reader stops at 32 levels.
+    deep: tuple = ("x",)
+    for _ in range(40):
+        deep = (deep,)
+    payloads = [
+        msgspec.msgpack.encode(VllmBatch(1.0, [VllmBlockStored([1], None, [0] * 4, 4, None, "GPU", None)], 0)),
+        msgspec.msgpack.encode(VllmBatch(2.0, [VllmBlockStored([2], 1, [0] * 4, 4, None, "GPU", None, [deep])], 0)),
+        msgspec.msgpack.encode(VllmBatch(3.0, [VllmBlockStored([3], 1, [0] * 4, 4, None, "GPU", None)], 0)),
+    ]
+    assert decode_batch(payloads[1]).events[0].extra_keys is not None  # consumers can read it
+    engine = zctx()
+    col = await nats_sub("kv.events.m-relay.w-deep")
+    async with Relay(relay_config(nats_server, "w-deep"), endpoint=engine.endpoint) as relay:
+        await engine.wait_subscribed()
+        for seq, payload in enumerate(payloads):
+            await engine.send(TOPIC, seq, payload)
+        await wait_until(lambda: len(col.msgs) >= len(payloads), WAIT, "the batches on NATS")
+        assert relay_hashes(relay) == {1, 3}  # the unreadable batch is left out of the view only
+        assert relay.stats["view_unread_batches"] == 1 and relay.stats["malformed"] == 0
+    assert [m.data for m in col.msgs] == payloads
+
+
 async def test_a_batch_over_max_payload_is_split_and_counted(zctx, tmp_path):
     conf = tmp_path / "small.conf"
     conf.write_text("max_payload: 65536\n")

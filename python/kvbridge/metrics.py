@@ -87,6 +87,9 @@ RELAY_METRICS = {
                             "Engine events the view skipped: a bad group_idx, an unknown kind, a bad window", "counter"),
     "view_unknown_removes": ("kvbridge_relay_view_unknown_removes", "Removals of blocks the view did not hold",
                              "counter"),
+    "view_unread_batches": ("kvbridge_relay_view_unread_batches",
+                            "Batches forwarded but left out of the view (values nested too deep for its reader)",
+                            "counter"),
 }
 
 
