@@ -33,7 +33,7 @@ from bridge_support import stop_process, wait_until
 from engine_shapes import PrefixCacheStats, SchedulerStats
 from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
 from kvbridge.engine.discover import Discovery
-from kvbridge.wire.events import LoadReport, decode_load_report
+from kvbridge.wire.events import BlockStored, KVEventBatch, LoadReport, decode_load_report
 from kvbridge.wire.subjects import HDR_SEQ, sanitize_token
 from test_relay import WAIT, FakeEngine, nats_sub  # noqa: F401  (nats_sub is a fixture)
 
@@ -346,6 +346,22 @@ async def test_stats_carrying_kv_cache_events_are_published(nats_server, nats_su
     await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "the stats' events on NATS")
     assert [m.data for m in col.msgs] == [p for _, _, p in frames]
     assert logger.stats["event_batches"] == len(frames)
+
+
+async def test_stats_carried_events_the_view_cannot_read_are_still_published(nats_server, nats_sub):
+    # An extra key nested 40 deep: decodable, beyond the native view's reader (32 levels).
+    deep: tuple = ("x",)
+    for _ in range(40):
+        deep = (deep,)
+    col = await nats_sub(f"kv.events.ev-deep.{HOST}-dp0")
+    cfg = vllm_config(publisher="null", served="ev-deep", dp_size=1)
+    logger = kv_vllm.logger_factory(servers=[nats_server.url], heartbeat_s=0)(vllm_config=cfg, engine_indexes=[0])
+    for h, keys in ((1, None), (2, [deep]), (3, None)):
+        stats = SchedulerStats()
+        stats.kv_cache_events = KVEventBatch(1.0, [BlockStored([h], None, [0] * 4, 4, None, "GPU", None, keys)])
+        logger.record(stats, None, engine_idx=0)
+    await wait_until(lambda: len(col.msgs) == 3, WAIT, "every batch on NATS, the unreadable one too")
+    assert [decode_batch(m.data).events[0].block_hashes for m in col.msgs] == [[1], [2], [3]]
 
 
 async def test_record_never_raises(caplog):

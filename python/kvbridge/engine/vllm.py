@@ -393,7 +393,7 @@ class _EventSink:
         self.publisher: KvEventPublisher | None = None
         self.view = RelayView()
         self.starting = False
-        self.stats = {"batches": 0, "dropped": 0, "malformed": 0, "start_failures": 0}
+        self.stats = {"batches": 0, "dropped": 0, "malformed": 0, "start_failures": 0, "view_unread": 0}
 
     def put(self, obj: Any) -> None:  # vLLM's thread
         pending = self.pending
@@ -438,7 +438,10 @@ class _EventSink:
             if batch is None:
                 continue
             with pub.lock:
-                view.apply(batch.events)
+                try:
+                    view.apply(batch.events)
+                except ValueError:  # a value nested beyond the view's reader: published, not in the view
+                    self.stats["view_unread"] += 1
                 pub.publish_batch(batch)
             self.stats["batches"] += 1
 
