@@ -275,7 +275,9 @@ impl<'a> Reader<'a> {
     fn value(&mut self, ty: Ty, hashes: &mut Vec<Hash>) -> Option<()> {
         match ty {
             Ty::Hashes => {
-                let n = self.array_len()?;
+                // Bounded by the bytes left (a hash takes one at least): a count from the payload
+                // must not size an allocation (2**32 claimed in 37 bytes aborted the process).
+                let n = self.bounded_array_len()?;
                 hashes.reserve(n);
                 for _ in 0..n {
                     let h = self.hash()?;

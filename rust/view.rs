@@ -365,7 +365,8 @@ impl View {
             0xca => r.take(4)?,
             _ => return None,
         };
-        let n_events = r.array_len()?;
+        // Bounded by the bytes left: the count sizes an allocation.
+        let n_events = r.bounded_array_len()?;
         let mut hashes = Vec::new();
         let mut evs = Vec::with_capacity(n_events);
         let mut windows = false;

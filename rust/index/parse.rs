@@ -231,7 +231,8 @@ impl<'a> Parser<'a> {
     }
 
     fn events(&mut self) -> Option<()> {
-        let n = self.r.array_len()?;
+        // Bounded by the bytes left: a count from the payload must not size an allocation.
+        let n = self.r.bounded_array_len()?;
         self.out.events.reserve(n);
         for _ in 0..n {
             self.bad_tokens = false;
