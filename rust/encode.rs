@@ -14,17 +14,24 @@
 //! type, int widths by table lookup (`msgpack.rs`), and one output buffer reused across calls.
 //! Anything outside the supported value set raises TypeError before a single wrong byte could
 //! be returned, so callers can fall back to msgspec.
+//!
+//! The walk borrows what it reads (a list's item array, a dict's entries, a slot's value), so it
+//! must run no Python code: any could resize a list or free an object under it. Planning a type
+//! runs Python code (`getattr`), so no plan is built during a walk. Each thread plans the four
+//! wire types (`WIRE_TYPES`) before its first walk; a walk that meets any other Struct type
+//! without a plan stops, keeping a reference to that instance, and once the walk has let go of
+//! everything it borrowed, the plan is built from the instance and the walk starts over from
+//! the top, on the containers as they are then.
 
 use std::cell::RefCell;
 use std::os::raw::c_int;
 use std::ptr::addr_of_mut;
-use std::rc::Rc;
 
 use pyo3::exceptions::{PyAttributeError, PyOverflowError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyNone};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyNone};
 
 use crate::cpython;
 
@@ -44,6 +51,11 @@ const MAX_PLANS: usize = 64;
 /// A one-off huge batch should not pin its buffer for the life of the thread.
 const KEEP_BUFFER_BYTES: usize = 8 << 20;
 
+/// The Struct types vLLM's wire format is made of, in `kvbridge.wire.events`: planned by every
+/// thread before its first walk, so that a batch never makes a walk start over.
+const WIRE_MODULE: &str = "kvbridge.wire.events";
+const WIRE_TYPES: [&str; 4] = ["KVEventBatch", "BlockStored", "BlockRemoved", "AllBlocksCleared"];
+
 /// Encode `batch` (normally a `KVEventBatch`) to the exact bytes msgspec's msgpack encoder writes.
 #[pyfunction]
 pub fn encode_batch_msgpack<'py>(
@@ -53,7 +65,8 @@ pub fn encode_batch_msgpack<'py>(
     let setup = setup(py)?;
     STATE.with(|cell| match cell.try_borrow_mut() {
         Ok(mut state) => state.encode(py, setup, batch),
-        // Only reachable if Python code run while planning a type re-enters the encoder.
+        // Only reachable if Python code run while planning a type (between walks) re-enters
+        // the encoder.
         Err(_) => State::default().encode(py, setup, batch),
     })
 }
@@ -78,6 +91,8 @@ struct Setup {
     struct_meta: Py<PyAny>,
     unset: Py<PyAny>,
     layout: cpython::Layout,
+    /// One instance of each of `WIRE_TYPES`, for `build_plan` to check the slots on.
+    wire_samples: Vec<Py<PyAny>>,
 }
 
 static SETUP: PyOnceLock<Setup> = PyOnceLock::new();
@@ -89,14 +104,35 @@ fn setup(py: Python<'_>) -> PyResult<&'static Setup> {
             struct_meta: msgspec.getattr("Struct")?.get_type().into_any().unbind(),
             unset: msgspec.getattr("UNSET")?.unbind(),
             layout: cpython::layout(py),
+            wire_samples: wire_samples(py)?,
         })
     })
+}
+
+/// An instance of each wire type with None in every field (a Struct's `__init__` checks no
+/// types), so its plan can be built before anything is walked.
+fn wire_samples(py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+    let module = py.import(WIRE_MODULE)?;
+    WIRE_TYPES
+        .iter()
+        .map(|name| {
+            let ty = module.getattr(*name)?;
+            let fields = PyDict::new(py);
+            for field in ty.getattr("__struct_fields__")?.try_iter()? {
+                fields.set_item(field?, PyNone::get(py))?;
+            }
+            Ok(ty.call((), Some(&fields))?.unbind())
+        })
+        .collect()
 }
 
 #[derive(Default)]
 struct State {
     buf: Vec<u8>,
-    plans: Vec<Rc<Plan>>,
+    /// Built only between walks, never during one (see the module's doc).
+    plans: Vec<Plan>,
+    /// Whether `plans` holds the wire types' yet.
+    wire_planned: bool,
 }
 
 thread_local! {
@@ -110,19 +146,35 @@ impl State {
         setup: &Setup,
         obj: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        self.buf.clear();
-        let mut enc = Encoder {
-            py,
-            out: &mut self.buf,
-            plans: &mut self.plans,
-            struct_meta: setup.struct_meta.as_ptr() as *mut ffi::PyTypeObject,
-            unset: setup.unset.as_ptr(),
-            layout: setup.layout,
-            depth: 0,
-        };
-        // SAFETY: `obj` is a live object and the GIL is held for the whole encode; nothing
-        // below runs Python code that could mutate the containers being walked.
-        unsafe { enc.value(obj.as_ptr())? };
+        if !self.wire_planned {
+            for sample in &setup.wire_samples {
+                self.plans.push(build_plan(sample.bind(py).clone())?);
+            }
+            self.wire_planned = true;
+        }
+        loop {
+            self.buf.clear();
+            let mut enc = Encoder {
+                py,
+                out: &mut self.buf,
+                plans: &self.plans,
+                unplanned: None,
+                struct_meta: setup.struct_meta.as_ptr() as *mut ffi::PyTypeObject,
+                unset: setup.unset.as_ptr(),
+                layout: setup.layout,
+                depth: 0,
+            };
+            // SAFETY: `obj` is a live object (our caller holds it for the call), the GIL is held,
+            // and the walk runs no Python code: it builds no plan, it stops instead.
+            let walked = unsafe { enc.value(obj.as_ptr()) };
+            let Some(instance) = enc.unplanned.take() else {
+                walked?;
+                break;
+            };
+            // The walk is over and borrows nothing: planning may run Python code, which may
+            // change what the next walk finds.
+            self.plans.push(build_plan(instance.into_bound(py))?);
+        }
         let bytes = PyBytes::new(py, &self.buf);
         if self.buf.capacity() > KEEP_BUFFER_BYTES {
             self.buf = Vec::new();
@@ -140,14 +192,16 @@ impl State {
 struct Encoder<'a, 'py> {
     py: Python<'py>,
     out: &'a mut Vec<u8>,
-    plans: &'a mut Vec<Rc<Plan>>,
+    plans: &'a [Plan],
+    /// An instance of a Struct type met without a plan: the walk stopped there.
+    unplanned: Option<Py<PyAny>>,
     struct_meta: *mut ffi::PyTypeObject,
     unset: *mut ffi::PyObject,
     layout: cpython::Layout,
     depth: u32,
 }
 
-impl Encoder<'_, '_> {
+impl<'a> Encoder<'a, '_> {
     /// Any value.
     ///
     /// # Safety
@@ -223,7 +277,7 @@ impl Encoder<'_, '_> {
         // callee's); the same holds for every block below.
         if let Some(plan) = unsafe { self.plan_for(obj, ty) }? {
             // SAFETY: see above; the plan is `ty`'s.
-            return unsafe { self.strukt(obj, &plan) };
+            return unsafe { self.strukt(obj, plan) };
         }
         // Subclasses msgspec also writes as their base container.
         // SAFETY: see above.
@@ -451,7 +505,8 @@ impl Encoder<'_, '_> {
         Ok(())
     }
 
-    /// The plan for `ty` if it is a msgspec Struct type, building it on first sight.
+    /// The plan for `ty` if it is a msgspec Struct type. A Struct type without one stops the
+    /// walk: `obj` is kept in `unplanned` for `State::encode` to plan once the walk is over.
     ///
     /// # Safety
     /// As for every walk method (see `Encoder`), and `ty` is `obj`'s type.
@@ -459,9 +514,10 @@ impl Encoder<'_, '_> {
         &mut self,
         obj: *mut ffi::PyObject,
         ty: *mut ffi::PyTypeObject,
-    ) -> PyResult<Option<Rc<Plan>>> {
-        if let Some(plan) = self.plans.iter().find(|p| p.ty == ty) {
-            return Ok(Some(plan.clone()));
+    ) -> PyResult<Option<&'a Plan>> {
+        let plans: &'a [Plan] = self.plans;
+        if let Some(plan) = plans.iter().find(|p| p.ty == ty) {
+            return Ok(Some(plan));
         }
         // SAFETY: `ty` is a live type object, as is msgspec's metaclass (held by SETUP);
         // the subtype test reads their MROs without running Python code.
@@ -477,9 +533,8 @@ impl Encoder<'_, '_> {
                 "the native encoder caches at most {MAX_PLANS} Struct types"
             )));
         }
-        // SAFETY: `obj` is live.
-        let plan = Rc::new(build_plan(unsafe { Bound::from_borrowed_ptr(self.py, obj) })?);
-        self.plans.push(plan.clone());
-        Ok(Some(plan))
+        // SAFETY: `obj` is live; taking a reference to it runs no Python code.
+        self.unplanned = Some(unsafe { Py::from_borrowed_ptr(self.py, obj) });
+        Err(PyTypeError::new_err("the walk stops to plan a Struct type"))
     }
 }
