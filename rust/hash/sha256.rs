@@ -179,7 +179,8 @@ mod shani {
     /// Big-endian 32-bit words <-> bytes.
     ///
     /// # Safety
-    /// The CPU has sha, ssse3 and sse4.1 (only `chain` calls this, after `available()`).
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn bswap32(v: __m128i) -> __m128i {
         // SAFETY: the CPU has the features the intrinsics need (this function's contract).
@@ -194,7 +195,8 @@ mod shani {
     /// The message schedule: the next four words from the previous sixteen.
     ///
     /// # Safety
-    /// The CPU has sha, ssse3 and sse4.1 (only `chain` calls this, after `available()`).
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn schedule(v0: __m128i, v1: __m128i, v2: __m128i, v3: __m128i) -> __m128i {
         // SAFETY: the CPU has the features the intrinsics need (this function's contract).
@@ -208,11 +210,12 @@ mod shani {
     /// Rounds 4i..4i + 4 (i < 16).
     ///
     /// # Safety
-    /// The CPU has sha, ssse3 and sse4.1 (only `chain` calls this, after `available()`).
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards), and `i` < 16.
     #[inline(always)]
     unsafe fn rounds4(abef: &mut __m128i, cdgh: &mut __m128i, w: __m128i, i: usize) {
-        // SAFETY: the features as above; K32 has 64 words, so 4i..4i + 4 is inside it for
-        // i < 16, which every caller passes.
+        // SAFETY: the features as above; K32 has 64 words, so words 4i..4i + 4 are inside it
+        // for i < 16 (this function's contract).
         unsafe {
             let k = _mm_loadu_si128(K32.as_ptr().add(4 * i).cast());
             let t1 = _mm_add_epi32(w, k);
@@ -225,7 +228,8 @@ mod shani {
     /// of `writer` after every four rounds.
     ///
     /// # Safety
-    /// The CPU has sha, ssse3 and sse4.1 (only `chain` calls this, after `available()`).
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn block<M: Messages>(
         abef: &mut __m128i,
@@ -233,7 +237,8 @@ mod shani {
         w: [__m128i; 4],
         writer: &mut Writer<'_, M>,
     ) {
-        // SAFETY: the CPU has the features the intrinsics and helpers need (this function's contract).
+        // SAFETY: the CPU has the features the intrinsics and helpers need (this function's
+        // contract).
         // Every `rounds4` index is below 16.
         unsafe {
             let (abef_save, cdgh_save) = (*abef, *cdgh);

@@ -280,7 +280,8 @@ unsafe fn convert<T: Item>(
     out.reserve(n);
     for i in 0..n {
         // SAFETY: item i < n is readable at `stride` * i bytes from `base`.
-        let mut x = unsafe { std::ptr::read_unaligned(base.offset(i as isize * stride) as *const T) };
+        let mut x =
+            unsafe { std::ptr::read_unaligned(base.offset(i as isize * stride) as *const T) };
         if swap {
             x = x.swapped();
         }
