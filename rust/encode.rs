@@ -39,7 +39,8 @@ mod msgpack;
 mod plan;
 
 use msgpack::{
-    patch_map_header, put_array_header, put_bin, put_int, put_map_header, put_str, put_uint,
+    patch_map_header, put_array_header, put_bin, put_float, put_int, put_map_header, put_str,
+    put_uint,
 };
 use plan::{build_plan, Plan};
 
@@ -225,9 +226,7 @@ impl<'a> Encoder<'a, '_> {
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyFloat_Type) {
             // SAFETY: see above; an exact float converts without running Python code.
-            let x = unsafe { ffi::PyFloat_AsDouble(obj) };
-            self.out.push(0xcb);
-            self.out.extend_from_slice(&x.to_bits().to_be_bytes());
+            put_float(self.out, unsafe { ffi::PyFloat_AsDouble(obj) });
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyBool_Type) {
             self.out.push(if obj == PyBool::new(self.py, true).as_ptr() {
