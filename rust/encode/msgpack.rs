@@ -286,25 +286,19 @@ mod tests {
 
     #[test]
     fn array_and_map_headers_have_no_8_bit_form() {
-        for (len, array, map) in [
-            (0, "90", "80"),
-            (15, "9f", "8f"),
-            (16, "dc0010", "de0010"),
-            (0xff, "dc00ff", "de00ff"),
-            (0xffff, "dcffff", "deffff"),
-            (0x1_0000, "dd00010000", "df00010000"),
-            (0xffff_ffff, "ddffffffff", "dfffffffff"),
+        for (form, len, array, map) in [
+            ("fix", 0, "90", "80"),
+            ("fix", 15, "9f", "8f"),
+            ("16", 16, "dc0010", "de0010"),
+            ("16", 0xff, "dc00ff", "de00ff"),
+            ("16", 0xffff, "dcffff", "deffff"),
+            ("32", 0x1_0000, "dd00010000", "df00010000"),
+            ("32", 0xffff_ffff, "ddffffffff", "dfffffffff"),
         ] {
-            assert_eq!(
-                written(|o| put_array_header(o, len).unwrap()),
-                hex(array),
-                "{len}"
-            );
-            assert_eq!(
-                written(|o| put_map_header(o, len).unwrap()),
-                hex(map),
-                "{len}"
-            );
+            let array_header = written(|o| put_array_header(o, len).unwrap());
+            assert_eq!(array_header, hex(array), "array{form} {len}");
+            let map_header = written(|o| put_map_header(o, len).unwrap());
+            assert_eq!(map_header, hex(map), "map{form} {len}");
         }
     }
 

@@ -80,36 +80,23 @@ mod tests {
 
     /// Python's pickle opcodes (Lib/pickle.py save_long): BININT1 below 256, BININT2 below 65536,
     /// BININT (signed) below 2**31, then LONG1 with a little-endian two's complement payload.
-    #[test]
-    fn pickle_ints_at_every_boundary() {
-        for (t, want) in [
-            (0, "4b00"),
-            (0xff, "4bff"),
-            (0x100, "4d0001"),
-            (0xffff, "4dffff"),
-            (0x1_0000, "4a00000100"),
-            (0x7fff_ffff, "4affffff7f"),
-            (0x8000_0000, "8a050000008000"),
-            (u32::MAX, "8a05ffffffff00"),
-        ] {
-            assert_eq!(bytes_of(pickle, t), hex(want), "{t}");
-        }
-    }
-
     /// CBOR major type 0 (RFC 8949 3.1): the value below 24, else 1, 2 or 4 big-endian bytes.
     #[test]
-    fn cbor_ints_at_every_boundary() {
-        for (t, want) in [
-            (0, "00"),
-            (23, "17"),
-            (24, "1818"),
-            (0xff, "18ff"),
-            (0x100, "190100"),
-            (0xffff, "19ffff"),
-            (0x1_0000, "1a00010000"),
-            (u32::MAX, "1affffffff"),
+    fn ints_at_every_boundary() {
+        for (t, pickled, cbor_head) in [
+            (0, "4b00", "00"),
+            (23, "4b17", "17"),
+            (24, "4b18", "1818"),
+            (0xff, "4bff", "18ff"),
+            (0x100, "4d0001", "190100"),
+            (0xffff, "4dffff", "19ffff"),
+            (0x1_0000, "4a00000100", "1a00010000"),
+            (0x7fff_ffff, "4affffff7f", "1a7fffffff"),
+            (0x8000_0000, "8a050000008000", "1a80000000"),
+            (u32::MAX, "8a05ffffffff00", "1affffffff"),
         ] {
-            assert_eq!(bytes_of(cbor, t), hex(want), "{t}");
+            assert_eq!(bytes_of(pickle, t), hex(pickled), "pickle {t}");
+            assert_eq!(bytes_of(cbor, t), hex(cbor_head), "cbor {t}");
         }
     }
 
