@@ -244,6 +244,10 @@ async def test_without_a_private_member_nats_py_s_own_client_delivers_in_order(m
     nc = Client()
     assert type(nc) is Client and not hasattr(nc, "_direct")  # nats-py's own parser and delivery
     assert type(nc._ps) is NatsParser
+    await nc.connect(nats_server.url)
+    assert await nc.link_alive(10, "a probe") is True  # its PONG came back
+    await nc.close()
+    assert await nc.link_alive(10, "a probe") is False
     seqs, hashes, sub = await _round_trip(nats_server.url, "fallback", 300)
     assert type(sub._nc) is Client
     assert len(seqs) > 100, seqs  # the premise: many messages
