@@ -46,7 +46,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 import msgspec
 from nats.errors import NoRespondersError
 
-from kvbridge import _native, metrics
+from kvbridge._native import scan_batch_msgpack
+from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.sequencer import Sequencer, Verdict
@@ -348,7 +349,7 @@ class KvEventSubscriber:
              "expired", "iterator_behind"),
             0,
         )  # fmt: skip
-        metrics.register("subscriber", self)
+        register("subscriber", self)
 
     @property
     def on_update(self) -> Callable[[Update], Awaitable[None] | None] | None:
@@ -397,7 +398,7 @@ class KvEventSubscriber:
             raise
         self._expiry = asyncio.create_task(self._expire_loop(), name=f"kvbridge-expiry-{self.subject}")
         if self.config.metrics_port is not None:
-            metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
+            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:
@@ -913,7 +914,7 @@ def _parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) ->
     return epoch, seq, _Body(data, fmt, raw)
 
 
-_scan = _native.scan_batch_msgpack
+_scan = scan_batch_msgpack
 # _request's answer when nobody subscribes to the subject (a made-up or gone worker).
 _NO_RESPONDERS = object()
 
