@@ -125,8 +125,8 @@ fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
 /// One token from a Python object; exact ints take the fast path.
 ///
 /// # Safety
-/// `item` is a live object (this may run its `__index__`, which may free a borrowed `item`
-/// only after this holds its own reference).
+/// `item` is a live object. It may be borrowed (from a list): before running any Python code
+/// (its `__index__`, which may mutate that list), this takes a reference of its own.
 #[inline(always)]
 unsafe fn token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyResult<u32> {
     // SAFETY: `item` is live; converting an exact int runs no Python code.
