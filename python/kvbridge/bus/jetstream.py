@@ -280,7 +280,6 @@ class JetStreamAcks:
         #: Every seq below this is acked (or released without an ack, see js_unacked_evicted).
         self.acked_below = 0
         self._acked_ahead: set[int] = set()  # acks that arrived before an older one's
-        self._high = 0  # first seq never sent: lower ones are re-sends
         self._progress_t = time.monotonic()
         self._reply_prefix = ""
         self._ack_sub: Any = None
@@ -328,12 +327,11 @@ class JetStreamAcks:
                 continue
             if self.acked_below == seq:  # the ack clock starts when the oldest is (re)sent
                 self._progress_t = time.monotonic()
+            resend = seq < outbox.never_sent
             if await self._send(seq, self._reply_prefix + str(seq)) is None:
                 break  # stays unacked: the watchdog sends it again
-            if seq < self._high:
+            if resend:
                 self.counts["js_resent"] += 1
-            else:
-                self._high = seq + 1
             sent += 1
         return sent
 
@@ -342,7 +340,7 @@ class JetStreamAcks:
         first = self.outbox.first
         if self.acked_below < first:
             self.counts["js_unacked_evicted"] += sum(
-                1 for s in range(self.acked_below, min(first, self._high)) if s not in self._acked_ahead
+                1 for s in range(self.acked_below, min(first, self.outbox.never_sent)) if s not in self._acked_ahead
             )
             self._acked_ahead = {s for s in self._acked_ahead if s >= first}
             self.acked_below = first

@@ -182,7 +182,6 @@ class KvEventPublisher:
         self._closing = False
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
-        self._sent_high = 0  # every seq below it went out at least once (JetStream re-sends some)
         self._last_emit = 0.0
         self._max_events = config.max_batch_events
         self._max_payload = 1 << 20
@@ -633,9 +632,7 @@ class KvEventPublisher:
             # the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
             self._counts["publish_errors"] += 1
             return None
-        self._outbox.sent(seq)
-        if seq >= self._sent_high:
-            self._sent_high = seq + 1
+        if self._outbox.sent(seq):  # its first time out (JetStream re-sends some)
             counts = self._counts
             counts["messages"] += 1
             counts["events"] += n_events
