@@ -23,7 +23,8 @@ from kvbridge.wire.hashing import ALGORITHMS, BlockHasher, hash_blocks
 from kvbridge.bus.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
 from kvbridge.bus.jetstream import JetStreamError
 from kvbridge.bus.publisher import BackgroundPublisher, KvEventPublisher
-from kvbridge.bus.subscriber import KvEventSubscriber, Update, WorkerView
+from kvbridge.bus.subscriber import KvEventSubscriber
+from kvbridge.bus.update import Update, WorkerView
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.router import NoWorkersError, Router
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
