@@ -50,7 +50,7 @@ from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.loads import LoadReports, parse_load_msg
 from kvbridge.bus.sequencer import Sequencer, Verdict
-from kvbridge.bus.update import Body, Malformed, Update, WorkerView, decode, parse_event_msg
+from kvbridge.bus.update import Body, Update, WorkerView, decode, parse_event_msg
 from kvbridge.wire.events import DecodeError, KVEventBatch
 from kvbridge.wire.events import Event, LoadReport
 from kvbridge.wire.subjects import (
@@ -427,9 +427,9 @@ class KvEventSubscriber:
         try:
             key = self._subject_keys.get(subject) or self._subject_key(subject)
             if not headers:
-                raise Malformed("no headers")
+                raise DecodeError("no headers")
             epoch, seq, batch = parse_event_msg(headers, data, self._raw_bodies)
-        except (Malformed, DecodeError):
+        except DecodeError:
             counts["malformed"] += 1
             return
         w = self._workers.get(key)
@@ -463,7 +463,7 @@ class KvEventSubscriber:
         the first. Forgotten all at once past a bound, so made-up subjects cannot grow it."""
         key = parse_events_subject(subject, self.prefix)
         if key is None:
-            raise Malformed("not an events subject")
+            raise DecodeError("not an events subject")
         if len(self._subject_keys) >= _MAX_SUBJECT_KEYS:
             self._subject_keys.clear()
         self._subject_keys[subject] = key
@@ -680,7 +680,7 @@ class KvEventSubscriber:
         for m in replies[:-1]:
             try:
                 epoch, seq, batch = parse_event_msg(m.headers or {}, m.data, self._raw_bodies)
-            except (Malformed, DecodeError):
+            except DecodeError:
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
                 self._counts["malformed"] += 1

@@ -11,17 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvbridge._native import scan_batch_msgpack
-from kvbridge.wire.events import KVEventBatch, decode_batch
+from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
 from kvbridge.wire.residency import Residency, ops_of
 from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_EPOCH, HDR_REPLY, HDR_SEQ, Format
 
-__all__ = ["Body", "Malformed", "Update", "WorkerView", "decode", "parse_event_msg"]
+__all__ = ["Body", "Update", "WorkerView", "decode", "parse_event_msg"]
 
 _scan = scan_batch_msgpack
-
-
-class Malformed(Exception):
-    """Not a well-formed event message (the subscriber counts and skips it)."""
 
 
 class Body:
@@ -164,20 +160,22 @@ class WorkerView:
 
 
 def parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> tuple[str, int, Body]:
+    """An event message's ``(epoch, seq, body)``; DecodeError when its headers (or, unless
+    ``raw``, its payload) are not those of one."""
     epoch = headers.get(HDR_EPOCH)
     raw_seq = headers.get(HDR_SEQ)
     if not epoch or raw_seq is None or HDR_REPLY in headers:
-        raise Malformed("missing Kv-Epoch / Kv-Seq")
+        raise DecodeError("missing Kv-Epoch / Kv-Seq")
     try:
         seq = int(raw_seq)
     except ValueError:
-        raise Malformed("Kv-Seq is not an integer") from None
+        raise DecodeError("Kv-Seq is not an integer") from None
     if seq < 0:
-        raise Malformed("negative Kv-Seq")
+        raise DecodeError("negative Kv-Seq")
     content_type = headers.get(HDR_CONTENT_TYPE)
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
-        raise Malformed(f"unknown Content-Type {content_type!r}")
+        raise DecodeError(f"unknown Content-Type {content_type!r}")
     return epoch, seq, Body(data, fmt, raw)
 
 
