@@ -1,7 +1,7 @@
 """The publisher's numbered send log: seqs, the replay ring, holes, and the send cursor.
 
 One owner for the rules every sender follows (the core sender in :mod:`kvbridge.bus.publisher` and
-the JetStream one in :mod:`kvbridge.bus.jetstream` drive it through these methods, and neither
+the JetStream one in :mod:`kvbridge.bus.jetstream.acks` drive it through these methods, and neither
 touches its state):
 
 * every message gets the next seq when it is numbered, and is kept, encoded, in a ring bounded

@@ -178,7 +178,7 @@ class KvEventPublisher:
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
         self._sender: asyncio.Task | None = None
-        self._js: Any = None  # kvbridge.bus.jetstream.JetStreamAcks in JetStream mode
+        self._js: Any = None  # kvbridge.bus.jetstream.acks.JetStreamAcks in JetStream mode
         self._closing = False
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
@@ -314,7 +314,7 @@ class KvEventPublisher:
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
             await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
             if self.config.jetstream:
-                from kvbridge.bus.jetstream import JetStreamAcks
+                from kvbridge.bus.jetstream.acks import JetStreamAcks
 
                 self._js = JetStreamAcks(
                     self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle,

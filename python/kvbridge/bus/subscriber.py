@@ -194,7 +194,7 @@ class KvEventSubscriber:
         self._loads = LoadReports()
         self._nc: Any = None
         self._expiry: asyncio.Task | None = None
-        self._stream_reader: Any = None  # kvbridge.bus.jetstream.StreamReader in JetStream mode
+        self._stream_reader: Any = None  # kvbridge.bus.jetstream.reader.StreamReader in JetStream mode
         self._closed = False
         self._permissions = Permissions(f"subscriber {self.subject}")
         self._counts = dict.fromkeys(
@@ -226,7 +226,7 @@ class KvEventSubscriber:
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         try:
             if self.config.jetstream:
-                from kvbridge.bus.jetstream import subscribe_stream
+                from kvbridge.bus.jetstream.reader import subscribe_stream
 
                 self._stream_reader = await subscribe_stream(
                     self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions
