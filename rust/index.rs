@@ -554,12 +554,12 @@ fn opt_str<'a>(arg: &str, v: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'
 
 fn kv_event_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     static CLS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    CLS.import(py, "kvbridge.events", "KVEventBatch")
+    CLS.import(py, "kvbridge.wire.events", "KVEventBatch")
 }
 
 fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     static F: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    F.import(py, "kvbridge.events", "encode_batch")
+    F.import(py, "kvbridge.wire.events", "encode_batch")
 }
 
 /// Block hashes as a router passes them: ints (-2**63..2**64-1, negatives as two's complement,

@@ -171,7 +171,7 @@ struct State {
 }
 
 /// The request level of a prefix-caching KV block pool with vLLM v1's semantics, recording
-/// KV events. Wrapped by `kvbridge.pool.KVCacheManager`, which documents it.
+/// KV events. Wrapped by `kvbridge.engine.pool.KVCacheManager`, which documents it.
 #[pyclass(module = "kvbridge._native", name = "KVCacheManager", subclass, frozen)]
 pub struct Manager {
     state: Mutex<State>,
@@ -653,7 +653,7 @@ impl Manager {
         Ok(lock(&self.state, py)?.requests.bind(py).len())
     }
 
-    // --- the pool's queries (kvbridge.pool exposes them as `.pool`) ------------------------
+    // --- the pool's queries (kvbridge.engine.pool exposes them as `.pool`) ------------------------
 
     #[getter]
     fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {

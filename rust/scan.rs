@@ -5,7 +5,7 @@
 //! fields its rule reads (kvbridge.wire.residency: medium, group_idx, spec kind and window, whether
 //! a store's parent is None), once per run of events that agree on them. This reader
 //! walks the bytes once, validates the whole payload against the schema msgspec decodes with
-//! (`kvbridge.events`), and only then builds Python objects: the ops and the counts.
+//! (`kvbridge.wire.events`), and only then builds Python objects: the ops and the counts.
 //!
 //! The contract with the Python side: when this returns a result, `decode_batch` on the same
 //! bytes succeeds and yields the same ts, rank, event count and hashes. So it accepts only vLLM

@@ -1,4 +1,4 @@
-"""kvbridge on a real 3-node NATS cluster (kvbridge.server.NatsCluster: three nats-server processes
+"""kvbridge on a real 3-node NATS cluster (kvbridge.tools.server.NatsCluster: three nats-server processes
 routed on loopback), every client given every URL.
 
 Core NATS: the node holding the subscriber's connection is SIGKILLed, later a second node; views

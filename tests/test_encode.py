@@ -13,7 +13,8 @@ import pytest
 from event_strategies import batches
 from hypothesis import given, settings
 
-from kvbridge import _native, events
+from kvbridge import _native
+from kvbridge.wire import events
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 reference = msgspec.msgpack.Encoder().encode

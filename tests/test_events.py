@@ -6,7 +6,7 @@ from event_strategies import batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge import events
+from kvbridge.wire import events
 from kvbridge.wire.events import (
     AllBlocksCleared,
     BlockRemoved,

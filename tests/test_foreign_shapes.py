@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from engine_shapes import SglBatch, SglBlockRemoved, SglBlockStored
-from kvbridge import events
+from kvbridge.wire import events
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 H1, H2, PARENT = 2**63 + 5, 17, 2**64 - 1

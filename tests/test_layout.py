@@ -1,7 +1,10 @@
-"""The package's layout by role keeps its promises: the paths users type stay the very same module
-objects as their new homes, and ``kvbridge``'s top-level names are the ones it always had."""
+"""The package's layout by role: one home per module, ``kvbridge.vllm`` as the one face users type
+besides the package, ``kvbridge``'s top-level names as they always were, and imports inside the
+package that never go back up through the package face or run in a circle."""
 
+import ast
 import importlib
+import pathlib
 import subprocess
 import sys
 
@@ -9,17 +12,7 @@ import pytest
 
 import kvbridge
 
-# The old path users type (an older install's vLLM plugin value, kvbridge.vllm.logger_factory in users'
-# code, the docs and issues) -> its home.
-STABLE = {
-    "kvbridge.vllm": "kvbridge.engine.vllm",
-    "kvbridge.router": "kvbridge.routing.router",
-    "kvbridge.server": "kvbridge.tools.server",
-    "kvbridge.events": "kvbridge.wire.events",
-    "kvbridge.pool": "kvbridge.engine.pool",
-    "kvbridge.publisher": "kvbridge.bus.publisher",
-    "kvbridge.consumer": "kvbridge.bus.subscriber",
-}
+PACKAGE = pathlib.Path(kvbridge.__file__).parent
 
 # kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20), copied
 # here so a change to it is a change here.
@@ -32,24 +25,9 @@ TOP_LEVEL = [
     "WorkerIdInUseError", "WorkerView", "__version__", "decode_batch", "encode_batch", "hash_blocks",
 ]  # fmt: skip
 
-
-@pytest.mark.parametrize("old, new", STABLE.items())
-def test_a_stable_path_is_the_very_module_of_its_new_home(old, new):
-    assert importlib.import_module(old) is importlib.import_module(new)
-    assert sys.modules[old] is sys.modules[new]
-    parent, _, child = old.rpartition(".")
-    assert getattr(sys.modules[parent], child) is sys.modules[new]  # `import kvbridge.vllm` binds it too
-
-
-def test_monkeypatching_through_a_stable_path_reaches_the_code(monkeypatch):
-    import kvbridge.server
-    import kvbridge.tools.server
-
-    def missing() -> str:
-        raise kvbridge.server.NatsServerError("patched")
-
-    monkeypatch.setattr(kvbridge.server, "find_nats_server", missing)
-    assert kvbridge.tools.server.find_nats_server is missing
+# The alias modules of the regroup, gone before any release (issue 20): each name has one home.
+REMOVED = ["kvbridge.router", "kvbridge.server", "kvbridge.events", "kvbridge.pool", "kvbridge.publisher",
+           "kvbridge.consumer"]  # fmt: skip
 
 
 def test_top_level_names_unchanged():
@@ -57,15 +35,105 @@ def test_top_level_names_unchanged():
     assert all(hasattr(kvbridge, name) for name in TOP_LEVEL)
 
 
-def test_a_stable_path_alone_imports_cleanly():
-    # A fresh process whose first kvbridge import is an old path (what vLLM's plugin loader and
-    # users' scripts do): no import circle, and the private names are there.
-    code = (
-        "import kvbridge.events as e, kvbridge.router as r, kvbridge.server as s, kvbridge.vllm as v\n"
-        "print(e.__name__, r.__name__, s.__name__, v.__name__, callable(e._MapBlockStored), callable(v._AggregateBase))"
-    )
+@pytest.mark.parametrize("name", REMOVED)
+def test_the_regroups_aliases_are_gone(name):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(name)
+
+
+def test_kvbridge_vllm_re_exports_the_plugins_public_names():
+    import kvbridge.engine.vllm as home
+    import kvbridge.vllm as face
+
+    assert face is not home  # a plain module, not a second name for the same object
+    assert face.__all__ == home.__all__
+    assert all(getattr(face, name) is getattr(home, name) for name in home.__all__)
+
+
+def test_kvbridge_vllm_alone_imports_cleanly():
+    # A fresh process whose first kvbridge import is the face (what users' scripts do).
+    code = "from kvbridge.vllm import logger_factory, KvBridgeStatLogger\nprint(logger_factory.__module__)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [
-        "kvbridge.wire.events", "kvbridge.routing.router", "kvbridge.tools.server", "kvbridge.engine.vllm", "True", "True",
-    ]  # fmt: skip
+    assert proc.stdout.split() == ["kvbridge.engine.vllm"]
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _top_level_imports(tree: ast.Module) -> list[tuple[str, list[str]]]:
+    """(imported module, names) for each import that runs when the module is loaded: statements at
+    the top level (and under ``if``/``try``), not inside functions or ``if TYPE_CHECKING``."""
+    found: list[tuple[str, list[str]]] = []
+
+    def walk(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.append((node.module, [a.name for a in node.names]))
+            elif isinstance(node, ast.Import):
+                found.extend((a.name, []) for a in node.names)
+            elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                walk(node.body)
+                walk(node.orelse)
+            elif isinstance(node, ast.Try):
+                walk(node.body)
+                for handler in node.handlers:
+                    walk(handler.body)
+
+    walk(tree.body)
+    return found
+
+
+def test_no_module_imports_through_the_package_face():
+    # `from kvbridge import X` inside the package runs kvbridge/__init__.py's imports in the middle of
+    # its own: only the face itself (and the vLLM face, a re-export) may name the package.
+    offenders = []
+    for name, tree in _modules().items():
+        if name in ("kvbridge", "kvbridge.vllm"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "kvbridge" and node.level == 0:
+                offenders.append(f"{name}: from kvbridge import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Import) and any(a.name == "kvbridge" for a in node.names):
+                offenders.append(f"{name}: import kvbridge")
+    assert offenders == []
+
+
+def test_the_packages_load_time_imports_have_no_cycle():
+    modules = _modules()
+    names = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, tree in modules.items():
+        edges = set()
+        for target, imported in _top_level_imports(tree):
+            if not target.startswith("kvbridge"):
+                continue
+            subs = {f"{target}.{n}" for n in imported if f"{target}.{n}" in names}
+            edges |= subs or ({target} if target in names else set())
+        # A package's __init__ importing its own submodules is how a package is assembled, not a cycle
+        # (the face `kvbridge` imports them all; that no submodule imports it back is the test above).
+        graph[name] = {t for t in edges if not t.startswith(name + ".")}
+    assert "kvbridge.bus.connection" in graph["kvbridge.bus.publisher"]  # the walk sees real imports
+
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []

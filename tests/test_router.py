@@ -1,4 +1,4 @@
-"""kvbridge.router: costs, choices and in-flight counting, with expectations worked out by hand."""
+"""kvbridge.routing.router: costs, choices and in-flight counting, with expectations worked out by hand."""
 
 import math
 from collections import Counter

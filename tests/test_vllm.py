@@ -160,7 +160,7 @@ def test_import_kvbridge_never_imports_vllm(tmp_path):
     path = fake_vllm(tmp_path)  # importable, so only not importing it keeps it out
     proc = run_python("""
         import sys, kvbridge, kvbridge.tools.cli, kvbridge.engine.discover, kvbridge.engine.relay, kvbridge.bus.subscriber
-        import kvbridge.events, kvbridge.router, kvbridge.server
+        import kvbridge.wire.events, kvbridge.routing.router, kvbridge.tools.server
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """, [path])  # fmt: skip
     assert proc.returncode == 0, proc.stderr

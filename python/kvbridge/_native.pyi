@@ -125,9 +125,9 @@ class BlockHasher:
     def last_hash(self) -> int | None:
         """The last block's 64-bit hash."""
 
-# --- batch encoding (rust/encode.rs; used through kvbridge.events.encode_batch) ---------------
+# --- batch encoding (rust/encode.rs; used through kvbridge.wire.events.encode_batch) ---------------
 
-from kvbridge.events import KVEventBatch
+from kvbridge.wire.events import KVEventBatch
 def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
     """The exact bytes ``msgspec.msgpack.Encoder().encode(batch)`` writes, built natively.
 
@@ -190,7 +190,7 @@ def timerfd_every(fd: int, interval_ns: int) -> bool: ...
 # --- block pool (rust/pool.rs; used through kvbridge.engine.pool.NativeKVCacheManager) ------------
 
 from typing import Any, Hashable
-from kvbridge.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 @disjoint_base
 class KVCacheManager:

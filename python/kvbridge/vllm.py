@@ -1,10 +1,9 @@
-"""Stable alias: ``kvbridge.vllm`` is the very module ``kvbridge.engine.vllm``."""
+"""kvbridge's vLLM attach under the path users type: ``from kvbridge.vllm import logger_factory``.
 
-import importlib
-import sys
-from typing import TYPE_CHECKING
+The plugin itself lives in :mod:`kvbridge.engine.vllm` (vLLM's entry point names that home); this face
+re-exports its public names, so importing it has the same effects as importing the plugin.
+"""
 
-if TYPE_CHECKING:  # what a type checker sees under the old path: the module's public names
-    from kvbridge.engine.vllm import *  # noqa: F403
+from kvbridge.engine.vllm import KvBridgeStatLogger, Plan, advertise_url, logger_factory, plan, shutdown
 
-sys.modules[__name__] = importlib.import_module("kvbridge.engine.vllm")
+__all__ = ["KvBridgeStatLogger", "Plan", "advertise_url", "logger_factory", "plan", "shutdown"]

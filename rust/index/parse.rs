@@ -1,7 +1,7 @@
 //! Payload bytes -> the events an index needs, with no Python object in between.
 //!
 //! msgpack is read with the batch scanner's `Reader` (rust/scan.rs). It takes every shape
-//! `kvbridge.events.decode_batch` takes: vLLM 0.33's tagged-map events (unknown fields skipped),
+//! `kvbridge.wire.events.decode_batch` takes: vLLM 0.33's tagged-map events (unknown fields skipped),
 //! the older positional events (`["BlockStored", hashes, parent, tokens, block_size, lora_id,
 //! medium, lora_name | metadata]`), SGLang's map events without medium / lora_name, and
 //! map-encoded batches. JSON is transcoded to msgpack first (serde_json), so one reader decides

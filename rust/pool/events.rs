@@ -1,4 +1,4 @@
-//! Compact event records turned into `kvbridge.events` objects, only when drained.
+//! Compact event records turned into `kvbridge.wire.events` objects, only when drained.
 //!
 //! Building lists of ints dominates: a token id becomes a Python int per token per event. Token
 //! ids repeat (a vocabulary is at most a few hundred thousand ids), so each manager keeps the int
@@ -22,7 +22,7 @@ pub struct Classes {
 
 impl Classes {
     pub fn import(py: Python<'_>) -> PyResult<Classes> {
-        let events = py.import("kvbridge.events")?;
+        let events = py.import("kvbridge.wire.events")?;
         Ok(Classes {
             stored: events.getattr("BlockStored")?.unbind(),
             removed: events.getattr("BlockRemoved")?.unbind(),

@@ -45,7 +45,8 @@ from typing import Any, Sequence
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from kvbridge import _native, metrics
+from kvbridge._native import eventfd_signal, timerfd_every, timerfd_new
+from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
 from kvbridge.bus.framer import EVENT_CLASSES, Frame, Framer, number
@@ -123,12 +124,12 @@ class _Waker:
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        fd, signal = self.fd, _native.eventfd_signal
+        fd, signal = self.fd, eventfd_signal
         self.signal = lambda: signal(fd)
-        self.tick_fd = _native.timerfd_new()
+        self.tick_fd = timerfd_new()
 
     def ticking(self, on: bool) -> None:
-        _native.timerfd_every(self.tick_fd, _POLL_NS if on else 0)
+        timerfd_every(self.tick_fd, _POLL_NS if on else 0)
 
     @staticmethod
     def consume(fd: int) -> None:
@@ -197,7 +198,7 @@ class KvEventPublisher:
              "replays_gone", "snapshots", "snapshot_errors", "heartbeats"),
             0,
         )  # fmt: skip
-        metrics.register("publisher", self)
+        register("publisher", self)
 
     # -- engine side (any thread) -------------------------------------------------------------------
 
@@ -343,7 +344,7 @@ class KvEventPublisher:
             self._nc = self._js = None
             raise
         if self.config.metrics_port is not None:
-            metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
+            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         self._sender = asyncio.create_task(self._run_sender(), name=f"kvbridge-sender-{self.config.worker_id}")
         return self
 

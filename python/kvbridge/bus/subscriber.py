@@ -45,7 +45,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from nats.errors import NoRespondersError
 
-from kvbridge import metrics
+from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.loads import LoadReports, parse_load_msg
@@ -203,7 +203,7 @@ class KvEventSubscriber:
              "expired", "iterator_behind"),
             0,
         )  # fmt: skip
-        metrics.register("subscriber", self)
+        register("subscriber", self)
 
     @property
     def on_update(self) -> Callable[[Update], Awaitable[None] | None] | None:
@@ -252,7 +252,7 @@ class KvEventSubscriber:
             raise
         self._expiry = asyncio.create_task(self._expire_loop(), name=f"kvbridge-expiry-{self.subject}")
         if self.config.metrics_port is not None:
-            metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
+            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:

@@ -99,7 +99,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvbridge import _native
+from kvbridge._native import KVCacheManager as _NativeManager
 from kvbridge.wire.events import BlockStored
 from kvbridge.wire.residency import kind_event
 
@@ -162,7 +162,7 @@ class _NativePool:
         return out
 
 
-class NativeKVCacheManager(_native.KVCacheManager):
+class NativeKVCacheManager(_NativeManager):
     """The reference ``PyKVCacheManager``'s API and behaviour, in one native call per method.
 
     ``NativeKVCacheManager(num_blocks, block_size, *, algo="xxh3", seed=None, medium="GPU",

@@ -54,7 +54,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvbridge import metrics
+from kvbridge.metrics import register
 from kvbridge.config import Config, ConfigError
 from kvbridge.wire.events import (
     AllBlocksCleared,
@@ -266,7 +266,7 @@ class Relay:
              "engine_restarts", "split_batches", "idle_probes", "duplicates"),
             0,
         )  # fmt: skip
-        metrics.register("relay", self)
+        register("relay", self)
 
     @property
     def publisher(self) -> KvEventPublisher:

@@ -17,7 +17,7 @@ engines' load from ``record()``.
 What it does, decided once at construction and said in one log line:
 
 * events off (no ``kv_events_config``, or ``enable_kv_cache_events`` false): nothing at all;
-* otherwise every API server publishes a :class:`kvbridge.events.LoadReport` per engine on
+* otherwise every API server publishes a :class:`kvbridge.wire.events.LoadReport` per engine on
   ``<prefix>.load.<model>.<worker>`` at most every ``load_interval_s`` (its ``api_rank`` in it:
   each step's stats reach one API server only; its ``url`` and ``dp_rank`` tell ``kvbridge proxy``
   where to send that worker's requests, see :func:`advertise_url`);

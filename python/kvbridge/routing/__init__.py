@@ -5,5 +5,5 @@ The index of every worker's blocks is native (``kvbridge.Index``, in ``kvbridge.
 ``service`` serves overlap queries from an index over NATS (``kvbridge index``) with its client;
 ``proxy`` (with ``upstreams``) is the OpenAI-compatible gateway ``kvbridge proxy``, imported only
 when used.
-The public names are re-exported by ``kvbridge``; ``kvbridge.router`` stays a stable path.
+The public names are re-exported by ``kvbridge``.
 """

@@ -135,7 +135,7 @@ class KvProxy:
 
                 self.index_client = IndexClient(self.config, timeout=tokenize_timeout_s)
             else:
-                from kvbridge import Index
+                from kvbridge._native import Index
 
                 self.index = Index(block_size)
             self.subscriber = KvEventSubscriber(self.config, model=model, index=self.index, track_views=False)

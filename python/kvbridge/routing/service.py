@@ -30,8 +30,8 @@ import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from kvbridge import metrics
-from kvbridge._native import unpack_query_ints
+from kvbridge._native import Index, unpack_query_ints
+from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.errors import Error
 from kvbridge.bus.connection import connect
@@ -172,8 +172,6 @@ class IndexService:
     ) -> None:
         config = _config(config, model, options)
         if index is None:
-            from kvbridge import Index
-
             index = Index(block_size, key)
         self.config = config
         self.model = config.model
@@ -189,7 +187,7 @@ class IndexService:
         self._latency = _Latency()
         self._last_warning = 0.0
         self._unlogged = 0
-        metrics.register("index", self)
+        register("index", self)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -215,7 +213,7 @@ class IndexService:
             await self.subscriber.close()
             raise
         if self.config.metrics_port is not None:
-            metrics.start_exporter(self.config.metrics_port, self.config.metrics_addr)
+            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:

@@ -4,7 +4,7 @@ A real nats-server and three fleets of simulated engine workers (each worker a
 :class:`KVCacheManager` publishing through a :class:`KvEventPublisher`) serve the same stream of
 multi-turn chats over a few shared system prompts. Each fleet routes by its own policy:
 
-* KV-aware: :class:`kvbridge.router.Router` over a :class:`kvbridge.Index` built only from the
+* KV-aware: :class:`kvbridge.routing.router.Router` over a :class:`kvbridge.Index` built only from the
   fleet's NATS event stream (cost = blocks still to prefill + requests in flight);
 * round-robin, and uniformly random.
 
@@ -28,7 +28,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
-from kvbridge import Index
+from kvbridge._native import Index
 from kvbridge.config import Config
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.bus.update import Update

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, TypeVar, Union, overload
 
 import msgspec
 
-from kvbridge import _native
+from kvbridge._native import encode_batch_msgpack
 from kvbridge.errors import Error
 from kvbridge.wire.subjects import Format
 
@@ -109,7 +109,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
-_native_encode = _native.encode_batch_msgpack
+_native_encode = encode_batch_msgpack
 _decoders: dict[str, msgspec.msgpack.Decoder[KVEventBatch] | msgspec.json.Decoder[KVEventBatch]] = {
     "msgpack": msgspec.msgpack.Decoder(KVEventBatch),
     "json": msgspec.json.Decoder(KVEventBatch),

@@ -113,7 +113,7 @@ def parse_events_subject(subject: str, prefix: str, kind: str = "events") -> tup
     return parts[0], parts[1]
 
 
-# -- load reports (kvbridge.events.LoadReport): <prefix>.load.<model>.<worker> ---------------------
+# -- load reports (kvbridge.wire.events.LoadReport): <prefix>.load.<model>.<worker> ---------------------
 
 
 def load_subject(prefix: str, model: str | None = None, worker: str | None = None) -> str:
