@@ -207,9 +207,9 @@ def test_views_count_what_the_index_counts(rnd, n_groups):
 
 
 def _body(batch: KVEventBatch) -> Any:
-    from kvbridge.bus.subscriber import _Body
+    from kvbridge.bus.update import Body
 
-    body = _Body(encode_batch(batch), "msgpack")
+    body = Body(encode_batch(batch), "msgpack")
     assert body._batch is None, "the scan declined a vLLM-shaped batch"
     return body
 
