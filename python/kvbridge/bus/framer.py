@@ -92,12 +92,19 @@ class Framer:
             self.counts["split_batches"] += 1
         return self.frame(batch.ts, batch.events, batch.data_parallel_rank)
 
-    def _carriable(self, payload: bytes, n_events: int) -> Frame:
+    def snapshot(self, ts: float, events: list[Any]) -> list[bytes]:
+        """A snapshot's payloads: cut like live messages; a block too large for any message is left
+        out (counted in ``oversize_dropped``), as it was a hole in the live stream: sent, the reply
+        would fail every time and the requester would ask again forever."""
+        frames = (self._carriable(payload, n, "left out of a snapshot") for payload, n in self.encode(ts, events))
+        return [frame.payload for frame in frames if frame.payload is not None]
+
+    def _carriable(self, payload: bytes, n_events: int, fate: str = "left as a seq hole") -> Frame:
         if len(payload) <= self.max_payload:
             return Frame(payload, n_events)
         self.counts["oversize_dropped"] += 1
-        log.error("kvbridge: a %d-byte message cannot be sent (max_payload %d); left as a seq hole",
-                  len(payload), self.max_payload)  # fmt: skip
+        log.error("kvbridge: a %d-byte message cannot be sent (max_payload %d); %s",
+                  len(payload), self.max_payload, fate)  # fmt: skip
         return Frame(None, n_events)
 
     # -- encoding within the limits (live messages and snapshots) -----------------------------

@@ -704,7 +704,7 @@ class KvEventPublisher:
         try:
             blocks, seq = self.take_snapshot()
             # The same cuts as live messages: an event too large for one message goes in slices.
-            payloads = [p for p, _ in self._framer.encode(time.time(), blocks)] if blocks else []
+            payloads = self._framer.snapshot(time.time(), blocks) if blocks else []
         except Exception as exc:  # the pool failed us: the requester is told, and asks again later
             self._counts["snapshot_errors"] += 1
             log.exception("kvbridge publisher %s: snapshot failed", self.config.worker_id)
