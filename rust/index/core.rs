@@ -971,7 +971,7 @@ impl Core {
         // `block_size`, hashes at their gcd); its block i is keyed by the hash of its last
         // hash block, index block (i + 1) * m - 1 (kv_cache_utils.py
         // `BlockHashListWithBlockSize`). Anything else is not this index's block size.
-        let scale = (s.block_size > 0 && s.block_size as u64 % bs as u64 == 0)
+        let scale = (s.block_size > 0 && (s.block_size as u64).is_multiple_of(bs as u64))
             .then(|| s.block_size as u64 / bs as u64)
             .filter(|&m| m <= MAX_SCALE)
             .map(|m| m as u32);
@@ -1072,10 +1072,10 @@ impl Core {
                     // the engine hash of the block stands for in every group). No extra keys
                     // here (see `extras_none`).
                     let m = ebs / bs;
-                    let mut i = 0;
+                    let mut i = 0usize;
                     chain.run_words(tokens, None, |k| {
                         i += 1;
-                        if i % m == 0 {
+                        if i.is_multiple_of(m) {
                             digests.push(k);
                         }
                     });

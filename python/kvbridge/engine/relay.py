@@ -213,10 +213,10 @@ class RelayView:
         for g in sorted(kinds.keys() | self.sizes.keys()):
             size = self.sizes.get(g, 0)
             size = size if sized.get(g, 0) < size else 0  # 0: a placeholder's, which says no size
-            kind = kinds.get(g)
-            if kind is not None and (said.get(g) != kind or size):
-                out.append(kind_event(g, *kind, size))
-            elif kind is None and size:
+            known = kinds.get(g)
+            if known is not None and (said.get(g) != known or size):
+                out.append(kind_event(g, known[0], known[1], size))
+            elif known is None and size:
                 out.append(BlockStored([], None, [], size, None, None, None, group_idx=g))
         return out
 
