@@ -274,15 +274,21 @@ def prefix(idx: Index, n: int, **kw):
     return idx.find_matches(PROMPT[: 4 * n], **kw)
 
 
-@pytest.mark.parametrize("key", ["tokens", "engine"])
-def test_a_window_group_of_larger_blocks_counts_its_window_in_its_own_blocks(key):
+def coarse_index(key: str, window: int) -> Index:
+    """PROMPT in group 0 (full attention, the index's 4-token blocks) and in group 1, a sliding
+    window of ``window`` tokens over 8-token blocks keyed by the hashes of blocks 1 and 3."""
     idx = Index(block_size=4, key=key)
     idx.apply("w", batch(
         stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention"),
-        # Blocks of 8 tokens, keyed by the hashes of blocks 1 and 3; W = 9: cdiv(8, 8) = 1 block
-        # of 8 (2 of the index's 4-token blocks had it been read at 4).
-        stored([12, 14], PROMPT, bs=8, group=1, kind="sliding_window", window=9),
+        stored([12, 14], PROMPT, bs=8, group=1, kind="sliding_window", window=window),
     ))  # fmt: skip
+    return idx
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
+def test_a_window_group_of_larger_blocks_counts_its_window_in_its_own_blocks(key):
+    # W = 9: cdiv(8, 8) = 1 block of 8 (2 of the index's 4-token blocks had it been read at 4).
+    idx = coarse_index(key, 9)
     assert query(idx) == {"w": 4}
     assert idx.stats["block_size_mismatches"] == 0
     idx.apply("w", batch(removed([14], group=1)))
@@ -297,11 +303,7 @@ def test_a_window_group_of_larger_blocks_counts_its_window_in_its_own_blocks(key
 
 @pytest.mark.parametrize("key", ["tokens", "engine"])
 def test_a_hit_is_a_multiple_of_every_groups_block_size(key):
-    idx = Index(block_size=4, key=key)
-    idx.apply("w", batch(
-        stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention"),
-        stored([12, 14], PROMPT, bs=8, group=1, kind="sliding_window", window=4),
-    ))  # fmt: skip
+    idx = coarse_index(key, 4)
     assert query(idx) == {"w": 4}
     # An unscored group of 12-token blocks: vLLM aligns hits to lcm(4, 8, 12) = 24 tokens, 6
     # blocks, more than the prompt has.
@@ -355,11 +357,7 @@ BAD_SIZES = [0, 6, -4, 8 * 4096 + 4, 4 * 8192, 2**40, 2**63 - 1]
 def test_a_bad_block_size_is_counted_and_skipped(key, size):
     """0 with tokens (not a placeholder), not a multiple of the index's, negative, over 4096 of
     its blocks: the store is a block-size mismatch, teaches the group nothing, removes nothing."""
-    idx = Index(block_size=4, key=key)
-    idx.apply("w", batch(
-        stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention"),
-        stored([12, 14], PROMPT, bs=8, group=1, kind="sliding_window", window=4),
-    ))  # fmt: skip
+    idx = coarse_index(key, 4)
     blocks = len(idx)
     bad = raw({"block_hashes": [14], "token_ids": PROMPT, "block_size": size, "group_idx": 1,
                "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4})  # fmt: skip
