@@ -280,6 +280,7 @@ enum Step {
 /// n / scale - 1, keyed by that index block); n is a hit when it is a multiple of `align`
 /// (every group's block ends there), every main group held all its blocks so far and each
 /// window group holds its last min(n / scale, blocks) blocks. `runs` counts group blocks.
+#[inline(never)] // rare (groups of larger blocks): kept out of the common walk's loop
 fn scaled_step(runs: &mut [usize], main: u64, windows: &[(u8, u32)], scales: &[u32], align: u64, n: usize, m: u64) -> Step {
     let ends = |g: usize| n.is_multiple_of(scale_of(scales, g) as usize);
     if Bits(main).any(|g| ends(g) && m >> g & 1 == 0) {
@@ -594,14 +595,12 @@ impl Core {
     /// With groups of larger blocks (scale m: index blocks per group block) a group is read
     /// only at its own block ends (index block (i + 1) * m - 1 is its block i's key), and n
     /// must be a multiple of the worker's alignment (the lcm of its scales, see `alignment`).
+    #[inline(never)] // its own function: the plain walk's code does not change with it
     fn hybrid_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
         struct Walk<'c> {
             w: u32,
             main: u64,
             windows: &'c [(u8, u32)],
-            /// By group: its scale (`scales` of the worker); empty when every scale is 1.
-            scales: &'c [u32],
-            align: u64,
             /// The groups whose holding decides the hit (main and window).
             groups: u64,
             /// Where its window groups' runs are in `runs`.
@@ -609,7 +608,10 @@ impl Core {
             best: usize,
             open: bool,
         }
+        // Workers with groups of larger blocks walk apart (`scaled`: their worker's scales and
+        // alignment, by walk), so the others' loop stays as it was.
         let mut walks: Vec<Walk> = Vec::new();
+        let mut scaled: Vec<(Walk, &[u32], u64)> = Vec::new();
         let mut n_runs = 0;
         for (word, &bits) in self.hybrid.iter().enumerate() {
             for b in Bits(bits) {
@@ -619,10 +621,13 @@ impl Core {
                 };
                 let (main, windows) = (worker.main, &worker.windows[..]);
                 let groups = windows.iter().fold(main, |g, &(x, _)| g | 1 << x);
-                let scales = if worker.scales.iter().all(|&m| m <= 1) { &[][..] } else { &worker.scales[..] };
                 if groups != 0 {
-                    let align = worker.align;
-                    walks.push(Walk { w, main, windows, scales, align, groups, runs: n_runs, best: 0, open: true });
+                    let walk = Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true };
+                    if worker.scales.iter().all(|&m| m <= 1) {
+                        walks.push(walk);
+                    } else {
+                        scaled.push((walk, &worker.scales[..], worker.align));
+                    }
                     n_runs += windows.len();
                 }
             }
@@ -631,7 +636,12 @@ impl Core {
         let n_groups = self.class_group.iter().max().map_or(0, |&g| g as usize + 1);
         let mut held = vec![0u64; words * n_groups];
         let mut runs = vec![0usize; n_runs];
-        let mut open = walks.len();
+        let mut open = walks.len() + scaled.len();
+        // The groups of `walk` that hold the block `held` describes, as bits by group.
+        let mask = |held: &[u64], walk: &Walk| {
+            let (word, bit) = (walk.w as usize / 64, walk.w % 64);
+            Bits(walk.groups).fold(0u64, |m, g| m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g))
+        };
         for (i, k) in keys.iter().enumerate() {
             if open == 0 {
                 break;
@@ -641,23 +651,21 @@ impl Core {
                 h.groups_into(&self.slab, filter, &self.class_group, words, &mut held);
             }
             for walk in walks.iter_mut().filter(|x| x.open) {
-                let (word, bit) = (walk.w as usize / 64, walk.w % 64);
-                let m = Bits(walk.groups).fold(0u64, |m, g| {
-                    m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g)
-                });
-                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
-                if walk.scales.is_empty() {
-                    if m & walk.main != walk.main {
-                        walk.open = false;
-                        open -= 1;
-                        continue;
-                    }
-                    if window_step(runs, walk.windows, i + 1, m) {
-                        walk.best = i + 1;
-                    }
+                let m = mask(&held, walk);
+                if m & walk.main != walk.main {
+                    walk.open = false;
+                    open -= 1;
                     continue;
                 }
-                match scaled_step(runs, walk.main, walk.windows, walk.scales, walk.align, i + 1, m) {
+                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
+                if window_step(runs, walk.windows, i + 1, m) {
+                    walk.best = i + 1;
+                }
+            }
+            for (walk, scales, align) in scaled.iter_mut().filter(|x| x.0.open) {
+                let m = mask(&held, walk);
+                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
+                match scaled_step(runs, walk.main, walk.windows, scales, *align, i + 1, m) {
                     Step::Closed => {
                         walk.open = false;
                         open -= 1;
@@ -667,7 +675,8 @@ impl Core {
                 }
             }
         }
-        out.extend(walks.iter().filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
+        let both = walks.iter().chain(scaled.iter().map(|x| &x.0));
+        out.extend(both.filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
     }
 
     /// Bytes held by the index's tables, with an estimate of the allocator's bookkeeping.
@@ -886,6 +895,7 @@ impl Core {
 
     /// Records what a store said group `g` is (None: unchanged) and its block size in index
     /// blocks (None: a placeholder's, which says nothing); returns its kind now.
+    #[inline(never)] // a store that says something new is rare: kept out of `stored`
     fn learn(&mut self, w: u32, g: u8, kind: Option<Kind>, scale: Option<u32>) -> Kind {
         let bs = self.block_size;
         let worker = self.workers[w as usize].as_mut().expect("live worker");
@@ -971,16 +981,24 @@ impl Core {
         // `block_size`, hashes at their gcd); its block i is keyed by the hash of its last
         // hash block, index block (i + 1) * m - 1 (kv_cache_utils.py
         // `BlockHashListWithBlockSize`). Anything else is not this index's block size.
-        let scale = (s.block_size > 0 && (s.block_size as u64).is_multiple_of(bs as u64))
-            .then(|| s.block_size as u64 / bs as u64)
-            .filter(|&m| m <= MAX_SCALE)
-            .map(|m| m as u32);
+        let scale = if s.block_size == bs as i64 {
+            Some(1) // nearly every event: no division
+        } else {
+            (s.block_size > 0 && (s.block_size as u64).is_multiple_of(bs as u64))
+                .then(|| s.block_size as u64 / bs as u64)
+                .filter(|&m| m <= MAX_SCALE)
+                .map(|m| m as u32)
+        };
         if !placeholder && scale.is_none() {
             // An event with no blocks changes nothing, wrong size or not (counted as before).
             self.stats.block_size_mismatches += u64::from(n > 0);
             return;
         }
-        let kind = self.learn(w, s.group, kind, scale);
+        let kind = if kind.is_none() && scale.is_none_or(|m| m <= 1) {
+            self.kind(w, s.group) // most stores: nothing new to learn
+        } else {
+            self.learn(w, s.group, kind, scale)
+        };
         if kind == Kind::Unscored {
             self.stats.unscored_group_events += 1;
         }
