@@ -116,13 +116,16 @@ class RelayView:
     events by the one rule every view shares (:mod:`kvbridge.wire.residency`: per ``(medium,
     group)``, each block's copies); ``sources`` remembers, per ``(medium, group)`` and block, the
     ``BlockStored`` and index each copy came in, so applying an event copies nothing and a
-    snapshot keeps every field of it."""
+    snapshot keeps every field of it. ``sizes``: per group, the largest ``block_size`` its stores
+    gave (groups may have blocks of different sizes: docs/hybrid.md), which a snapshot says
+    when its blocks' events would not."""
 
-    __slots__ = ("residency", "sources")
+    __slots__ = ("residency", "sizes", "sources")
 
     def __init__(self) -> None:
         self.residency = Residency()
         self.sources: dict[tuple[Any, int], dict[Any, list[tuple[BlockStored, int]]]] = {}
+        self.sizes: dict[int, int] = {}
 
     def apply(self, events: list[Any]) -> None:
         res, sources = self.residency, self.sources
@@ -134,8 +137,13 @@ class RelayView:
                 got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
                                 ev.kv_cache_spec_sliding_window, len(hashes) if ev.parent_block_hash is None else 0,
                                 1, windows)  # fmt: skip
-                if got is None or got[1] or not hashes:
-                    continue  # skipped, a re-announce or no blocks: no copy added
+                if got is None:
+                    continue
+                size = ev.block_size
+                if size.__class__ is int and size > self.sizes.get(got[0][1], 0):
+                    self.sizes[got[0][1]] = size
+                if got[1] or not hashes:
+                    continue  # a re-announce or no blocks: no copy added
                 by_hash = sources.setdefault(got[0], {})
                 for i, h in enumerate(hashes):
                     copies = by_hash.get(h)
@@ -158,6 +166,7 @@ class RelayView:
             elif cls is AllBlocksCleared:
                 res.clear()
                 sources.clear()
+                self.sizes.clear()
 
     @property
     def blocks(self) -> set[Any]:
@@ -172,8 +181,9 @@ class RelayView:
         parents before children (a parent stored again after its child is still placed first),
         consecutive blocks of one stored chain as one event; then each further copy, cut from the
         event it came in (so with its real parent, and counted again by a view that applies it);
-        last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind the events
-        before would not leave as it is here."""
+        last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind or largest block
+        size (the size an index reads the group at: a group holding only smaller partial-tail
+        blocks, or nothing, would lose it) the events before would not leave as it is here."""
         out: list[BlockStored] = []
         for by_hash in self.sources.values():
             order: list[Any] = []
@@ -192,11 +202,22 @@ class RelayView:
             out += merge_runs((by_hash[h][0] for h in order), slice_event)
             out += merge_runs((copy for h in order for copy in by_hash[h][1:]), slice_event)
         said: dict[int, tuple[str, int | None]] = {}
+        sized: dict[int, int] = {}
         for ev in out:
+            g = ev.group_idx or 0
             if ev.kv_cache_spec_kind is not None:
                 kind = ev.kv_cache_spec_kind
-                said[ev.group_idx or 0] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
-        out.extend(kind_event(g, *kind) for g, kind in self.residency.kinds.items() if said.get(g) != kind)
+                said[g] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
+            sized[g] = max(sized.get(g, 0), ev.block_size)
+        kinds = self.residency.kinds
+        for g in sorted(kinds.keys() | self.sizes.keys()):
+            size = self.sizes.get(g, 0)
+            size = size if sized.get(g, 0) < size else 0  # 0: a placeholder's, which says no size
+            known = kinds.get(g)
+            if known is not None and (said.get(g) != known or size):
+                out.append(kind_event(g, known[0], known[1], size))
+            elif known is None and size:
+                out.append(BlockStored([], None, [], size, None, None, None, group_idx=g))
         return out
 
     def __len__(self) -> int:
