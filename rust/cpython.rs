@@ -33,32 +33,48 @@ const PAYLOAD: usize = 24;
 
 /// `(negative, magnitude)` when the int's magnitude fits in 64 bits; None means "ask the API"
 /// (which also produces the overflow error).
+///
+/// # Safety
+/// `obj` is a live exact int and the GIL is held; a layout other than `Api` is only passed on
+/// the CPython versions `detect` picks it for, where an int's size word is at `WORD` and its
+/// digits start at `PAYLOAD`.
 #[inline(always)]
 pub unsafe fn int_parts(layout: Layout, obj: *mut ffi::PyObject) -> Option<(bool, u64)> {
-    let word = *((obj as *const u8).add(WORD) as *const isize);
+    // SAFETY: on those versions the word at WORD is the last of every int's header, and the
+    // caller passes a live int.
+    let word = unsafe { *((obj as *const u8).add(WORD) as *const isize) };
     let (negative, ndigits) = match layout {
         Layout::SignedSize => (word < 0, word.unsigned_abs()),
         Layout::TaggedValue => ((word & 3) == 2, (word as usize) >> 3),
         Layout::Api => return None,
     };
-    let digits = (obj as *const u8).add(PAYLOAD) as *const u32;
+    // SAFETY: PAYLOAD is at most one past the header, inside or at the end of the object.
+    let digits = unsafe { (obj as *const u8).add(PAYLOAD) } as *const u32;
     // One digit (below 2**30: token ids, small fields) is the hot case; keeping the rest out of
     // line stops LLVM from turning the digit count into a jump table that mispredicts whenever
     // token ids and 64-bit hashes alternate.
     let magnitude = if ndigits == 1 {
-        *digits as u64
+        // SAFETY: the int has one digit, at PAYLOAD.
+        unsafe { *digits as u64 }
     } else {
-        wide_magnitude(ndigits, digits)?
+        // SAFETY: the int has `ndigits` digits from `digits` on.
+        unsafe { wide_magnitude(ndigits, digits) }?
     };
     Some((negative, magnitude))
 }
 
 /// Whether `obj` (an exact int, or a zeroed stand-in of its size) is in 0..2**30 -- zero or one digit, not negative -- and its
 /// value if so, without a branch: token ids are read in runs of these, eight at a time.
+///
+/// # Safety
+/// `obj` is a live exact int (or a zeroed stand-in at least `PAYLOAD` bytes long) and the GIL
+/// is held; a layout other than `Api` only as for `int_parts`.
 #[inline(always)]
 pub unsafe fn small_int(layout: Layout, obj: *mut ffi::PyObject) -> (bool, u32) {
     static ZERO: u32 = 0;
-    let word = *((obj as *const u8).add(WORD) as *const isize);
+    // SAFETY: the word at WORD ends an int's header (see `int_parts`) and is inside the
+    // stand-in.
+    let word = unsafe { *((obj as *const u8).add(WORD) as *const isize) };
     let (small, has_digit) = match layout {
         Layout::SignedSize => ((word as usize) <= 1, word != 0),
         // Digit count <= 1, sign not negative; bit 2 (3.14's immortal small ints) is ignored.
@@ -67,28 +83,43 @@ pub unsafe fn small_int(layout: Layout, obj: *mut ffi::PyObject) -> (bool, u32) 
     };
     // Zero may have no digit allocated: read a static zero instead.
     let digit = if has_digit {
-        (obj as *const u8).add(PAYLOAD) as *const u32
+        // SAFETY: a nonzero digit count means the int has a digit at PAYLOAD.
+        unsafe { (obj as *const u8).add(PAYLOAD) as *const u32 }
     } else {
         &ZERO as *const u32
     };
-    (small, *digit)
+    // SAFETY: `digit` points at the int's first digit or at ZERO.
+    (small, unsafe { *digit })
 }
 
+/// The magnitude of an int of `ndigits` 30-bit digits, if it fits in 64 bits.
+///
+/// # Safety
+/// `digits` points at `ndigits` readable digits (an int's, read under the GIL).
 #[inline(never)]
 unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
-    match ndigits {
-        0 => Some(0),
-        2 => Some(*digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS),
-        3 if *digits.add(2) < 16 => Some(
-            *digits as u64
-                | (*digits.add(1) as u64) << DIGIT_BITS
-                | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
-        ),
-        _ => None,
+    // SAFETY: each arm reads only digits below `ndigits`.
+    unsafe {
+        match ndigits {
+            0 => Some(0),
+            2 => Some(*digits as u64 | (*digits.add(1) as u64) << DIGIT_BITS),
+            3 if *digits.add(2) < 16 => Some(
+                *digits as u64
+                    | (*digits.add(1) as u64) << DIGIT_BITS
+                    | (*digits.add(2) as u64) << (2 * DIGIT_BITS),
+            ),
+            _ => None,
+        }
     }
 }
 
 /// A list's items without a call per item.
+///
+/// # Safety
+/// `obj` is a live list (exact or subclass) and the GIL is held; a layout other than `Api` only
+/// as for `int_parts` (a list's size is at `WORD`, its item array pointer at `PAYLOAD`). The
+/// slice borrows the list's item array: it is valid only until the next Python code runs (which
+/// may resize or clear the list, or free its items), and the caller runs none while using it.
 #[inline(always)]
 pub unsafe fn list_items<'a>(
     layout: Layout,
@@ -97,12 +128,18 @@ pub unsafe fn list_items<'a>(
     if layout == Layout::Api {
         return None;
     }
-    let len = *((obj as *const u8).add(WORD) as *const isize) as usize;
-    let items = *((obj as *const u8).add(PAYLOAD) as *const *const *mut ffi::PyObject);
+    // SAFETY: a live list object, laid out as the caller guarantees.
+    let (len, items) = unsafe {
+        (
+            *((obj as *const u8).add(WORD) as *const isize) as usize,
+            *((obj as *const u8).add(PAYLOAD) as *const *const *mut ffi::PyObject),
+        )
+    };
     Some(if len == 0 {
         &[]
     } else {
-        std::slice::from_raw_parts(items, len)
+        // SAFETY: a non-empty list's item array holds `len` initialised item pointers.
+        unsafe { std::slice::from_raw_parts(items, len) }
     })
 }
 
@@ -111,20 +148,24 @@ pub unsafe fn list_items<'a>(
 /// reports) through the API.
 ///
 /// # Safety
-/// `items` are live objects (a list's item array read under the GIL, no Python code run since).
+/// `items` are live objects (a list's item array read under the GIL, no Python code run since);
+/// a layout other than `Api` only as for `int_parts`.
 #[inline(always)]
 pub unsafe fn read_u32_prefix(
     layout: Layout,
     items: &[*mut ffi::PyObject],
     out: &mut Vec<u32>,
 ) -> usize {
-    let done = read_small_ints(layout, items, out);
+    // SAFETY: the caller's guarantees are the callee's.
+    let done = unsafe { read_small_ints(layout, items, out) };
     let long = addr_of_mut!(ffi::PyLong_Type);
     for (i, &p) in items[done..].iter().enumerate() {
-        if ffi::Py_TYPE(p) != long {
+        // SAFETY: `p` is a live object.
+        if unsafe { ffi::Py_TYPE(p) } != long {
             return done + i;
         }
-        match int_parts(layout, p) {
+        // SAFETY: `p` is a live exact int.
+        match unsafe { int_parts(layout, p) } {
             Some((false, v)) if v <= u32::MAX as u64 => out.push(v as u32),
             _ => return done + i,
         }
@@ -136,6 +177,9 @@ pub unsafe fn read_u32_prefix(
 /// at a time with no branch per item, so the reads of the int objects overlap; stops before the
 /// first group of eight holding anything else (the caller takes those item by item). Returns how
 /// many items it took.
+///
+/// # Safety
+/// As `read_u32_prefix`.
 #[inline(always)]
 unsafe fn read_small_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) -> usize {
     const GROUP: usize = 8;
@@ -145,23 +189,29 @@ unsafe fn read_small_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mu
     let long_type = addr_of_mut!(ffi::PyLong_Type);
     let start = out.len();
     out.reserve(items.len());
-    let dst = out.as_mut_ptr().add(start);
+    // SAFETY: `start` is the vector's length, inside (or one past) its allocation.
+    let dst = unsafe { out.as_mut_ptr().add(start) };
     let mut done = 0;
     for group in items.chunks_exact(GROUP) {
         let mut ok = true;
         for (j, &p) in group.iter().enumerate() {
-            let is_int = ffi::Py_TYPE(p) == long_type;
+            // SAFETY: `p` is a live object.
+            let is_int = unsafe { ffi::Py_TYPE(p) } == long_type;
             let int = if is_int { p } else { NOT_AN_INT.as_ptr() as *mut ffi::PyObject };
-            let (small, value) = small_int(layout, int);
+            // SAFETY: `int` is a live exact int or the zeroed stand-in, 32 bytes long.
+            let (small, value) = unsafe { small_int(layout, int) };
             ok &= is_int & small;
-            *dst.add(done + j) = value;
+            // SAFETY: done + j < items.len(), and `items.len()` more were reserved past `start`.
+            unsafe { *dst.add(done + j) = value };
         }
         if !ok {
             break;
         }
         done += GROUP;
     }
-    out.set_len(start + done);
+    // SAFETY: out[start..start + done] were written above (a partial group's writes are left
+    // beyond the length), inside the reservation.
+    unsafe { out.set_len(start + done) };
     done
 }
 
@@ -222,6 +272,7 @@ fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
             return Ok(false);
         }
         let small = (0..1 << 30).contains(&value);
+        // SAFETY: as above.
         let (is_small, small_value) = unsafe { small_int(layout, int.as_ptr()) };
         if is_small != small || (small && small_value as i128 != value) {
             return Ok(false);
@@ -230,9 +281,11 @@ fn self_test(py: Python<'_>, layout: Layout) -> PyResult<bool> {
     }
     // Past 64 bits the reader must decline rather than truncate.
     let wide = (1u128 << 64).into_pyobject(py)?;
+    // SAFETY: `wide` is a live int object.
     if unsafe { int_parts(layout, wide.as_ptr()) }.is_some() {
         return Ok(false);
     }
+    // SAFETY: `list` is a live list; no Python code runs while `items` is used.
     let items = unsafe { list_items(layout, list.as_ptr()) }.unwrap_or(&[]);
     Ok(items.len() == samples.len()
         && items

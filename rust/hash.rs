@@ -14,7 +14,7 @@ pub(crate) mod tokens;
 pub(crate) mod value;
 
 #[cfg(test)]
-mod testing {
+pub(crate) mod testing {
     /// Bytes from a hex string: expected serialisations captured from the reference libraries.
     pub fn hex(s: &str) -> Vec<u8> {
         (0..s.len())

@@ -1,3 +1,9 @@
+// Every unsafe operation sits in an `unsafe {}` block of its own, with a `// SAFETY:` comment
+// saying why it holds; every `unsafe fn` says in `# Safety` what its caller must ensure
+// (clippy.toml extends that lint to private functions).
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
+
 use pyo3::prelude::*;
 
 mod cpython;

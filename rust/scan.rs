@@ -386,6 +386,7 @@ impl<'a> Reader<'a> {
             group: read(Slot::Group).and_then(|mut r| r.int()),
             spec: read(Slot::Spec).and_then(|mut r| r.str()),
             window: read(Slot::Window).and_then(|mut r| r.int()),
+            block_size: read(Slot::BlockSize).and_then(|mut r| r.int()),
             root: parent != usize::MAX && b[parent] == 0xc0,
         }
     }
@@ -399,11 +400,13 @@ enum Slot {
     Group,
     Spec,
     Window,
+    BlockSize,
 }
-const N_SLOTS: usize = 5;
+const N_SLOTS: usize = 6;
 // (field index, slot)
 const STORED_SLOTS: &[(usize, Slot)] = &[
     (1, Slot::Parent),
+    (3, Slot::BlockSize),
     (5, Slot::Medium),
     (8, Slot::Group),
     (9, Slot::Spec),
@@ -417,6 +420,8 @@ pub(crate) struct Attrs<'a> {
     pub(crate) group: Option<Hash>,
     pub(crate) spec: Option<&'a [u8]>,
     pub(crate) window: Option<Hash>,
+    /// A store's `block_size` (the relay's view keeps each group's largest).
+    pub(crate) block_size: Option<Hash>,
     /// A store with parent None: the re-announce rule looks at it alone.
     pub(crate) root: bool,
 }
@@ -572,4 +577,220 @@ fn scan_batch_msgpack<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scan_batch_msgpack, m)?)
+}
+
+#[cfg(test)]
+mod tests {
+    //! The shared `Reader` (also the index's parser): every form at its boundaries, and `None`,
+    //! never a panic or a read past the end, for truncated or foreign input.
+    use super::*;
+    use crate::hash::testing::hex;
+
+    fn reader(b: &[u8]) -> Reader<'_> {
+        Reader { b, p: 0 }
+    }
+
+    /// Whether `read` accepts all of `bytes` exactly, and refuses every strict prefix of them.
+    fn whole_and_truncated<T>(
+        bytes: &[u8],
+        read: impl Fn(&mut Reader<'_>) -> Option<T>,
+    ) -> Option<T> {
+        for cut in 0..bytes.len() {
+            assert!(
+                read(&mut reader(&bytes[..cut])).is_none(),
+                "{:02x?} cut at {cut}",
+                bytes
+            );
+        }
+        let mut r = reader(bytes);
+        let out = read(&mut r);
+        assert_eq!(r.p, bytes.len(), "{bytes:02x?}");
+        out
+    }
+
+    #[test]
+    fn bytes_take_and_big_endian_stop_at_the_end() {
+        let mut r = reader(&[1, 2, 3]);
+        assert_eq!(r.peek(), Some(1));
+        assert_eq!(r.byte(), Some(1));
+        assert_eq!(r.take(3), None);
+        assert_eq!(r.p, 1, "a refused take consumes nothing");
+        assert_eq!(r.take(usize::MAX), None);
+        assert_eq!(r.take(2), Some(&[2, 3][..]));
+        assert_eq!((r.byte(), r.peek(), r.take(0)), (None, None, Some(&[][..])));
+        for n in [1, 2, 3, 4, 8] {
+            let b: Vec<u8> = (1..=n as u8).collect();
+            let want = b.iter().fold(0u64, |acc, &x| acc << 8 | x as u64);
+            assert_eq!(whole_and_truncated(&b, |r| r.be(n)), Some(want));
+        }
+    }
+
+    #[test]
+    fn nil_consumes_only_nil() {
+        let mut r = reader(&[0xc0, 0xc2]);
+        assert!(r.nil());
+        assert!(!r.nil());
+        assert_eq!(r.p, 1);
+        assert!(!reader(&[]).nil());
+    }
+
+    #[test]
+    fn array_and_map_lengths_in_every_form() {
+        for (b, n) in [
+            ("90", 0),
+            ("9f", 15),
+            ("dc0010", 16),
+            ("dcffff", 0xffff),
+            ("dd00010000", 0x1_0000),
+            ("ddffffffff", 0xffff_ffff),
+        ] {
+            let b = hex(b);
+            assert_eq!(whole_and_truncated(&b, |r| r.array_len()), Some(n));
+            // The same forms, 0x10 lower for fixmap and 2 higher for map16/32.
+            let mut m = b.clone();
+            m[0] = if m[0] < 0xa0 { m[0] - 0x10 } else { m[0] + 2 };
+            assert_eq!(whole_and_truncated(&m, |r| r.map_len()), Some(n));
+            assert_eq!(reader(&m).array_len(), None);
+            assert_eq!(reader(&b).map_len(), None);
+        }
+        for marker in [0x00, 0xa0, 0xc0, 0xc4, 0xd9] {
+            assert_eq!(reader(&[marker, 0, 0, 0, 0]).array_len(), None);
+            assert_eq!(reader(&[marker, 0, 0, 0, 0]).map_len(), None);
+        }
+    }
+
+    #[test]
+    fn bounded_array_length_fits_what_is_left() {
+        assert_eq!(reader(&hex("93010203")).bounded_array_len(), Some(3));
+        assert_eq!(reader(&hex("930102")).bounded_array_len(), None);
+        assert_eq!(reader(&hex("ddffffffff00")).bounded_array_len(), None);
+        assert_eq!(reader(&hex("90")).bounded_array_len(), Some(0));
+    }
+
+    #[test]
+    fn strings_in_every_form_and_utf8_checked() {
+        for (head, len) in [
+            ("a0", 0),
+            ("bf", 31),
+            ("d920", 32),
+            ("d9ff", 0xff),
+            ("da0100", 0x100),
+            ("db00010000", 0x1_0000),
+        ] {
+            let b = [hex(head), vec![b'x'; len]].concat();
+            assert_eq!(
+                whole_and_truncated(&b, |r| r.str().map(<[u8]>::len)),
+                Some(len)
+            );
+            assert_eq!(reader(&b).raw_str().map(<[u8]>::len), Some(len));
+        }
+        let utf8 = [&[0xa2][..], "é".as_bytes()].concat();
+        assert_eq!(reader(&utf8).str(), Some("é".as_bytes()));
+        let invalid = hex("a2c328");
+        assert_eq!(reader(&invalid).str(), None);
+        assert_eq!(
+            reader(&invalid).raw_str(),
+            Some(&invalid[1..]),
+            "keys are not checked"
+        );
+        assert_eq!(reader(&hex("c401ff")).str(), None, "bin is not str");
+    }
+
+    fn int_of(b: &str) -> Option<(bool, i128)> {
+        whole_and_truncated(&hex(b), |r| r.int()).map(|h| match h {
+            Hash::U(v) => (false, v as i128),
+            Hash::I(v) => (true, v as i128),
+            Hash::B(..) => panic!("int() read bytes"),
+        })
+    }
+
+    #[test]
+    fn ints_in_every_form() {
+        for (b, signed, v) in [
+            ("00", false, 0i128),
+            ("7f", false, 0x7f),
+            ("ff", true, -1),
+            ("e0", true, -32),
+            ("ccff", false, 0xff),
+            ("cdffff", false, 0xffff),
+            ("ceffffffff", false, 0xffff_ffff),
+            ("cfffffffffffffffff", false, u64::MAX as i128),
+            ("d080", true, -128),
+            ("d07f", true, 127),
+            ("d18000", true, -32768),
+            ("d280000000", true, i32::MIN as i128),
+            ("d38000000000000000", true, i64::MIN as i128),
+            ("d37fffffffffffffff", true, i64::MAX as i128),
+        ] {
+            assert_eq!(int_of(b), Some((signed, v)), "{b}");
+        }
+        for foreign in ["c0", "c2", "ca00000000", "a0", "90", "d400ff"] {
+            assert!(reader(&hex(foreign)).int().is_none(), "{foreign}");
+        }
+    }
+
+    #[test]
+    fn hashes_are_ints_or_bytes() {
+        let bin = |head: &str, len: usize| [hex(head), vec![9; len]].concat();
+        for (b, start) in [
+            (bin("c400", 0), 2),
+            (bin("c420", 32), 2),
+            (bin("c50100", 0x100), 3),
+            (bin("c600010000", 0x1_0000), 5),
+        ] {
+            let Some(Hash::B(s, e)) = whole_and_truncated(&b, |r| r.hash()) else {
+                panic!("{:02x?}", &b[..start]);
+            };
+            assert_eq!((s, e), (start, b.len()));
+        }
+        // The uint64 fast path, and the same marker cut short, which must not fall back to
+        // reading past the end either.
+        let u64_max = hex("cfffffffffffffffff");
+        assert!(matches!(
+            whole_and_truncated(&u64_max, |r| r.hash()),
+            Some(Hash::U(u64::MAX))
+        ));
+        assert!(matches!(reader(&hex("d0ff")).hash(), Some(Hash::I(-1))));
+        assert!(reader(&hex("a0")).hash().is_none());
+    }
+
+    #[test]
+    fn any_value_msgspec_decodes_plainly() {
+        for b in [
+            "c0",
+            "c2",
+            "c3",
+            "05",
+            "ff",
+            "cd0100",
+            "ca3fc00000",
+            "cb3ff8000000000000",
+            "a3616263",
+            "c40101",
+            "93c0c3a0",
+            "82a161c0a16290",
+            "dc0001c0",
+        ] {
+            let b = hex(b);
+            assert!(whole_and_truncated(&b, |r| r.any(0)).is_some(), "{b:02x?}");
+        }
+        // Ext types, the never-used marker, non-str map keys.
+        for b in ["d40100", "c70101ff", "c1", "810102", "a2c328"] {
+            assert!(reader(&hex(b)).any(0).is_none(), "{b}");
+        }
+    }
+
+    #[test]
+    fn nesting_stops_at_max_depth() {
+        let nested = |levels: usize| [vec![0x91; levels], vec![0xc0]].concat();
+        assert!(reader(&nested(MAX_DEPTH as usize)).any(0).is_some());
+        assert!(reader(&nested(MAX_DEPTH as usize + 1)).any(0).is_none());
+    }
+
+    #[test]
+    fn int_lists_are_checked_against_the_end() {
+        assert!(whole_and_truncated(&hex("9300cd0100cfffffffffffffffff"), |r| r.ints()).is_some());
+        assert!(reader(&hex("91c0")).ints().is_none());
+        assert!(reader(&hex("91a0")).ints().is_none());
+    }
 }

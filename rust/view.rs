@@ -161,6 +161,9 @@ struct View {
     groups: Vec<Group>,
     /// `(group, kind, window)` in the order groups first named a kind.
     kinds: Vec<(u8, u8, Option<i128>)>,
+    /// `(group, largest block_size)` of the stores the rule did not skip, for snapshots: groups
+    /// may have blocks of different sizes (docs/hybrid.md).
+    sizes: Vec<(u8, i128)>,
     sources: Vec<Option<Source>>,
     free: Vec<u32>,
     order: u64,
@@ -255,6 +258,13 @@ impl View {
         if self.kind_of(group).is_some_and(is_unscored) {
             self.stats.unscored_group_events += 1;
         }
+        if let Some(size) = int_of(a.block_size) {
+            match self.sizes.iter_mut().find(|s| s.0 == group) {
+                Some(s) => s.1 = s.1.max(size),
+                None if size > 0 => self.sizes.push((group, size)),
+                None => {}
+            }
+        }
         if hashes.is_empty() {
             return;
         }
@@ -348,6 +358,7 @@ impl View {
     fn clear(&mut self) {
         self.groups.clear();
         self.kinds.clear();
+        self.sizes.clear();
         self.sources.clear();
         self.free.clear();
     }
@@ -458,6 +469,16 @@ impl ResidencyView {
         for &(g, k, w) in &self.view.kinds {
             let kind = PyString::new(py, std::str::from_utf8(KINDS[k as usize]).unwrap());
             out.set_item(g, (kind, w))?;
+        }
+        Ok(out)
+    }
+
+    /// ``{group: largest block_size}`` of the stores the rule did not skip, since the last clear.
+    #[getter]
+    fn sizes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let out = PyDict::new(py);
+        for &(g, size) in &self.view.sizes {
+            out.set_item(g, size)?;
         }
         Ok(out)
     }

@@ -14,8 +14,9 @@ from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 BS = 4
 
 
-def stored(hashes: list, parent: Any = None, medium: str | None = "GPU", **kw: Any) -> BlockStored:
-    return BlockStored(list(hashes), parent, [0] * BS * len(hashes), BS, None, medium, None, **kw)
+def stored(hashes: list, parent: Any = None, medium: str | None = "GPU", m: int = 1, **kw: Any) -> BlockStored:
+    """A store of blocks of ``m * BS`` tokens (a group of larger blocks when m > 1)."""
+    return BlockStored(list(hashes), parent, [0] * BS * m * len(hashes), BS * m, None, medium, None, **kw)
 
 
 def removed(hashes: list, medium: str | None = "GPU", **kw: Any) -> BlockRemoved:
@@ -73,10 +74,13 @@ class Model:
 
 class Stream:
     """Random hybrid event batches over a fixed prefix tree (a hash always has one parent, as
-    chained hashes do): 2-3 groups, 2 media, copies, re-announces, clears, bad events."""
+    chained hashes do): 2-3 groups (some of blocks 2 or 4 times BS, a few of their stores of
+    one BS block, as vLLM's partial-tail entries), 2 media, copies, re-announces, clears, bad
+    events."""
 
     def __init__(self, rnd: random.Random, n_groups: int) -> None:
         self.rnd, self.n_groups = rnd, n_groups
+        self.sizes = [1] + [rnd.choice([1, 2, 4]) for _ in range(n_groups - 1)]
         self.parent: dict[int, int | None] = {}
         for h in range(1, 41):
             self.parent[h] = None if h <= 4 or rnd.random() < 0.1 else rnd.randrange(1, h)
@@ -127,7 +131,8 @@ class Stream:
             while n < len(path) and path[n] in held:
                 n += 1
             path = path[:n]
-        return stored(path, parent, medium=medium, **self._attrs(g))
+        m = self.sizes[g] if rnd.random() < 0.9 else 1
+        return stored(path, parent, medium=medium, m=m, **self._attrs(g))
 
     def batches(self, n: int) -> list[list[Any]]:
         out = []

@@ -65,13 +65,18 @@ async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
     }
     for e in engines.values():
         e.start()
-    await asyncio.sleep(1.0)
+    await wait_until(lambda: all(e.published > 5000 for e in engines.values()), 60, "events before the kill")
     at_kill = {k: e.published for k, e in engines.items()}
     await asyncio.to_thread(server.kill)
+    # The fault: every client sees its connection go, and the broker stays down 2 s (the outage's
+    # length, part of the scenario) while the engines keep publishing.
+    await wait_until(lambda: not sub._nc.is_connected and not any(p._nc.is_connected for p in pubs), 30,
+                     "every client disconnected")  # fmt: skip
     await asyncio.sleep(2.0)
     await asyncio.to_thread(server.start)  # same port
     for e in engines.values():
         await asyncio.to_thread(e.finish)
+    assert all(n < e.n_events for n, e in zip(at_kill.values(), engines.values())), at_kill  # mid-stream
     waited = await wait_until(lambda: views_match(sub, engines), 60, "views == pools after the broker crash")
     for key, e in engines.items():
         counts = rec.check(key)  # contiguous, exactly once
@@ -82,6 +87,7 @@ async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
     stats = sub.stats
     print(f"converged {waited:.2f}s after the engines finished; sub stats {stats}")
     assert stats["replays"] >= 1 and stats["snapshots"] == 3
+    assert stats["reconnects"] >= 1 and all(p.stats["reconnects"] >= 1 for p in pubs)
     await close_all(*pubs, sub)
 
 

@@ -160,11 +160,13 @@ async def test_replicated_stream_survives_losing_its_leader(js_cluster, caplog):
           f"kill; killed the consumer's node {home}: reader moved on after {resumed2:.2f}s; publishers {pstats}")  # fmt: skip
     assert all(s["js_unacked"] == 0 for s in pstats), pstats
     assert new_leader != cluster.node_names[leader]
-    # The election is reported as what it is, while publishing went on.
-    assert all(s["js_outages"] >= 1 for s in pstats), pstats
+    # A publisher may or may not see the election as an outage (a fast one passes between two acks):
+    # whichever it saw is reported as what it is, and every one it saw ended.
     messages = [r.getMessage() for r in caplog.records]
-    assert any("is not storing our messages" in m for m in messages)
-    assert any("stores again after" in m for m in messages)
+    for p, s in zip(pubs, pstats):
+        mine = [m for m in messages if f"publisher {MODEL}/{p.config.worker_id}:" in m]
+        assert any("is not storing our messages" in m for m in mine) == (s["js_outages"] >= 1), (mine, s)
+        assert sum("stores again after" in m for m in mine) == s["js_outages"], (mine, s)
     assert not any("-js?" in m for m in messages)
 
     waited = await wait_until(lambda: views_match(sub, engines), 30, "views == pools, read from the stream")

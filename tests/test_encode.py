@@ -175,6 +175,40 @@ def test_buffer_reuse_after_a_huge_batch():
     assert native(small) == reference(small)
 
 
+# Planning a Struct type runs Python code (getattr on an instance). Here that code clears the very
+# list the instance sits in, freeing its 40 MB item array (unmapped at once: too big for the heap),
+# so a walk still reading that array when the plan is built would crash; a walk that stops, plans
+# and starts over encodes the list as it is by then. A subprocess, so that a crash is a failure.
+_PLANNED_MID_WALK = """
+import msgspec
+from kvbridge import _native
+
+items = [None] * 5_000_000
+
+class FirstSeenInAList(msgspec.Struct):
+    x: int
+
+    def __getattribute__(self, name):
+        items.clear()
+        return object.__getattribute__(self, name)
+
+class Holder(msgspec.Struct, array_like=True):
+    items: list
+
+first = FirstSeenInAList(1)
+items.insert(0, first)
+holder = Holder(items)
+encoded = _native.encode_batch_msgpack(holder)
+assert items == [], "planning never ran the type's __getattribute__: the test proves nothing"
+assert encoded == msgspec.msgpack.encode(holder) == b"\\x91\\x90", encoded[:16]
+"""
+
+
+def test_no_plan_is_built_while_a_list_is_walked():
+    result = subprocess.run([sys.executable, "-c", _PLANNED_MID_WALK], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_fast_path_on_known_interpreters():
     expected = {(3, 11): "signed-size", (3, 12): "tagged-value", (3, 13): "tagged-value", (3, 14): "tagged-value"}
     if os.environ.get("KVBRIDGE_ENCODE_STABLE_API"):

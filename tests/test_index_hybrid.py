@@ -9,11 +9,21 @@ v1/core/single_type_kv_cache_manager.py ``SlidingWindowManager.find_longest_cach
 ``MambaManager.find_longest_cache_hit`` (the last block of the hit must be held: a window of one
 block). Copies: v1/core/block_pool.py ``cache_full_blocks`` (no de-duplication) and
 ``emit_cached_block_events`` (the full-report re-announce).
+
+Groups of larger blocks (a multiple m of the hash block size): v1/core/kv_cache_utils.py
+``BlockHashListWithBlockSize`` (a group block is keyed by the hash of its last hash block) and
+``resolve_kv_cache_block_sizes`` (scheduler_block_size = lcm of the groups' block sizes);
+kv_cache_coordinator.py ``HybridKVCacheCoordinator._cache_hit_alignment_tokens`` (hits aligned
+to it unless fine-grained partial hits are on) and the managers' ``find_longest_cache_hit``
+(``FullAttentionManager``: ``hit_length -= hit_length % alignment_tokens``;
+``SlidingWindowManager`` / ``MambaManager``: a held block counts as a hit's end only when
+``(i + 1) * block_size % alignment_tokens == 0``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -250,6 +260,121 @@ def test_hybrid_and_plain_workers_past_one_word_of_bits():
     assert query(idx)["w0"] == 4
 
 
+# --- groups of larger blocks ------------------------------------------------------------------
+# A group whose block size is m times the index's: its block i is keyed by the hash of its last
+# hash block, ENGINE[(i + 1) * m - 1] (kv_cache_utils.py ``BlockHashListWithBlockSize``), and a
+# hit is a multiple of the lcm of all groups' sizes (``resolve_kv_cache_block_sizes``:
+# scheduler_block_size; ``HybridKVCacheCoordinator._cache_hit_alignment_tokens``).
+
+
+def prefix(idx: Index, n: int, **kw):
+    """find_matches for the first n blocks of PROMPT."""
+    if idx.key == "engine":
+        return idx.find_matches(block_hashes=ENGINE[:n], **kw)
+    return idx.find_matches(PROMPT[: 4 * n], **kw)
+
+
+def coarse_index(key: str, window: int) -> Index:
+    """PROMPT in group 0 (full attention, the index's 4-token blocks) and in group 1, a sliding
+    window of ``window`` tokens over 8-token blocks keyed by the hashes of blocks 1 and 3."""
+    idx = Index(block_size=4, key=key)
+    idx.apply("w", batch(
+        stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention"),
+        stored([12, 14], PROMPT, bs=8, group=1, kind="sliding_window", window=window),
+    ))  # fmt: skip
+    return idx
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
+def test_a_window_group_of_larger_blocks_counts_its_window_in_its_own_blocks(key):
+    # W = 9: cdiv(8, 8) = 1 block of 8 (2 of the index's 4-token blocks had it been read at 4).
+    idx = coarse_index(key, 9)
+    assert query(idx) == {"w": 4}
+    assert idx.stats["block_size_mismatches"] == 0
+    idx.apply("w", batch(removed([14], group=1)))
+    # n = 4 needs the group's block 1 (hash 14); n = 3 is no end of its blocks; n = 2 needs its
+    # block 0 (hash 12). Before, the group's events were mismatches and the answer was 4.
+    assert query(idx) == {"w": 2}
+    assert prefix(idx, 3) == {"w": 2} and prefix(idx, 1) == {}
+    idx.apply("w", batch(stored([14], PROMPT[8:], bs=8, parent=12, group=1), removed([14], group=0)))
+    # The full group holds 3 blocks: the hit is aligned down to the window group's 2.
+    assert query(idx) == {"w": 2}
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
+def test_a_hit_is_a_multiple_of_every_groups_block_size(key):
+    idx = coarse_index(key, 4)
+    assert query(idx) == {"w": 4}
+    # An unscored group of 12-token blocks: vLLM aligns hits to lcm(4, 8, 12) = 24 tokens, 6
+    # blocks, more than the prompt has.
+    idx.apply("w", batch(stored([13], PROMPT[:12], bs=12, group=2, kind="cross_attention")))
+    assert query(idx) == {}
+    # Forgotten with the worker's cache: a single-group worker again.
+    idx.apply("w", batch(AllBlocksCleared(), stored(ENGINE[:3], PROMPT[:12], bs=4)))
+    assert prefix(idx, 3) == {"w": 3}
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
+def test_a_full_group_of_larger_blocks_hits_only_at_its_block_ends(key):
+    idx = Index(block_size=4, key=key)
+    idx.apply("w", batch(stored([12, 14], PROMPT, bs=8)))  # one group (group 0) of 8-token blocks
+    idx.apply("v", batch(stored(ENGINE, PROMPT, bs=4)))
+    assert query(idx) == {"w": 4, "v": 4}
+    assert prefix(idx, 3) == {"w": 2, "v": 3} and prefix(idx, 1) == {"v": 1}
+    # vLLM's partial-tail entry (FullAttentionManager._cache_partial_tail_block): a store of one
+    # hash block in the group. Kept as the group's block, its size not the group's.
+    idx.apply("w", batch(stored([13], PROMPT[8:12], bs=4, parent=12)))
+    assert prefix(idx, 3) == {"w": 2, "v": 3}
+    idx.apply("w", batch(removed([13]), removed([14])))
+    assert idx.stats["blocks_removed"] == 2 and idx.stats["unknown_removes"] == 0
+    assert query(idx) == {"w": 2, "v": 4}
+    idx.apply("w", batch(removed([12])))
+    assert query(idx) == {"v": 4}
+
+
+def test_larger_blocks_with_extra_keys_are_placed_through_the_engine_hashes():
+    """key="tokens": a larger block's extra keys (a multimodal item's offset from the block's
+    start) cannot be split into the index's blocks; the hashes stand for what the worker stored
+    under them with tokens, as for sparse groups."""
+    idx = Index(block_size=4)
+    mm = BlockStored(block_hashes=[12, 14], parent_block_hash=None, token_ids=PROMPT, block_size=8, lora_id=None,
+                     medium="GPU", lora_name=None, extra_keys=[("img", 3), None], group_idx=1,
+                     kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4)  # fmt: skip
+    idx.apply("w", batch(stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention"), mm))
+    assert idx.find_matches(PROMPT) == {"w": 4}
+    assert idx.stats["unresolved_hashes"] == 0
+    idx.apply("v", batch(stored(ENGINE, PROMPT, bs=4, group=0, kind="full_attention")))
+    idx.apply("u", batch(mm))  # nobody stored 12 or 14 with tokens on u: counted, skipped
+    assert idx.find_matches(PROMPT) == {"w": 4, "v": 4}
+    assert idx.stats["unresolved_hashes"] == 2
+
+
+BAD_SIZES = [0, 6, -4, 8 * 4096 + 4, 4 * 8192, 2**40, 2**63 - 1]
+
+
+@pytest.mark.parametrize("key", ["tokens", "engine"])
+@pytest.mark.parametrize("size", BAD_SIZES)
+def test_a_bad_block_size_is_counted_and_skipped(key, size):
+    """0 with tokens (not a placeholder), not a multiple of the index's, negative, over 4096 of
+    its blocks: the store is a block-size mismatch, teaches the group nothing, removes nothing."""
+    idx = coarse_index(key, 4)
+    blocks = len(idx)
+    bad = raw({"block_hashes": [14], "token_ids": PROMPT, "block_size": size, "group_idx": 1,
+               "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4})  # fmt: skip
+    assert idx.apply("w", bad) == 1
+    assert idx.stats["block_size_mismatches"] == 1 and idx.stats["malformed_payloads"] == 0
+    assert len(idx) == blocks and query(idx) == {"w": 4}
+    assert idx.stats["blocks_removed"] == 0 and idx.stats["unknown_removes"] == 0
+    idx.apply("w", batch(removed([14], group=1)))
+    assert query(idx) == {"w": 2}, "the group is still read at 8 tokens a block"
+
+
+def test_a_block_size_past_64_bits_drops_the_payload_counted():
+    idx = Index(block_size=4)
+    assert idx.apply("w", raw({"block_size": 2**70})) == 0
+    assert idx.stats["malformed_payloads"] == 1 and len(idx) == 0
+
+
 def raw(event: dict) -> bytes:
     base = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
             "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
@@ -328,7 +453,8 @@ def test_bad_arguments_name_the_argument():
 # --- random streams against the model --------------------------------------------------------
 
 BS = 2
-DOCS = [list(range(1, 13)), [1, 2, 3, 4, 50, 60, 70, 80, 90, 91], [7] * 8]
+DOCS = [list(range(1, 13)), [1, 2, 3, 4, 50, 60, 70, 80, 90, 91], [7] * 8, list(range(200, 224))]
+MAX_SCALE = 4096  # the largest group block size, in index blocks, the index accepts
 MEDIA = ["GPU", "CPU", None]
 
 
@@ -341,8 +467,8 @@ def root_key(doc: int, block: int) -> int:
     return hash_blocks(DOCS[doc][: (block + 1) * BS], BS, algo="xxh3")[block]
 
 
-def kind_value(kind, window, bs):
-    """What a store's kind says: 'main', ('window', blocks), 'unscored' or None; an error name."""
+def kind_value(kind, window):
+    """What a store's kind says: 'main', ('window', tokens), 'unscored' or None; an error name."""
     if kind is None:
         return None
     if kind in MAIN_KINDS:
@@ -350,10 +476,9 @@ def kind_value(kind, window, bs):
     if kind in WINDOW_KINDS:
         if not isinstance(window, int) or window < 1:
             return "bad_windows"
-        # vLLM's finder needs the block at the hit even for cdiv(W - 1, bs) = 0 blocks.
-        return ("window", max(1, -(-(window - 1) // bs)))
+        return ("window", window)
     if kind == "mamba":
-        return ("window", 1)
+        return ("window", 1)  # MambaManager: the block at the hit's end, as a window of 1 token
     if kind in UNSCORED_KINDS:
         return "unscored"
     return "unknown_kinds"
@@ -370,6 +495,8 @@ class Model:
         self.key = key
         self.res: dict[str, dict[tuple, dict[int, list[int]]]] = {}
         self.kinds: dict[str, dict[int, object]] = {}
+        # (worker, group) -> its block size in index blocks: the largest its stores announced.
+        self.scales: dict[str, dict[int, int]] = {}
         self.stats = dict.fromkeys(self.STATS, 0)
 
     def resolve(self, w: str, cls: tuple, e: int):
@@ -382,21 +509,26 @@ class Model:
     def store(self, w: str, ev: BlockStored) -> None:
         self.res.setdefault(w, {})
         group = ev.group_idx or 0
-        kind = kind_value(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, BS)
+        kind = kind_value(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
         n = len(ev.block_hashes)
         placeholder = ev.block_size == 0 and not ev.token_ids
-        if not placeholder and ev.block_size != BS:
+        size = ev.block_size  # this event's blocks, in tokens
+        if not placeholder and not (size > 0 and size % BS == 0 and size // BS <= MAX_SCALE):
             self.stats["block_size_mismatches"] += n > 0
             return
         if kind is not None:
             self.kinds.setdefault(w, {})[group] = kind
+        if not placeholder:
+            scales = self.scales.setdefault(w, {})
+            scales[group] = max(scales.get(group, 1), size // BS)
         kind = self.kinds.get(w, {}).get(group)
         self.stats["unscored_group_events"] += kind == "unscored"
         if n == 0:
             return
-        dense = len(ev.token_ids) == n * BS
+        size = size or BS
+        dense = len(ev.token_ids) == n * size
         sparse = (not dense and bool(ev.token_ids) and (kind == "unscored" or isinstance(kind, tuple))
-                  and len(ev.token_ids) > n * BS and len(ev.token_ids) % BS == 0)  # fmt: skip
+                  and len(ev.token_ids) > n * size and len(ev.token_ids) % size == 0)  # fmt: skip
         if not (placeholder or dense or sparse):
             self.stats["block_size_mismatches"] += 1
             return
@@ -411,6 +543,8 @@ class Model:
             if ev.parent_block_hash is not None and self.resolve(w, cls, ev.parent_block_hash) is None:
                 self.stats["unknown_parents"] += 1
                 return
+            # A block of m index blocks: the index hash of its last one (the engine hash of a
+            # group block is that of its last hash block, so key_of holds for every size).
             pairs = [(e, self.key_of[e]) for e in ev.block_hashes]
         else:
             for e in ev.block_hashes:
@@ -449,8 +583,13 @@ class Model:
     def clear(self, w: str) -> None:
         self.res.pop(w, None)
         self.kinds.pop(w, None)
+        self.scales.pop(w, None)
 
     def score(self, w: str, keys: list[int], medium=..., remote=False) -> int:
+        """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` transcribed: a fixed point
+        over the groups, each group read at its own block size (scale s: its block i is index
+        block (i + 1) * s - 1), lengths in index blocks, aligned to A = lcm of the scales."""
+
         def held(g: int, i: int) -> bool:
             return any(
                 any(v[0] == keys[i] for v in slot.values())
@@ -459,17 +598,47 @@ class Model:
             )
 
         kinds = self.kinds.get(w, {})
+        scales = self.scales.get(w, {})
         main = {g for g, k in kinds.items() if k == "main"} | ({0} if kinds.get(0) is None else set())
         windows = {g: k[1] for g, k in kinds.items() if isinstance(k, tuple)}
         if not main and not windows:
             return 0
-        f = 0
-        while f < len(keys) and all(held(g, f) for g in main):
-            f += 1
-        for n in range(f, -1, -1):
-            if all(held(g, i) for g, k in windows.items() for i in range(max(0, n - k), n)):
-                return n
-        return 0
+        align = math.lcm(1, *scales.values())
+
+        def full(g: int, hit: int) -> int:  # FullAttentionManager.find_longest_cache_hit
+            s = scales.get(g, 1)
+            run = 0
+            while run < hit // s and held(g, (run + 1) * s - 1):
+                run += 1
+            return run * s - run * s % align
+
+        def window(g: int, hit: int) -> int:  # SlidingWindowManager.find_longest_cache_hit
+            s = scales.get(g, 1)
+            need = -(-(windows[g] - 1) // (s * BS))  # _contiguous_blocks_for_hit
+            contiguous = 0
+            for i in range(hit // s - 1, -1, -1):
+                if held(g, (i + 1) * s - 1):
+                    if contiguous == 0 and (i + 1) * s % align:
+                        continue  # not a hit's end: skipped
+                    contiguous += 1
+                    if contiguous >= need:
+                        return (i + contiguous) * s
+                else:
+                    contiguous = 0
+            while contiguous * s % align:
+                contiguous -= 1
+            return contiguous * s
+
+        hit = len(keys)
+        while True:
+            cur = hit
+            for g in sorted(main):
+                cur = min(cur, full(g, cur))
+            for g in sorted(windows):
+                cur = window(g, cur)
+            if cur >= hit:
+                return hit
+            hit = cur
 
     def find_matches(self, keys, medium=..., remote=False) -> dict[str, int]:
         scores = {w: self.score(w, keys, medium, remote) for w in {*self.res, *self.kinds}}
@@ -500,6 +669,9 @@ def group_kinds(draw):
 @st.composite
 def streams(draw, n_groups: int):
     kinds = draw(group_kinds())
+    # Per group its block size in index blocks (vLLM lets each group have its own): a full or
+    # window group of 2 or 4 index blocks in some streams.
+    scales = {0: draw(st.sampled_from([1, 1, 2])), 1: draw(st.sampled_from([1, 2, 4])), 2: draw(st.sampled_from([1, 2]))}
     ops = []
     for _ in range(draw(st.integers(1, 30))):
         w = f"w{draw(st.integers(0, 2))}"
@@ -514,27 +686,69 @@ def streams(draw, n_groups: int):
         medium = draw(st.sampled_from(MEDIA))
         locality = draw(st.sampled_from([None, None, None, "LOCAL", "REMOTE"]))
         doc = draw(st.integers(0, len(DOCS) - 1))
-        nb = len(DOCS[doc]) // BS
+        # Mostly the group's own size; sometimes one index block (vLLM's partial-tail entries
+        # of a larger group are stores of one hash block) or a size the index must refuse.
+        m = scales[group] if draw(st.integers(0, 5)) else 1
+        size = BS * m if draw(st.integers(0, 15)) else draw(st.sampled_from([BS + 1, -BS, 2**40, BS * 8192]))
+        nb = len(DOCS[doc]) // (BS * m)  # the group's blocks in the document
         if op < 8:
-            blocks = draw(st.lists(st.integers(0, nb - 1), max_size=4))
-            ev: object = removed([ehash(doc, b) for b in blocks], group=group, medium=medium, locality=locality)
+            blocks = draw(st.lists(st.integers(0, nb - 1), max_size=4)) if nb else []
+            ev: object = removed([ehash(doc, (b + 1) * m - 1) for b in blocks], group=group, medium=medium,
+                                 locality=locality)  # fmt: skip
         else:
-            start = draw(st.sampled_from([0, 0, draw(st.integers(0, nb - 1))]))
-            end = draw(st.integers(start, nb))
+            start = draw(st.sampled_from([0, 0, draw(st.integers(0, max(0, nb - 1)))]))
+            end = draw(st.integers(start, max(start, nb)))
             blocks = list(range(start, end))
             form = draw(st.sampled_from(["dense", "dense", "sparse", "placeholder"]))
             kind, window = kinds[group] if draw(st.integers(0, 4)) else (None, None)
             group_idx = None if group == 0 and draw(st.booleans()) else group
+            # A group block is keyed by the engine hash of its last hash block
+            # (BlockHashListWithBlockSize); its parent is the block before's.
             if form == "placeholder":
-                ev = stored([ehash(doc, b) for b in blocks[:1]], [], bs=0, group=group_idx, kind=kind,
+                ev = stored([ehash(doc, (b + 1) * m - 1) for b in blocks[:1]], [], bs=0, group=group_idx, kind=kind,
                             window=window, medium=medium, locality=locality)  # fmt: skip
             else:
                 if form == "sparse":
                     blocks = [b for b in blocks if draw(st.booleans())]
-                ev = stored([ehash(doc, b) for b in blocks], DOCS[doc][start * BS : end * BS], bs=BS,
-                            parent=ehash(doc, start - 1) if start else None, group=group_idx, kind=kind,
+                ev = stored([ehash(doc, (b + 1) * m - 1) for b in blocks], DOCS[doc][start * BS * m : end * BS * m],
+                            bs=size, parent=ehash(doc, start * m - 1) if start else None, group=group_idx, kind=kind,
                             window=window, medium=medium, locality=locality)  # fmt: skip
         ops.append(("apply", w, ev))
+    return ops
+
+
+@st.composite
+def coarse_streams(draw):
+    """Streams dense in hits over groups of larger blocks: one or two workers, one medium, two
+    long documents, stores mostly from block 0, few removals. Group 0 full attention (1 or 2
+    index blocks a block), group 1 a sliding window (1, 2 or 4), group 2 mamba, a second window
+    or an unscored kind (1, 2 or 3: an unscored group's size still aligns the hit, as vLLM's
+    scheduler_block_size is the lcm over every group)."""
+    kinds = {0: ("full_attention", None), 1: ("sliding_window", draw(st.sampled_from([1, 3, 5, 9, 17]))),
+             2: draw(st.sampled_from([("mamba", None), ("sliding_window", 6), ("chunked_local_attention", None)]))}  # fmt: skip
+    scales = {0: draw(st.sampled_from([1, 2])), 1: draw(st.sampled_from([1, 2, 4])), 2: draw(st.sampled_from([1, 2, 3]))}
+    n_groups = draw(st.integers(2, 3))
+    ops = []
+    for _ in range(draw(st.integers(1, 25))):
+        w = f"w{draw(st.integers(0, 1))}"
+        group = draw(st.integers(0, n_groups - 1))
+        doc = draw(st.sampled_from([0, 3]))
+        m = scales[group]
+        nb = len(DOCS[doc]) // (BS * m)
+        if draw(st.integers(0, 5)) == 0:
+            blocks = draw(st.lists(st.integers(0, nb - 1), min_size=1, max_size=2))
+            ops.append(("apply", w, removed([ehash(doc, (b + 1) * m - 1) for b in blocks], group=group)))
+            continue
+        start = draw(st.sampled_from([0, 0, 0, draw(st.integers(0, nb - 1))]))
+        end = draw(st.integers(start + 1, nb))
+        blocks = list(range(start, end))
+        if group and draw(st.booleans()):
+            blocks = [b for b in blocks if draw(st.booleans())]  # sparse: the retained blocks only
+        kind, window = kinds[group]
+        ops.append(("apply", w, stored([ehash(doc, (b + 1) * m - 1) for b in blocks],
+                                       DOCS[doc][start * BS * m : end * BS * m], bs=BS * m,
+                                       parent=ehash(doc, start * m - 1) if start else None, group=group, kind=kind,
+                                       window=window)))  # fmt: skip
     return ops
 
 
@@ -554,7 +768,7 @@ def check(ops, key: str) -> None:
     for d in range(len(DOCS)):
         nb = len(DOCS[d]) // BS
         keys = [ehash(d, b) for b in range(nb)] if key == "engine" else [root_key(d, b) for b in range(nb)]
-        for n in {1, nb // 2, nb}:
+        for n in range(1, nb + 1) if nb > 6 else {1, nb // 2, nb}:
             q = keys[:n]
 
             def ask(**kw):
@@ -579,4 +793,13 @@ def test_engine_keyed_streams_equal_the_model(ops):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(2, 3).flatmap(streams))
 def test_token_keyed_streams_equal_the_model(ops):
+    check(ops, "tokens")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(coarse_streams())
+def test_groups_of_larger_blocks_equal_vllms_hit(ops):
+    """Hits over groups whose blocks are 2 or 4 index blocks equal vLLM's rule (the model's
+    ``score``: each group read at its own size, hits aligned to the lcm of the sizes)."""
+    check(ops, "engine")
     check(ops, "tokens")

@@ -3,13 +3,23 @@ blocks natively; it must hand on exactly what nats-py's own ``Parser.parse`` and
 ``Client._process_headers`` do, for any input."""
 
 import asyncio
+import logging
+import re
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client as NatsClient
 from nats.protocol.parser import Parser as NatsParser
 
-from kvbridge import _native
+from bridge_support import wait_until
+from kvbridge import BlockStored, Config, KvEventPublisher, KvEventSubscriber, _native
+from kvbridge.bus import natsclient
 from kvbridge.bus.natsclient import Client, Parser
 from kvbridge.tools.server import NatsServer
 
@@ -188,3 +198,122 @@ def test_many_frames_in_one_read_take_the_native_cut():
     assert _native.scan_nats_msgs(bytearray(b"PING\r\n")) == ([], 0, False)
     assert _native.scan_nats_msgs(bytearray(frames[0] + b"MSG a 1 2\r\nh")) == (got[:1], len(frames[0]), True)
     assert isinstance(Client()._ps, Parser)
+
+
+# -- nats-py's private members, and the versions the pin allows ------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+_FALLBACK_LOG = "lacks what kvbridge's fast receive path uses"
+
+
+def test_the_installed_nats_py_has_every_member_the_fast_path_needs():
+    # Inside the pinned range the fast path is taken: a nats-py that lost a member fails here
+    # rather than running on the fallback unnoticed.
+    assert natsclient.missing_internals() == ()
+    assert type(Client()) is natsclient._FastClient
+
+
+async def _round_trip(url: str, prefix: str, n: int) -> tuple[list[tuple[int, bool]], list[int], KvEventSubscriber]:
+    """A subscriber without on_update (the direct path) iterated while a publisher sends ``n``
+    one-block batches; the (seq, reset) of every update up to the last, and the hashes stored."""
+    cfg = Config(servers=url, subject_prefix=prefix, model="m", worker_id="sub", heartbeat_s=0)
+    sub = await KvEventSubscriber(cfg, queue_size=4 * n).start()
+    it = sub.__aiter__()
+    pub = await KvEventPublisher(cfg.replace(worker_id="w")).start()
+    for i in range(n):
+        pub.publish([BlockStored([i + 1], i or None, [i] * 4, 4, None, "GPU", None)])
+        await asyncio.sleep(0.001)  # the loop sends each on its own: many messages to keep in order
+    await wait_until(lambda: pub.stats["events"] == n, 20, f"the {n} events sent")
+    seqs, hashes = [], []
+    while not seqs or seqs[-1][0] < pub.stats["last_seq"]:
+        u = await asyncio.wait_for(it.__anext__(), 20)
+        seqs.append((u.seq, u.reset))
+        hashes += [h for ev in u.batch.events for h in ev.block_hashes]
+    await pub.close()
+    await sub.close()
+    return seqs, hashes, sub
+
+
+async def test_without_a_private_member_nats_py_s_own_client_delivers_in_order(monkeypatch, caplog, nats_server):
+    # A nats-py that renamed something the fast path needs, as seen at import.
+    monkeypatch.setitem(natsclient._NEEDS_METHODS, "_renamed_in_a_later_release", ())
+    monkeypatch.setattr(natsclient, "_MISSING", natsclient.missing_internals())
+    monkeypatch.setattr(natsclient, "_warned", False)
+    assert natsclient._MISSING == ("Client._renamed_in_a_later_release()",)
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    nc = Client()
+    assert type(nc) is Client and not hasattr(nc, "_direct")  # nats-py's own parser and delivery
+    assert type(nc._ps) is NatsParser
+    await nc.connect(nats_server.url)
+    assert await nc.link_alive(10, "a probe") is True  # its PONG came back
+    await nc.close()
+    assert await nc.link_alive(10, "a probe") is False
+    seqs, hashes, sub = await _round_trip(nats_server.url, "fallback", 300)
+    assert type(sub._nc) is Client
+    assert len(seqs) > 100, seqs  # the premise: many messages
+    assert seqs[0][1] and all(not reset for _, reset in seqs[1:])  # first contact, then live only
+    assert [s for s, _ in seqs] == list(range(seqs[0][0], seqs[0][0] + len(seqs)))
+    assert hashes == list(range(1, 301))  # every block, live, in the order published
+    warnings = [r.getMessage() for r in caplog.records if _FALLBACK_LOG in r.getMessage()]
+    assert len(warnings) == 1 and "_renamed_in_a_later_release" in warnings[0], warnings  # three clients, one line
+
+
+_OLDEST_SCRIPT = """
+import asyncio, importlib.metadata, sys
+sys.path.insert(0, sys.argv[3])  # the tests' helpers
+from kvbridge.bus import natsclient
+import test_natsclient
+
+assert importlib.metadata.version("nats-py") == sys.argv[2], importlib.metadata.version("nats-py")
+assert natsclient.missing_internals() == (), natsclient.missing_internals()
+seqs, hashes, sub = asyncio.run(test_natsclient._round_trip(sys.argv[1], "oldest", 300))
+assert type(sub._nc) is natsclient._FastClient
+assert len(seqs) > 100, seqs
+assert seqs[0][1] and all(not reset for _, reset in seqs[1:])
+assert [s for s, _ in seqs] == list(range(seqs[0][0], seqs[0][0] + len(seqs)))
+assert hashes == list(range(1, 301))  # every block, live, in the order published
+print("round trip in order on nats-py", sys.argv[2], "with", len(seqs), "updates")
+"""
+
+
+def _oldest_pinned() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pin = next(d for d in deps if d.startswith("nats-py"))
+    match = re.fullmatch(r"nats-py>=(\d+\.\d+\.\d+),<\S+", pin)
+    assert match, f"the nats-py pin {pin!r} is not of the form nats-py>=X.Y.Z,<...: update this test"
+    return match.group(1)
+
+
+@pytest.fixture(scope="session")
+def oldest_nats_py(tmp_path_factory) -> tuple[str, str]:
+    """A venv holding the oldest nats-py the pin allows, and this checkout's kvbridge (its built
+    extension) and other dependencies behind it on sys.path: (its python, the version). The wheel
+    is kept in target/test-wheels, so runs after the first need no registry."""
+    version = _oldest_pinned()
+    wheels = ROOT / "target" / "test-wheels"
+    if not list(wheels.glob(f"nats_py-{version}-*.whl")):
+        got = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", f"nats-py=={version}", "-w",
+                              str(wheels)], capture_output=True, text=True, timeout=300)  # fmt: skip
+        if got.returncode != 0:
+            pytest.fail(f"cannot fetch nats-py {version} (the oldest the pin allows) into {wheels}: is the package "
+                        f"registry reachable? pip said:\n{got.stdout}{got.stderr}")  # fmt: skip
+    venv = tmp_path_factory.mktemp("oldest-nats-py") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-index", "--find-links",
+                    str(wheels), f"nats-py=={version}"], check=True, timeout=300)  # fmt: skip
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], check=True,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    # After the venv's own site-packages (its nats-py first): kvbridge as built here, then the
+    # test environment's packages for the rest of kvbridge's dependencies.
+    kvbridge_home = Path(natsclient.__file__).resolve().parents[2]
+    Path(site, "kvbridge-under-test.pth").write_text(f"{kvbridge_home}\n{sysconfig.get_path('purelib')}\n")
+    return python, version
+
+
+def test_the_oldest_pinned_nats_py_delivers_in_order_on_the_fast_path(oldest_nats_py, nats_server):
+    python, version = oldest_nats_py
+    proc = subprocess.run([python, "-c", _OLDEST_SCRIPT, nats_server.url, version, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"round trip in order on nats-py {version}" in proc.stdout

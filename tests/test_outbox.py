@@ -49,6 +49,20 @@ def test_outbox_rules(case, setup, expected):
     assert (ob.first, ob.end, ob.cursor, ob.evicted_unsent) == expected, case
 
 
+def test_a_seq_is_sent_for_the_first_time_once():
+    # The one count of "published" (the core sender's messages) and of JetStream's re-sends.
+    ob = Outbox(max_bytes=100)
+    for _ in range(3):
+        ob.append(b"m", 1)
+    assert ob.never_sent == 0
+    assert [ob.sent(0), ob.sent(1)] == [True, True] and ob.never_sent == 2
+    ob.rewind(0)
+    assert [ob.sent(0), ob.sent(1), ob.sent(2)] == [False, False, True] and ob.never_sent == 3
+    ob.skip()  # a hole is never sent, and the next message's first send still counts
+    ob.append(b"n", 1)
+    assert ob.never_sent == 3 and ob.sent(4) is True and ob.never_sent == 5
+
+
 class OutboxMachine(RuleBasedStateMachine):
     """Against a plain model: every seq is given once, the ring is a suffix of what was
     appended since the last hole, within its bound (or one message), the cursor is in it, and
@@ -80,7 +94,7 @@ class OutboxMachine(RuleBasedStateMachine):
     def send_next(self) -> None:
         seq = self.ob.cursor
         assert self.ob.get(seq)[0] == self.messages[seq]
-        self.ob.sent(seq)
+        assert self.ob.sent(seq) == (seq not in self.sent)  # first send: once per seq, re-sends are not
         self.sent.add(seq)
 
     @rule(back=st.integers(0, 10))
@@ -94,6 +108,7 @@ class OutboxMachine(RuleBasedStateMachine):
         ob = self.ob
         assert ob.end == self.next and ob.last_seq == self.next - 1
         assert ob.first <= ob.cursor <= ob.end
+        assert ob.never_sent == max(self.sent, default=-1) + 1
         held = ob.held(0, self.next)
         assert [s for s, _ in held] == list(range(ob.first, ob.end))
         assert all(p == self.messages[s] for s, p in held)

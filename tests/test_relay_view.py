@@ -26,6 +26,7 @@ class PyRelayView:
     def __init__(self) -> None:
         self.residency = Residency()
         self.sources: dict[Any, dict[Any, list[tuple[BlockStored, int]]]] = {}
+        self.sizes: dict[int, int] = {}
 
     def apply(self, events: list[Any]) -> None:
         res, sources = self.residency, self.sources
@@ -36,7 +37,11 @@ class PyRelayView:
                 root = len(hashes) if ev.parent_block_hash is None else 0
                 got = res.store(hashes, ev.medium, ev.group_idx, ev.kv_cache_spec_kind,
                                 ev.kv_cache_spec_sliding_window, root, 1, windows)  # fmt: skip
-                if got is None or got[1] or not hashes:
+                if got is None:
+                    continue
+                if ev.block_size > self.sizes.get(got[0][1], 0):
+                    self.sizes[got[0][1]] = ev.block_size
+                if got[1] or not hashes:
                     continue
                 by_hash = sources.setdefault(got[0], {})
                 for i, h in enumerate(hashes):
@@ -54,9 +59,10 @@ class PyRelayView:
             elif isinstance(ev, AllBlocksCleared):
                 res.clear()
                 sources.clear()
+                self.sizes.clear()
 
     def snapshot(self) -> list[BlockStored]:
-        return snapshot_events(self.sources.values(), self.residency.kinds)
+        return snapshot_events(self.sources.values(), self.residency.kinds, self.sizes)
 
 
 # Block hashes as engines send them: small ints, u64 past 2**63 (msgpack uint64), negative ints
@@ -85,6 +91,7 @@ def assert_same(native: RelayView, ref: PyRelayView) -> None:
     assert res.kinds == want.kinds
     assert res.stats == want.stats
     assert res.counts() == want.counts()
+    assert res.sizes == ref.sizes
     assert res.blocks() == want.blocks() == native.blocks
     assert len(native) == sum(want.counts().values())
 

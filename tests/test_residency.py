@@ -137,10 +137,45 @@ def test_a_snapshot_says_a_kind_its_blocks_do_not():
                                                          kv_cache_spec_sliding_window=16),
                 removed([2], group_idx=1), stored([5], group_idx=2, kv_cache_spec_kind="mamba"), removed([5], group_idx=2)])  # fmt: skip
     snap = view.snapshot()
-    assert snap[1:] == [kind_event(1, "sliding_window", 16), kind_event(2, "mamba", None)]
+    # Group 2 holds nothing: its kind event also carries its block size (relay.py ``snapshot``).
+    assert snap[1:] == [kind_event(1, "sliding_window", 16), kind_event(2, "mamba", None, 4)]
     late = RelayView()
     late.apply(snap)
     assert late.residency == view.residency
+
+
+def test_a_snapshot_keeps_a_groups_larger_block_size():
+    """A group of 8-token blocks (twice the index's 4) that now holds only a one-hash-block store
+    (vLLM's partial-tail entry) or nothing: its blocks' events would leave it read at 4 tokens,
+    so the snapshot says its size; a late index then scores as the live one does."""
+
+    def ev(hashes, size, group, parent=None, **kw):
+        return BlockStored(list(hashes), parent, [0] * size * len(hashes), size, None, "GPU", None, group_idx=group, **kw)
+
+    live = [
+        ev([10, 11, 12, 13], 4, 0, **FULL),
+        ev([11, 13], 8, 1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4),
+        ev([12], 4, 1, parent=11),  # the partial tail: one hash block of group 1
+        removed([11, 13], group_idx=1),
+        ev([5], 12, 2, kv_cache_spec_kind="cross_attention"),
+        removed([5], group_idx=2),
+    ]
+    view = RelayView()
+    view.apply(live)
+    snap = view.snapshot()
+    assert [(e.group_idx, e.block_hashes, e.block_size) for e in snap] == [
+        (0, [10, 11, 12, 13], 4), (1, [12], 4), (1, [], 8), (2, [], 12),
+    ]  # fmt: skip
+    direct, late = Index(block_size=4, key="engine"), Index(block_size=4, key="engine")
+    direct.apply("w", KVEventBatch(0.0, live))
+    late.apply("w", KVEventBatch(0.0, snap))
+    for n in range(1, 5):
+        assert late.find_matches(block_hashes=[10, 11, 12, 13][:n]) == direct.find_matches(block_hashes=[10, 11, 12, 13][:n])
+    # Group 2's 12-token blocks align hits to lcm(4, 8, 12) = 24 tokens: none within 16.
+    assert direct.find_matches(block_hashes=[10, 11, 12, 13]) == {}
+    again = RelayView()
+    again.apply(snap)
+    assert again.residency == view.residency and again.snapshot() == snap
 
 
 def test_worker_view_blocks_is_every_hash_held_anywhere():
@@ -207,9 +242,9 @@ def test_views_count_what_the_index_counts(rnd, n_groups):
 
 
 def _body(batch: KVEventBatch) -> Any:
-    from kvbridge.bus.subscriber import _Body
+    from kvbridge.bus.update import Body
 
-    body = _Body(encode_batch(batch), "msgpack")
+    body = Body(encode_batch(batch), "msgpack")
     assert body._batch is None, "the scan declined a vLLM-shaped batch"
     return body
 

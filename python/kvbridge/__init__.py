@@ -21,9 +21,10 @@ from kvbridge.wire.events import (
 )
 from kvbridge.wire.hashing import ALGORITHMS, BlockHasher, hash_blocks
 from kvbridge.bus.connection import AuthenticationError, ConnectError, PermissionDeniedError, WorkerIdInUseError
-from kvbridge.bus.jetstream import JetStreamError
+from kvbridge.bus.jetstream.admin import JetStreamError
 from kvbridge.bus.publisher import BackgroundPublisher, KvEventPublisher
-from kvbridge.bus.subscriber import KvEventSubscriber, Update, WorkerView
+from kvbridge.bus.subscriber import KvEventSubscriber
+from kvbridge.bus.update import Update, WorkerView
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.router import NoWorkersError, Router
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError

@@ -269,7 +269,10 @@ class Index:
     keyed through the worker's earlier stores of the same engine hash (key="tokens"). A worker's
     hit is vLLM's: the blocks all its full-attention groups hold, cut back to the largest n
     where each sliding-window group holds its last cdiv(W - 1, block_size) blocks before n (a
-    mamba group: block n - 1); other kinds are kept, not scored.
+    mamba group: block n - 1); other kinds are kept, not scored. A group whose ``block_size`` is a
+    multiple m of the index's is read at its own size (its block i is the index's block
+    (i + 1) * m - 1, windows counted in its blocks) and hits are multiples of the lcm of the
+    groups' m, as vLLM aligns them (docs/hybrid.md); other sizes are ``block_size_mismatches``.
     """
 
     def __new__(cls, block_size: int = 16, key: Literal["tokens", "engine"] = "tokens") -> Index: ...
@@ -369,6 +372,9 @@ class ResidencyView:
     @property
     def kinds(self) -> dict[int, tuple[str, int | None]]:
         """``{group: (kind, window or None)}``, in the order groups first named a kind."""
+    @property
+    def sizes(self) -> dict[int, int]:
+        """``{group: largest block_size}`` of the stores the rule did not skip, since the last clear."""
     @property
     def stats(self) -> dict[str, int]:
         """bad_groups, bad_windows, unknown_kinds, unscored_group_events, unknown_removes."""

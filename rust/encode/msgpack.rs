@@ -69,6 +69,13 @@ pub fn put_int(out: &mut Vec<u8>, v: i64) {
     }
 }
 
+/// float64 always: msgspec never writes float32.
+#[inline(always)]
+pub fn put_float(out: &mut Vec<u8>, x: f64) {
+    out.push(0xcb);
+    out.extend_from_slice(&x.to_bits().to_be_bytes());
+}
+
 /// Header of a str/bin/array/map. `fix` is the fix-form base and `fix_max` its exclusive
 /// bound (bin has no fix form); `first` is the 8-bit form's marker (0 when there is none).
 fn put_header(
@@ -125,5 +132,200 @@ pub fn patch_map_header(out: &mut [u8], at: usize, sized_for: usize, count: usiz
         out[at + 1..at + 3].copy_from_slice(&(count as u16).to_be_bytes());
     } else {
         out[at + 1..at + 5].copy_from_slice(&(count as u32).to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Expected bytes are the msgpack spec's formats
+    //! (github.com/msgpack/msgpack/blob/master/spec.md) at each boundary, in the smallest form,
+    //! as msgspec writes them.
+    use super::*;
+    use crate::hash::testing::hex;
+
+    fn written(write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+        let mut out = Vec::new();
+        write(&mut out);
+        out
+    }
+
+    #[test]
+    fn unsigned_ints_take_the_smallest_form() {
+        for (v, want) in [
+            (0u64, "00"),
+            (0x7f, "7f"),
+            (0x80, "cc80"),
+            (0xff, "ccff"),
+            (0x100, "cd0100"),
+            (0xffff, "cdffff"),
+            (0x1_0000, "ce00010000"),
+            (0xffff_ffff, "ceffffffff"),
+            (0x1_0000_0000, "cf0000000100000000"),
+            (u64::MAX, "cfffffffffffffffff"),
+        ] {
+            assert_eq!(written(|o| put_uint(o, v)), hex(want), "{v}");
+        }
+    }
+
+    #[test]
+    fn signed_ints_use_unsigned_forms_from_zero_and_negative_fixint_down_to_minus_32() {
+        for (v, want) in [
+            (0i64, "00"),
+            (0x7f, "7f"),
+            (0x80, "cc80"),
+            (0x100, "cd0100"),
+            (0x1_0000, "ce00010000"),
+            (i64::MAX, "cf7fffffffffffffff"),
+            (-1, "ff"),
+            (-32, "e0"),
+            (-33, "d0df"),
+            (-128, "d080"),
+            (-129, "d1ff7f"),
+            (-32768, "d18000"),
+            (-32769, "d2ffff7fff"),
+            (i32::MIN as i64, "d280000000"),
+            (i32::MIN as i64 - 1, "d3ffffffff7fffffff"),
+            (i64::MIN, "d38000000000000000"),
+        ] {
+            assert_eq!(written(|o| put_int(o, v)), hex(want), "{v}");
+        }
+    }
+
+    /// The table-driven forms against the spec's rule, at every power of two and its neighbours,
+    /// and several values in a row (each store writes 8 bytes past the value's end).
+    #[test]
+    fn ints_match_the_spec_rule_at_every_width_boundary() {
+        fn unsigned(v: u64) -> Vec<u8> {
+            match v {
+                0..=0x7f => vec![v as u8],
+                0x80..=0xff => vec![0xcc, v as u8],
+                0x100..=0xffff => [&[0xcd][..], &(v as u16).to_be_bytes()].concat(),
+                0x1_0000..=0xffff_ffff => [&[0xce][..], &(v as u32).to_be_bytes()].concat(),
+                _ => [&[0xcf][..], &v.to_be_bytes()].concat(),
+            }
+        }
+        fn signed(v: i64) -> Vec<u8> {
+            match v {
+                0.. => unsigned(v as u64),
+                -32..=-1 => vec![v as u8],
+                -0x80..=-33 => vec![0xd0, v as u8],
+                -0x8000..=-0x81 => [&[0xd1][..], &(v as i16).to_be_bytes()].concat(),
+                -0x8000_0000..=-0x8001 => [&[0xd2][..], &(v as i32).to_be_bytes()].concat(),
+                _ => [&[0xd3][..], &v.to_be_bytes()].concat(),
+            }
+        }
+        let mut out = Vec::new();
+        let mut want = Vec::new();
+        for bit in 0..64 {
+            for v in [(1u64 << bit) - 1, 1 << bit, (1 << bit) + 1] {
+                put_uint(&mut out, v);
+                want.extend(unsigned(v));
+                for s in [v as i64, (v as i64).wrapping_neg()] {
+                    put_int(&mut out, s);
+                    want.extend(signed(s));
+                }
+            }
+        }
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn floats_are_always_float64() {
+        for (x, want) in [
+            (0.0f64, "cb0000000000000000"),
+            (-0.0, "cb8000000000000000"),
+            (1.5, "cb3ff8000000000000"),
+            (f64::INFINITY, "cb7ff0000000000000"),
+            (f64::MIN_POSITIVE, "cb0010000000000000"),
+        ] {
+            assert_eq!(written(|o| put_float(o, x)), hex(want), "{x}");
+        }
+        let nan = f64::from_bits(0x7ff8_0000_0000_0001);
+        assert_eq!(written(|o| put_float(o, nan)), hex("cb7ff8000000000001"));
+    }
+
+    /// The header bytes of a str of `len` bytes, and that the bytes follow it.
+    fn str_header(len: usize) -> Vec<u8> {
+        let s = vec![b'a'; len];
+        let out = written(|o| put_str(o, &s).unwrap());
+        assert_eq!(&out[out.len() - len..], &s[..]);
+        out[..out.len() - len].to_vec()
+    }
+
+    #[test]
+    fn str_lengths() {
+        for (len, want) in [
+            (0, "a0"),
+            (31, "bf"),
+            (32, "d920"),
+            (0xff, "d9ff"),
+            (0x100, "da0100"),
+            (0xffff, "daffff"),
+            (0x1_0000, "db00010000"),
+        ] {
+            assert_eq!(str_header(len), hex(want), "{len}");
+        }
+    }
+
+    #[test]
+    fn bin_has_no_fix_form() {
+        for (len, want) in [
+            (0, "c400"),
+            (1, "c401"),
+            (0xff, "c4ff"),
+            (0x100, "c50100"),
+            (0xffff, "c5ffff"),
+            (0x1_0000, "c600010000"),
+        ] {
+            let b = vec![7u8; len];
+            let out = written(|o| put_bin(o, &b).unwrap());
+            assert_eq!(out[..out.len() - len], hex(want)[..], "{len}");
+            assert_eq!(&out[out.len() - len..], &b[..]);
+        }
+    }
+
+    #[test]
+    fn array_and_map_headers_have_no_8_bit_form() {
+        for (form, len, array, map) in [
+            ("fix", 0, "90", "80"),
+            ("fix", 15, "9f", "8f"),
+            ("16", 16, "dc0010", "de0010"),
+            ("16", 0xff, "dc00ff", "de00ff"),
+            ("16", 0xffff, "dcffff", "deffff"),
+            ("32", 0x1_0000, "dd00010000", "df00010000"),
+            ("32", 0xffff_ffff, "ddffffffff", "dfffffffff"),
+        ] {
+            let array_header = written(|o| put_array_header(o, len).unwrap());
+            assert_eq!(array_header, hex(array), "array{form} {len}");
+            let map_header = written(|o| put_map_header(o, len).unwrap());
+            assert_eq!(map_header, hex(map), "map{form} {len}");
+        }
+    }
+
+    #[test]
+    fn lengths_past_32_bits_are_refused() {
+        let mut out = Vec::new();
+        assert!(put_array_header(&mut out, 1 << 32).is_err());
+        assert!(put_map_header(&mut out, 1 << 32).is_err());
+        assert!(out.is_empty());
+    }
+
+    /// A map header written for all of a struct's fields keeps its width when patched down to
+    /// the number written: BlockStored's 16 entries make a map16 even when 8 are written.
+    #[test]
+    fn patched_map_headers_keep_their_width() {
+        for (sized_for, count, want) in [
+            (5, 3, "83"),
+            (15, 0, "80"),
+            (16, 8, "de0008"),
+            (0xffff, 1, "de0001"),
+            (0x1_0000, 0xffff, "df0000ffff"),
+        ] {
+            let mut out = vec![0xaa];
+            put_map_header(&mut out, sized_for).unwrap();
+            patch_map_header(&mut out, 1, sized_for, count);
+            assert_eq!(out[1..], hex(want)[..], "{sized_for} -> {count}");
+            assert_eq!(out[0], 0xaa);
+        }
     }
 }

@@ -85,6 +85,8 @@ pub fn build_plan(obj: Bound<'_, PyAny>) -> PyResult<Plan> {
             .ok_or_else(|| unsupported(&format!("field {attr:?} is not a plain slot")))?;
         // The one check that the slot really holds what getattr returns, before trusting it.
         let via_getattr = obj.getattr(attr.as_str())?;
+        // SAFETY: `offset` is a writable object slot (Py_T_OBJECT_EX) that `ty`'s MRO declares,
+        // so it lies inside every instance of `ty` and holds an object pointer or NULL.
         let in_slot =
             unsafe { *((obj.as_ptr() as *const u8).offset(offset) as *const *mut ffi::PyObject) };
         if via_getattr.as_ptr() != in_slot {

@@ -173,32 +173,63 @@ mod shani {
             && is_x86_feature_detected!("ssse3")
     }
 
+    // The helpers are `unsafe fn`s rather than `#[target_feature]` ones so that they can be
+    // `#[inline(always)]` (the two do not combine): their callers are compiled for the features.
+
     /// Big-endian 32-bit words <-> bytes.
+    ///
+    /// # Safety
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn bswap32(v: __m128i) -> __m128i {
-        _mm_shuffle_epi8(
-            v,
-            _mm_set_epi64x(0x0C0D_0E0F_0809_0A0B, 0x0405_0607_0001_0203),
-        )
+        // SAFETY: the CPU has the features the intrinsics need (this function's contract).
+        unsafe {
+            _mm_shuffle_epi8(
+                v,
+                _mm_set_epi64x(0x0C0D_0E0F_0809_0A0B, 0x0405_0607_0001_0203),
+            )
+        }
     }
 
+    /// The message schedule: the next four words from the previous sixteen.
+    ///
+    /// # Safety
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn schedule(v0: __m128i, v1: __m128i, v2: __m128i, v3: __m128i) -> __m128i {
-        let t1 = _mm_sha256msg1_epu32(v0, v1);
-        let t2 = _mm_alignr_epi8(v3, v2, 4);
-        _mm_sha256msg2_epu32(_mm_add_epi32(t1, t2), v3)
+        // SAFETY: the CPU has the features the intrinsics need (this function's contract).
+        unsafe {
+            let t1 = _mm_sha256msg1_epu32(v0, v1);
+            let t2 = _mm_alignr_epi8(v3, v2, 4);
+            _mm_sha256msg2_epu32(_mm_add_epi32(t1, t2), v3)
+        }
     }
 
+    /// Rounds 4i..4i + 4 (i < 16).
+    ///
+    /// # Safety
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards), and `i` < 16.
     #[inline(always)]
     unsafe fn rounds4(abef: &mut __m128i, cdgh: &mut __m128i, w: __m128i, i: usize) {
-        let k = _mm_loadu_si128(K32.as_ptr().add(4 * i).cast());
-        let t1 = _mm_add_epi32(w, k);
-        *cdgh = _mm_sha256rnds2_epu32(*cdgh, *abef, t1);
-        *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(t1, 0x0E));
+        // SAFETY: the features as above; K32 has 64 words, so words 4i..4i + 4 are inside it
+        // for i < 16 (this function's contract).
+        unsafe {
+            let k = _mm_loadu_si128(K32.as_ptr().add(4 * i).cast());
+            let t1 = _mm_add_epi32(w, k);
+            *cdgh = _mm_sha256rnds2_epu32(*cdgh, *abef, t1);
+            *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(t1, 0x0E));
+        }
     }
 
     /// One 64-byte block given as its four message vectors (big-endian words), with a step
     /// of `writer` after every four rounds.
+    ///
+    /// # Safety
+    /// The CPU has sha, ssse3 and sse4.1 (these helpers run only under `chain`, which
+    /// `available()` guards).
     #[inline(always)]
     unsafe fn block<M: Messages>(
         abef: &mut __m128i,
@@ -206,38 +237,49 @@ mod shani {
         w: [__m128i; 4],
         writer: &mut Writer<'_, M>,
     ) {
-        let (abef_save, cdgh_save) = (*abef, *cdgh);
-        let [mut w0, mut w1, mut w2, mut w3] = w;
-        rounds4(abef, cdgh, w0, 0);
-        writer.tick();
-        rounds4(abef, cdgh, w1, 1);
-        writer.tick();
-        rounds4(abef, cdgh, w2, 2);
-        writer.tick();
-        rounds4(abef, cdgh, w3, 3);
-        writer.tick();
-        for i in (4..16).step_by(4) {
-            w0 = schedule(w0, w1, w2, w3);
-            rounds4(abef, cdgh, w0, i);
+        // SAFETY: the CPU has the features the intrinsics and helpers need (this function's
+        // contract).
+        // Every `rounds4` index is below 16.
+        unsafe {
+            let (abef_save, cdgh_save) = (*abef, *cdgh);
+            let [mut w0, mut w1, mut w2, mut w3] = w;
+            rounds4(abef, cdgh, w0, 0);
             writer.tick();
-            w1 = schedule(w1, w2, w3, w0);
-            rounds4(abef, cdgh, w1, i + 1);
+            rounds4(abef, cdgh, w1, 1);
             writer.tick();
-            w2 = schedule(w2, w3, w0, w1);
-            rounds4(abef, cdgh, w2, i + 2);
+            rounds4(abef, cdgh, w2, 2);
             writer.tick();
-            w3 = schedule(w3, w0, w1, w2);
-            rounds4(abef, cdgh, w3, i + 3);
+            rounds4(abef, cdgh, w3, 3);
             writer.tick();
+            for i in (4..16).step_by(4) {
+                w0 = schedule(w0, w1, w2, w3);
+                rounds4(abef, cdgh, w0, i);
+                writer.tick();
+                w1 = schedule(w1, w2, w3, w0);
+                rounds4(abef, cdgh, w1, i + 1);
+                writer.tick();
+                w2 = schedule(w2, w3, w0, w1);
+                rounds4(abef, cdgh, w2, i + 2);
+                writer.tick();
+                w3 = schedule(w3, w0, w1, w2);
+                rounds4(abef, cdgh, w3, i + 3);
+                writer.tick();
+            }
+            *abef = _mm_add_epi32(*abef, abef_save);
+            *cdgh = _mm_add_epi32(*cdgh, cdgh_save);
         }
-        *abef = _mm_add_epi32(*abef, abef_save);
-        *cdgh = _mm_add_epi32(*cdgh, cdgh_save);
     }
 
+    /// The 64 bytes at `bytes` as four message vectors (big-endian words).
+    ///
+    /// # Safety
+    /// `bytes` points at 64 readable bytes, and the CPU has the features as for `bswap32`.
     #[inline(always)]
     unsafe fn load_block(bytes: *const u8) -> [__m128i; 4] {
         let p = bytes.cast::<__m128i>();
-        [0, 1, 2, 3].map(|i| bswap32(_mm_loadu_si128(p.add(i))))
+        // SAFETY: the four unaligned 16-byte loads cover the 64 bytes the caller vouches for;
+        // the features as above.
+        [0, 1, 2, 3].map(|i| unsafe { bswap32(_mm_loadu_si128(p.add(i))) })
     }
 
     /// Writes the message after the one being compressed, a step at a time.
@@ -279,7 +321,10 @@ mod shani {
         }
     }
 
-    /// SAFETY: the CPU must have sha, ssse3 and sse4.1.
+    /// `super::chain` with the SHA extensions.
+    ///
+    /// # Safety
+    /// The CPU has sha, ssse3 and sse4.1 (`available()` says so).
     #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
     pub unsafe fn chain<M: Messages>(
         scratch: &mut [u8],
@@ -297,8 +342,14 @@ mod shani {
             return;
         }
         // The initial state in the instructions' ABEF/CDGH layout.
-        let dcba = _mm_loadu_si128(IV.as_ptr().cast());
-        let efgh = _mm_shuffle_epi32(_mm_loadu_si128(IV.as_ptr().add(4).cast()), 0x1B);
+        // SAFETY: IV holds 8 words: two 16-byte loads, at words 0 and 4.
+        let (dcba, efgh) = unsafe {
+            (
+                _mm_loadu_si128(IV.as_ptr().cast()),
+                _mm_loadu_si128(IV.as_ptr().add(4).cast()),
+            )
+        };
+        let efgh = _mm_shuffle_epi32(efgh, 0x1B);
         let cdab = _mm_shuffle_epi32(dcba, 0xB1);
         let abef_iv = _mm_alignr_epi8(cdab, efgh, 8);
         let cdgh_iv = _mm_blend_epi16(efgh, cdab, 0xF0);
@@ -308,8 +359,13 @@ mod shani {
         let (mut now, mut ahead) = scratch[..2 * stride].split_at_mut(stride);
         let mut padded = super::write(messages, 0, now);
         // The digest as big-endian bytes in two vectors.
-        let mut p0 = _mm_loadu_si128(parent.as_ptr().cast());
-        let mut p1 = _mm_loadu_si128(parent.as_ptr().add(16).cast());
+        // SAFETY: two 16-byte loads from the 32 bytes of `parent`.
+        let (mut p0, mut p1) = unsafe {
+            (
+                _mm_loadu_si128(parent.as_ptr().cast()),
+                _mm_loadu_si128(parent.as_ptr().add(16).cast()),
+            )
+        };
         for k in 0..n {
             // The message's blocks are read through `m` while `writer` writes the next message
             // into `ahead`, the other half of `scratch`.
@@ -324,35 +380,51 @@ mod shani {
                 buf: &mut *ahead,
                 next,
             };
+            // SAFETY: 16-byte loads at 16-byte units 0, 2 and 3 of the message, which the assert
+            // shows is at least 64 bytes long.
+            let (m0, m2, m3) = unsafe {
+                (
+                    _mm_loadu_si128(m),
+                    _mm_loadu_si128(m.add(2)),
+                    _mm_loadu_si128(m.add(3)),
+                )
+            };
             let first = [
-                _mm_or_si128(
-                    _mm_and_si128(_mm_loadu_si128(m), head),
-                    _mm_slli_si128(p0, 13),
-                ),
+                _mm_or_si128(_mm_and_si128(m0, head), _mm_slli_si128(p0, 13)),
                 _mm_or_si128(_mm_srli_si128(p0, 3), _mm_slli_si128(p1, 13)),
-                _mm_or_si128(
-                    _mm_andnot_si128(head, _mm_loadu_si128(m.add(2))),
-                    _mm_srli_si128(p1, 3),
-                ),
-                _mm_loadu_si128(m.add(3)),
+                _mm_or_si128(_mm_andnot_si128(head, m2), _mm_srli_si128(p1, 3)),
+                m3,
             ];
             let (mut abef, mut cdgh) = (abef_iv, cdgh_iv);
-            block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)), &mut writer);
+            // SAFETY: the CPU has the features the helpers need (this function's contract).
+            unsafe { block(&mut abef, &mut cdgh, first.map(|c| bswap32(c)), &mut writer) };
             for at in (64..padded).step_by(64) {
-                block(
-                    &mut abef,
-                    &mut cdgh,
-                    load_block(m.cast::<u8>().add(at)),
-                    &mut writer,
-                );
+                // SAFETY: the features as above; `at` + 64 <= `padded` <= the message's length
+                // (the assert), so the block's 64 bytes are inside it.
+                unsafe {
+                    block(
+                        &mut abef,
+                        &mut cdgh,
+                        load_block(m.cast::<u8>().add(at)),
+                        &mut writer,
+                    )
+                };
             }
             let feba = _mm_shuffle_epi32(abef, 0x1B);
             let dchg = _mm_shuffle_epi32(cdgh, 0xB1);
-            p0 = bswap32(_mm_blend_epi16(feba, dchg, 0xF0));
-            p1 = bswap32(_mm_alignr_epi8(dchg, feba, 8));
+            // SAFETY: the features as above.
+            (p0, p1) = unsafe {
+                (
+                    bswap32(_mm_blend_epi16(feba, dchg, 0xF0)),
+                    bswap32(_mm_alignr_epi8(dchg, feba, 8)),
+                )
+            };
             let mut digest = [0u8; 32];
-            _mm_storeu_si128(digest.as_mut_ptr().cast(), p0);
-            _mm_storeu_si128(digest.as_mut_ptr().add(16).cast(), p1);
+            // SAFETY: two 16-byte stores into the 32 bytes of `digest`.
+            unsafe {
+                _mm_storeu_si128(digest.as_mut_ptr().cast(), p0);
+                _mm_storeu_si128(digest.as_mut_ptr().add(16).cast(), p1);
+            }
             emit(&digest);
             padded = writer.finish();
             std::mem::swap(&mut now, &mut ahead);

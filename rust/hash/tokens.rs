@@ -123,29 +123,46 @@ fn convert_items(seq: &Bound<'_, PyAny>) -> PyResult<Recycled<u32>> {
 }
 
 /// One token from a Python object; exact ints take the fast path.
+///
+/// # Safety
+/// `item` is a live object. It may be borrowed (from a list): before running any Python code
+/// (its `__index__`, which may mutate that list), this takes a reference of its own.
 #[inline(always)]
 unsafe fn token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyResult<u32> {
-    if ffi::Py_TYPE(item) == addr_of_mut!(ffi::PyLong_Type) {
+    // SAFETY: `item` is live; converting an exact int runs no Python code.
+    if unsafe { ffi::Py_TYPE(item) } == addr_of_mut!(ffi::PyLong_Type) {
         let mut overflow = 0;
-        let v = ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow);
+        // SAFETY: as above.
+        let v = unsafe { ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow) };
         if overflow == 0 && (0..=u32::MAX as i64).contains(&v) {
             return Ok(v as u32);
         }
-        return Err(out_of_range(py, item, index));
+        // SAFETY: as above.
+        return Err(unsafe { out_of_range(py, item, index) });
     }
-    slow_token(py, item, index)
+    // SAFETY: this function's contract is the callee's.
+    unsafe { slow_token(py, item, index) }
 }
 
+/// A token that is not an exact int: through `__index__`, bools refused.
+///
+/// # Safety
+/// As for `token`.
 #[cold]
 unsafe fn slow_token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyResult<u32> {
-    let obj = Bound::from_borrowed_ptr(py, item);
+    // SAFETY: `item` is live; from here on `obj` keeps it so through any Python code below.
+    let obj = unsafe { Bound::from_borrowed_ptr(py, item) };
     // bool is an int subclass, but a True token id is a bug, not token 1.
-    let index_value = if ffi::PyBool_Check(item) != 0 {
-        std::ptr::null_mut()
-    } else {
-        ffi::PyNumber_Index(item)
+    // SAFETY: `item` is live (held by `obj`); PyNumber_Index returns a new reference or NULL.
+    let index_value = unsafe {
+        if ffi::PyBool_Check(item) != 0 {
+            std::ptr::null_mut()
+        } else {
+            ffi::PyNumber_Index(item)
+        }
     };
-    let Some(value) = Bound::from_owned_ptr_or_opt(py, index_value) else {
+    // SAFETY: a new reference or NULL, as PyNumber_Index returns.
+    let Some(value) = (unsafe { Bound::from_owned_ptr_or_opt(py, index_value) }) else {
         PyErr::take(py);
         return Err(PyTypeError::new_err(format!(
             "token at index {index} is {}, not int",
@@ -153,16 +170,23 @@ unsafe fn slow_token(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> 
         )));
     };
     let mut overflow = 0;
-    let v = ffi::PyLong_AsLongLongAndOverflow(value.as_ptr(), &mut overflow);
+    // SAFETY: `value` is a live int (PyNumber_Index returns only ints).
+    let v = unsafe { ffi::PyLong_AsLongLongAndOverflow(value.as_ptr(), &mut overflow) };
     if overflow != 0 || !(0..=u32::MAX as i64).contains(&v) {
-        return Err(out_of_range(py, value.as_ptr(), index));
+        // SAFETY: `value` is live.
+        return Err(unsafe { out_of_range(py, value.as_ptr(), index) });
     }
     Ok(v as u32)
 }
 
+/// The error for a token out of range, showing it.
+///
+/// # Safety
+/// `item` is a live object.
 #[cold]
 unsafe fn out_of_range(py: Python<'_>, item: *mut ffi::PyObject, index: usize) -> PyErr {
-    let shown = Bound::from_borrowed_ptr(py, item)
+    // SAFETY: `item` is live; the Bound holds it through `str()`.
+    let shown = unsafe { Bound::from_borrowed_ptr(py, item) }
         .str()
         .map_or_else(|_| "?".to_string(), |s| s.to_string());
     range_error(index, &shown)
@@ -231,6 +255,10 @@ macro_rules! item {
 item!(u32, i32, u64, i64);
 
 /// Converts to u32 with a range check; contiguous aligned native data takes a vectorisable path.
+///
+/// # Safety
+/// `base` points at `n` items of `T`, `stride` bytes apart, all readable for the call (a held
+/// buffer export); `contiguous` only if `stride` is `T`'s size and `base` is aligned for `T`.
 unsafe fn convert<T: Item>(
     base: *const u8,
     n: usize,
@@ -241,7 +269,8 @@ unsafe fn convert<T: Item>(
     let ok = |x: i128| (0..=u32::MAX as i128).contains(&x);
     let mut out = Recycled::take(&POOL);
     if contiguous && !swap {
-        let items = std::slice::from_raw_parts(base as *const T, n);
+        // SAFETY: n aligned items of T, contiguous (this function's contract).
+        let items = unsafe { std::slice::from_raw_parts(base as *const T, n) };
         if let Some(i) = items.iter().position(|x| !ok(x.wide())) {
             return Err((i, items[i].wide()));
         }
@@ -250,7 +279,9 @@ unsafe fn convert<T: Item>(
     }
     out.reserve(n);
     for i in 0..n {
-        let mut x = std::ptr::read_unaligned(base.offset(i as isize * stride) as *const T);
+        // SAFETY: item i < n is readable at `stride` * i bytes from `base`.
+        let mut x =
+            unsafe { std::ptr::read_unaligned(base.offset(i as isize * stride) as *const T) };
         if swap {
             x = x.swapped();
         }

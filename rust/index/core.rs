@@ -156,10 +156,9 @@ pub enum Kind {
     Unannounced,
     /// Full attention (and MLA, sink): a hit needs every block of the prefix.
     Main,
-    /// A hit of n blocks needs blocks [max(0, n - blocks), n): vLLM's
-    /// `SlidingWindowManager._contiguous_blocks_for_hit` (cdiv(W - 1, block_size)); mamba is
-    /// `blocks = 1` (`MambaManager.find_longest_cache_hit`: the block at the hit point).
-    Window { blocks: u32 },
+    /// A window of `tokens` (mamba: 1): a hit of n of the group's blocks needs blocks
+    /// [max(0, n - k), n) with k = max(1, cdiv(tokens - 1, group block size)) (`window_blocks`).
+    Window { tokens: u32 },
     /// Known to vLLM but not scored (chunked local, encoder-only, cross attention, unknown).
     Unscored,
 }
@@ -170,17 +169,16 @@ enum BadKind {
 }
 
 /// A kind from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py), as `parse::KINDS` numbers it.
-fn kind_of(code: u8, window: i64, block_size: usize) -> Result<Kind, BadKind> {
+fn kind_of(code: u8, window: i64) -> Result<Kind, BadKind> {
     let name = KINDS.get((code as usize).wrapping_sub(1)).copied().unwrap_or(b"");
     Ok(match name {
         b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
-        // At least one block: vLLM's finder stops at the first held block from the right, so a
-        // window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block at the hit.
         b"sliding_window" | b"sliding_window_mla" if window >= 1 => Kind::Window {
-            blocks: u32::try_from((window as u64 - 1).div_ceil(block_size as u64)).unwrap_or(u32::MAX).max(1),
+            tokens: u32::try_from(window).unwrap_or(u32::MAX),
         },
         b"sliding_window" | b"sliding_window_mla" => return Err(BadKind::Window),
-        b"mamba" => Kind::Window { blocks: 1 },
+        // `MambaManager.find_longest_cache_hit`: the block at the hit point, a window of one.
+        b"mamba" => Kind::Window { tokens: 1 },
         b"chunked_local_attention" | b"encoder_only_attention" | b"cross_attention" | b"unknown" => {
             Kind::Unscored
         }
@@ -188,33 +186,73 @@ fn kind_of(code: u8, window: i64, block_size: usize) -> Result<Kind, BadKind> {
     })
 }
 
+/// The blocks (of `group_block_size` tokens) a window of `tokens` needs before a hit's end:
+/// vLLM's `SlidingWindowManager._contiguous_blocks_for_hit`, cdiv(W - 1, block_size), counted
+/// in the group's own blocks. At least one: vLLM's finder stops at the first held block from
+/// the right, so a window of 1 token (cdiv(0, block_size) = 0 blocks) still needs the block
+/// at the hit.
+fn window_blocks(tokens: u32, group_block_size: u64) -> u32 {
+    let k = (u64::from(tokens) - 1).div_ceil(group_block_size.max(1));
+    u32::try_from(k).unwrap_or(u32::MAX).max(1)
+}
+
+/// The largest group block size, in index blocks, a store may announce: vLLM's block sizes
+/// are a few hundred tokens at most; a larger one is bad input (counted as a block-size
+/// mismatch), and keeps the alignment (a least common multiple of scales) within u64.
+pub const MAX_SCALE: u64 = 1 << 12;
+
 /// The `Stored::kind` codes of `sliding_window`, `sliding_window_mla` and `mamba` (1 + their
 /// place in `parse::KINDS`).
 const WINDOW_CODES: [u8; 3] = [3, 4, 5];
 
-/// Main groups (a bitset) and window groups (group, blocks) of a worker's kinds. An unannounced
+/// Main groups (a bitset) and window groups (group, blocks of the group's size) of a worker's
+/// kinds; `scales[g]`: group g's block size in index blocks (0 or absent: 1). An unannounced
 /// group 0 is main: the group every engine without groups writes to.
-fn plan(kinds: &[Kind]) -> (u64, Vec<(u8, u32)>) {
+fn plan(kinds: &[Kind], scales: &[u32], block_size: usize) -> (u64, Vec<(u8, u32)>) {
     let mut main = u64::from(kinds.first().is_none_or(|k| *k == Kind::Unannounced));
     let mut windows = Vec::new();
     for (g, k) in kinds.iter().enumerate() {
         match k {
             Kind::Main => main |= 1 << g,
-            Kind::Window { blocks } => windows.push((g as u8, *blocks)),
+            Kind::Window { tokens } => {
+                let size = block_size as u64 * u64::from(scale_of(scales, g));
+                windows.push((g as u8, window_blocks(*tokens, size)));
+            }
             _ => {}
         }
     }
     (main, windows)
 }
 
-/// Whether a worker's hit is its group 0's leading run, as for a single-group engine.
-fn is_plain(kinds: &[Kind]) -> bool {
-    kinds.iter().enumerate().all(|(g, k)| match k {
-        Kind::Unannounced => true,
-        Kind::Main => g == 0,
-        Kind::Window { .. } => false,
-        Kind::Unscored => g != 0,
+/// Group `g`'s block size in index blocks.
+#[inline]
+fn scale_of(scales: &[u32], g: usize) -> u32 {
+    scales.get(g).copied().unwrap_or(1).max(1)
+}
+
+/// vLLM's hit alignment without fine-grained partial hits: the least common multiple of
+/// every group's block size (`resolve_kv_cache_block_sizes`: scheduler_block_size =
+/// lcm(group block sizes); `HybridKVCacheCoordinator._cache_hit_alignment_tokens`), here in
+/// index blocks. Saturates: an alignment past any prompt's length allows only the empty hit.
+fn alignment(scales: &[u32]) -> u64 {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    scales.iter().fold(1u64, |a, &s| {
+        let s = u64::from(s.max(1));
+        (a / gcd(a, s)).saturating_mul(s)
     })
+}
+
+/// Whether a worker's hit is its group 0's leading run, as for a single-group engine.
+fn is_plain(kinds: &[Kind], scales: &[u32]) -> bool {
+    scales.iter().all(|&s| s <= 1)
+        && kinds.iter().enumerate().all(|(g, k)| match k {
+            Kind::Unannounced => true,
+            Kind::Main => g == 0,
+            Kind::Window { .. } => false,
+            Kind::Unscored => g != 0,
+        })
 }
 
 /// The window rule one block at a time: given the groups `m` that hold block n - 1, whether a
@@ -227,6 +265,38 @@ fn window_step(runs: &mut [usize], windows: &[(u8, u32)], n: usize, m: u64) -> b
         ok &= *run >= n.min(blocks as usize);
     }
     ok
+}
+
+enum Step {
+    /// A main group lacks one of its blocks: no longer hit from here on.
+    Closed,
+    /// n is a hit.
+    Hit,
+    Open,
+}
+
+/// `window_step` for groups of larger blocks (`scales[g]` index blocks each, absent: 1): at
+/// index block n - 1 only the groups whose blocks end there are read (their block
+/// n / scale - 1, keyed by that index block); n is a hit when it is a multiple of `align`
+/// (every group's block ends there), every main group held all its blocks so far and each
+/// window group holds its last min(n / scale, blocks) blocks. `runs` counts group blocks.
+#[inline(never)] // rare (groups of larger blocks): kept out of the common walk's loop
+fn scaled_step(runs: &mut [usize], main: u64, windows: &[(u8, u32)], scales: &[u32], align: u64, n: usize, m: u64) -> Step {
+    let ends = |g: usize| n.is_multiple_of(scale_of(scales, g) as usize);
+    if Bits(main).any(|g| ends(g) && m >> g & 1 == 0) {
+        return Step::Closed;
+    }
+    let hit = (n as u64).is_multiple_of(align);
+    let mut ok = true;
+    for (run, &(g, blocks)) in runs.iter_mut().zip(windows) {
+        let g = g as usize;
+        if ends(g) {
+            *run = if m >> g & 1 != 0 { *run + 1 } else { 0 };
+        }
+        // At a multiple of `align` every group's block ends at n.
+        ok &= *run >= (n / scale_of(scales, g) as usize).min(blocks as usize);
+    }
+    if hit && ok { Step::Hit } else { Step::Open }
 }
 
 /// The largest n <= masks.len() the window rule accepts (n = 0 always is).
@@ -290,9 +360,15 @@ struct Worker {
     slots: Vec<Slot>,
     /// By group: what its stores said it is.
     kinds: Vec<Kind>,
+    /// By group: the largest block size its stores announced, in index blocks (0: none yet,
+    /// read as 1). The largest, because vLLM's partial-tail entries
+    /// (`FullAttentionManager._cache_partial_tail_block`) come as stores of one hash block.
+    scales: Vec<u32>,
+    /// `alignment(&scales)`: a hit is a multiple of it (in index blocks).
+    align: u64,
     /// Times its cache was cleared (AllBlocksCleared), so a router knows its guesses are void.
     clears: u64,
-    /// `plan(&kinds)`, kept for queries: main groups (bits) and window groups.
+    /// `plan(&kinds, &scales, ..)`, kept for queries: main groups (bits) and window groups.
     main: u64,
     windows: Vec<(u8, u32)>,
 }
@@ -516,6 +592,10 @@ impl Core {
     /// Hybrid workers, vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`: F = the
     /// leading blocks every main group holds (all of `keys` when there is no main group), then
     /// the largest n <= F each window group accepts. One lookup per block for all of them.
+    /// With groups of larger blocks (scale m: index blocks per group block) a group is read
+    /// only at its own block ends (index block (i + 1) * m - 1 is its block i's key), and n
+    /// must be a multiple of the worker's alignment (the lcm of its scales, see `alignment`).
+    #[inline(never)] // its own function: the plain walk's code does not change with it
     fn hybrid_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) {
         struct Walk<'c> {
             w: u32,
@@ -528,7 +608,10 @@ impl Core {
             best: usize,
             open: bool,
         }
+        // Workers with groups of larger blocks walk apart (`scaled`: their worker's scales and
+        // alignment, by walk), so the others' loop stays as it was.
         let mut walks: Vec<Walk> = Vec::new();
+        let mut scaled: Vec<(Walk, &[u32], u64)> = Vec::new();
         let mut n_runs = 0;
         for (word, &bits) in self.hybrid.iter().enumerate() {
             for b in Bits(bits) {
@@ -539,7 +622,12 @@ impl Core {
                 let (main, windows) = (worker.main, &worker.windows[..]);
                 let groups = windows.iter().fold(main, |g, &(x, _)| g | 1 << x);
                 if groups != 0 {
-                    walks.push(Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true });
+                    let walk = Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true };
+                    if worker.scales.iter().all(|&m| m <= 1) {
+                        walks.push(walk);
+                    } else {
+                        scaled.push((walk, &worker.scales[..], worker.align));
+                    }
                     n_runs += windows.len();
                 }
             }
@@ -548,7 +636,12 @@ impl Core {
         let n_groups = self.class_group.iter().max().map_or(0, |&g| g as usize + 1);
         let mut held = vec![0u64; words * n_groups];
         let mut runs = vec![0usize; n_runs];
-        let mut open = walks.len();
+        let mut open = walks.len() + scaled.len();
+        // The groups of `walk` that hold the block `held` describes, as bits by group.
+        let mask = |held: &[u64], walk: &Walk| {
+            let (word, bit) = (walk.w as usize / 64, walk.w % 64);
+            Bits(walk.groups).fold(0u64, |m, g| m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g))
+        };
         for (i, k) in keys.iter().enumerate() {
             if open == 0 {
                 break;
@@ -558,10 +651,7 @@ impl Core {
                 h.groups_into(&self.slab, filter, &self.class_group, words, &mut held);
             }
             for walk in walks.iter_mut().filter(|x| x.open) {
-                let (word, bit) = (walk.w as usize / 64, walk.w % 64);
-                let m = Bits(walk.groups).fold(0u64, |m, g| {
-                    m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g)
-                });
+                let m = mask(&held, walk);
                 if m & walk.main != walk.main {
                     walk.open = false;
                     open -= 1;
@@ -572,8 +662,21 @@ impl Core {
                     walk.best = i + 1;
                 }
             }
+            for (walk, scales, align) in scaled.iter_mut().filter(|x| x.0.open) {
+                let m = mask(&held, walk);
+                let runs = &mut runs[walk.runs..walk.runs + walk.windows.len()];
+                match scaled_step(runs, walk.main, walk.windows, scales, *align, i + 1, m) {
+                    Step::Closed => {
+                        walk.open = false;
+                        open -= 1;
+                    }
+                    Step::Hit => walk.best = i + 1,
+                    Step::Open => {}
+                }
+            }
         }
-        out.extend(walks.iter().filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
+        let both = walks.iter().chain(scaled.iter().map(|x| &x.0));
+        out.extend(both.filter(|x| x.best > 0).map(|x| (x.w, x.best as u32)));
     }
 
     /// Bytes held by the index's tables, with an estimate of the allocator's bookkeeping.
@@ -587,6 +690,7 @@ impl Core {
                     + 16
                     + w.slots.capacity() * std::mem::size_of::<Slot>()
                     + w.kinds.capacity() * std::mem::size_of::<Kind>()
+                    + w.scales.capacity() * 4
                     + w.windows.capacity() * std::mem::size_of::<(u8, u32)>()
                     + w.slots
                         .iter()
@@ -725,6 +829,8 @@ impl Core {
             name,
             slots: Vec::new(),
             kinds: Vec::new(),
+            scales: Vec::new(),
+            align: 1,
             main: 1,
             windows: Vec::new(),
             clears: 0,
@@ -787,23 +893,39 @@ impl Core {
         }
     }
 
-    /// Records what a store said group `g` is (None: unchanged) and returns its kind now.
-    fn learn(&mut self, w: u32, g: u8, kind: Option<Kind>) -> Kind {
+    /// Records what a store said group `g` is (None: unchanged) and its block size in index
+    /// blocks (None: a placeholder's, which says nothing); returns its kind now.
+    #[inline(never)] // a store that says something new is rare: kept out of `stored`
+    fn learn(&mut self, w: u32, g: u8, kind: Option<Kind>, scale: Option<u32>) -> Kind {
+        let bs = self.block_size;
         let worker = self.workers[w as usize].as_mut().expect("live worker");
-        let Some(kind) = kind else {
-            return worker.kinds.get(g as usize).copied().unwrap_or_default();
-        };
-        if worker.kinds.get(g as usize) == Some(&kind) {
-            return kind;
+        let g = g as usize;
+        let mut changed = false;
+        if let Some(kind) = kind {
+            if worker.kinds.get(g) != Some(&kind) {
+                if worker.kinds.len() <= g {
+                    worker.kinds.resize(g + 1, Kind::Unannounced);
+                }
+                worker.kinds[g] = kind;
+                changed = true;
+            }
         }
-        if worker.kinds.len() <= g as usize {
-            worker.kinds.resize(g as usize + 1, Kind::Unannounced);
+        // Scale 1 is the default: only a larger one is news (and needs the vector).
+        if let Some(m) = scale.filter(|&m| m > scale_of(&worker.scales, g)) {
+            if worker.scales.len() <= g {
+                worker.scales.resize(g + 1, 0);
+            }
+            worker.scales[g] = m;
+            worker.align = alignment(&worker.scales);
+            changed = true;
         }
-        worker.kinds[g as usize] = kind;
-        (worker.main, worker.windows) = plan(&worker.kinds);
-        let hybrid = !is_plain(&worker.kinds);
-        self.set_hybrid(w, hybrid);
-        kind
+        let now = worker.kinds.get(g).copied().unwrap_or_default();
+        if changed {
+            (worker.main, worker.windows) = plan(&worker.kinds, &worker.scales, bs);
+            let hybrid = !is_plain(&worker.kinds, &worker.scales);
+            self.set_hybrid(w, hybrid);
+        }
+        now
     }
 
     fn set_hybrid(&mut self, w: u32, on: bool) {
@@ -841,7 +963,7 @@ impl Core {
             self.stats.bad_groups += 1;
             return;
         }
-        let kind = match (s.kind != NO_KIND).then(|| kind_of(s.kind, s.window, bs)).transpose() {
+        let kind = match (s.kind != NO_KIND).then(|| kind_of(s.kind, s.window)).transpose() {
             Ok(k) => k,
             Err(BadKind::Kind) => {
                 self.stats.unknown_kinds += 1;
@@ -855,26 +977,44 @@ impl Core {
         // The offload connector's token-less placeholder (offloading/events.py
         // `_placeholder_stored`): only a hash, block_size 0.
         let placeholder = s.block_size == 0 && tokens.is_empty();
-        if !placeholder && s.block_size != bs as i64 {
+        // A group's blocks may be a multiple m of the hash block size (vLLM: each group's
+        // `block_size`, hashes at their gcd); its block i is keyed by the hash of its last
+        // hash block, index block (i + 1) * m - 1 (kv_cache_utils.py
+        // `BlockHashListWithBlockSize`). Anything else is not this index's block size.
+        let scale = if s.block_size == bs as i64 {
+            Some(1) // nearly every event: no division
+        } else {
+            (s.block_size > 0 && (s.block_size as u64).is_multiple_of(bs as u64))
+                .then(|| s.block_size as u64 / bs as u64)
+                .filter(|&m| m <= MAX_SCALE)
+                .map(|m| m as u32)
+        };
+        if !placeholder && scale.is_none() {
             // An event with no blocks changes nothing, wrong size or not (counted as before).
             self.stats.block_size_mismatches += u64::from(n > 0);
             return;
         }
-        let kind = self.learn(w, s.group, kind);
+        let kind = if kind.is_none() && scale.is_none_or(|m| m <= 1) {
+            self.kind(w, s.group) // most stores: nothing new to learn
+        } else {
+            self.learn(w, s.group, kind, scale)
+        };
         if kind == Kind::Unscored {
             self.stats.unscored_group_events += 1;
         }
         if n == 0 {
             return;
         }
-        let dense = tokens.len() == n * bs;
+        // Tokens per block of this event (a placeholder's none: its hashes are all it says).
+        let ebs = bs * scale.unwrap_or(1) as usize;
+        let dense = tokens.len() == n * ebs;
         // A window or mamba group lists only the blocks it retains (block_pool.py
         // `cache_full_blocks` skips null blocks) while its token ids cover the whole range.
         let sparse = !dense
             && !tokens.is_empty()
             && matches!(kind, Kind::Window { .. } | Kind::Unscored)
-            && tokens.len() > n * bs
-            && tokens.len().is_multiple_of(bs);
+            && tokens.len() > n * ebs
+            && tokens.len().is_multiple_of(ebs);
         if !(placeholder || tokens.is_empty() || dense || sparse) {
             self.stats.block_size_mismatches += 1;
             return;
@@ -926,7 +1066,7 @@ impl Core {
                 }
                 digests.extend_from_slice(keys);
             }
-            Mode::Tokens if dense => {
+            Mode::Tokens if dense && (ebs == bs || extras_none(&s.extra_keys, s.lora_name)) => {
                 let parent = match s.parent {
                     None => None,
                     Some(p) => match self.engine_key(w, c, p) {
@@ -939,17 +1079,33 @@ impl Core {
                         }
                     },
                 };
-                let extras = s.extra_keys.map(|e| strip_lora(e, s.lora_name));
                 let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, s.lora_name, None);
                 chain.parent = parent.map(Digest::from_u64);
-                chain.run_words(tokens, extras.as_deref(), |k| digests.push(k));
+                if ebs == bs {
+                    let extras = s.extra_keys.map(|e| strip_lora(e, s.lora_name));
+                    chain.run_words(tokens, extras.as_deref(), |k| digests.push(k));
+                } else {
+                    // A block of m hash blocks is keyed by its last one's index hash, which
+                    // is what a group of the index's size stores for that position (and what
+                    // the engine hash of the block stands for in every group). No extra keys
+                    // here (see `extras_none`).
+                    let m = ebs / bs;
+                    let mut i = 0usize;
+                    chain.run_words(tokens, None, |k| {
+                        i += 1;
+                        if i.is_multiple_of(m) {
+                            digests.push(k);
+                        }
+                    });
+                }
                 for k in &digests {
                     std::hint::black_box(self.blocks.get(k));
                 }
             }
             Mode::Tokens => {
-                // Placeholders and sparse groups: each hash stands for the block the worker
-                // stored under it with tokens (the same hash in another group or medium).
+                // Placeholders, sparse groups and larger blocks with extra keys: each hash
+                // stands for the block the worker stored under it with tokens (the same hash
+                // in another group or medium).
                 let mut engines = Vec::with_capacity(n);
                 for &e in keys {
                     match self.engine_key(w, c, e) {
@@ -1057,7 +1213,9 @@ impl Core {
         let worker = workers[w as usize].as_mut().expect("live worker");
         worker.clears += 1;
         worker.kinds.clear();
-        (worker.main, worker.windows) = plan(&[]);
+        worker.scales.clear();
+        worker.align = 1;
+        (worker.main, worker.windows) = plan(&[], &[], 1);
         if worker.slots.iter().all(|s| s.held == 0) {
             worker.slots.clear();
             return;
@@ -1088,6 +1246,15 @@ fn emit(out: &mut Vec<(u32, u32)>, word: usize, bits: u64, count: usize) {
     for b in Bits(bits) {
         out.push(((word * 64 + b) as u32, count as u32));
     }
+}
+
+/// Whether a store's blocks carry no extra keys but the LoRA name. vLLM's extra keys of a
+/// block larger than the hash block (multimodal `(identifier, offset)` pairs, offsets from
+/// the block's start; prompt-embeds digests of the whole block) cannot be split into the
+/// smaller blocks' keys, so such a store is placed through the engine hashes instead.
+fn extras_none(extras: &Option<Vec<Option<Value>>>, lora_name: Option<&str>) -> bool {
+    // Rare (a LoRA or multimodal request on a group of larger blocks): the copy is cheap.
+    extras.as_ref().is_none_or(|e| strip_lora(e.clone(), lora_name).iter().all(Option::is_none))
 }
 
 /// vLLM repeats the LoRA name as the first extra key of every block of a LoRA request; the
@@ -1321,18 +1488,57 @@ mod tests {
     #[test]
     fn kinds_decide_the_plan() {
         let code = |name: &[u8]| KINDS.iter().position(|k| *k == name).map_or(u8::MAX, |i| i as u8 + 1);
-        assert_eq!(kind_of(code(b"sliding_window"), 5, 2).ok(), Some(Kind::Window { blocks: 2 }));
-        assert_eq!(kind_of(code(b"sliding_window"), 1, 2).ok(), Some(Kind::Window { blocks: 1 }));
-        assert_eq!(kind_of(code(b"mamba"), 0, 16).ok(), Some(Kind::Window { blocks: 1 }));
-        assert_eq!(kind_of(code(b"sink_full_attention"), 0, 16).ok(), Some(Kind::Main));
-        assert!(matches!(kind_of(code(b"sliding_window_mla"), 0, 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(code(b"sliding_window"), -3, 2), Err(BadKind::Window)));
-        assert!(matches!(kind_of(code(b"swa"), 4, 2), Err(BadKind::Kind)));
-        assert!(is_plain(&[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced]));
-        assert!(!is_plain(&[Kind::Main, Kind::Main]) && !is_plain(&[Kind::Unscored]));
-        assert!(!is_plain(&[Kind::Unannounced, Kind::Window { blocks: 1 }]));
-        assert_eq!(plan(&[Kind::Unannounced, Kind::Main, Kind::Window { blocks: 3 }]), (0b11, vec![(2, 3)]));
-        assert_eq!(plan(&[Kind::Window { blocks: 3 }]), (0, vec![(0, 3)]));
+        assert_eq!(kind_of(code(b"sliding_window"), 5).ok(), Some(Kind::Window { tokens: 5 }));
+        assert_eq!(kind_of(code(b"mamba"), 0).ok(), Some(Kind::Window { tokens: 1 }));
+        assert_eq!(kind_of(code(b"sink_full_attention"), 0).ok(), Some(Kind::Main));
+        assert!(matches!(kind_of(code(b"sliding_window_mla"), 0), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"sliding_window"), -3), Err(BadKind::Window)));
+        assert!(matches!(kind_of(code(b"swa"), 4), Err(BadKind::Kind)));
+        // cdiv(W - 1, group block size), at least 1.
+        assert_eq!((window_blocks(5, 2), window_blocks(1, 2), window_blocks(1, 16)), (2, 1, 1));
+        assert_eq!((window_blocks(9, 4), window_blocks(9, 8), window_blocks(17, 8)), (2, 1, 2));
+        assert!(is_plain(&[], &[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced], &[1, 0]));
+        assert!(!is_plain(&[Kind::Main, Kind::Main], &[]) && !is_plain(&[Kind::Unscored], &[]));
+        assert!(!is_plain(&[Kind::Unannounced, Kind::Window { tokens: 1 }], &[]));
+        assert!(!is_plain(&[Kind::Main], &[2]), "a group of larger blocks is scored apart");
+        let (main, windows) = plan(&[Kind::Unannounced, Kind::Main, Kind::Window { tokens: 5 }], &[], 2);
+        assert_eq!((main, windows), (0b11, vec![(2, 2)]));
+        // The same window over blocks twice as large: one block.
+        assert_eq!(plan(&[Kind::Window { tokens: 5 }], &[2], 2), (0, vec![(0, 1)]));
+        assert_eq!((alignment(&[]), alignment(&[0, 2, 3]), alignment(&[4, 2])), (1, 6, 4));
+        assert_eq!(alignment(&[u32::MAX, u32::MAX - 1, u32::MAX - 2]), u64::MAX, "saturates");
+    }
+
+    #[test]
+    fn scaled_hits_land_on_every_groups_block_ends() {
+        // Group 0 main at scale 1, group 1 a window of 1 block at scale 2: `held[i]` = groups
+        // holding index block i (group 1's keys only count at odd i, its blocks' ends).
+        let walk = |held: &[u64], windows: &[(u8, u32)], scales: &[u32]| {
+            let mut runs = vec![0; windows.len()];
+            let align = alignment(scales);
+            let mut best = 0;
+            for (i, &m) in held.iter().enumerate() {
+                match scaled_step(&mut runs, 1, windows, scales, align, i + 1, m) {
+                    Step::Closed => break,
+                    Step::Hit => best = i + 1,
+                    Step::Open => {}
+                }
+            }
+            best
+        };
+        assert_eq!(walk(&[1, 3, 1, 3], &[(1, 1)], &[1, 2]), 4);
+        assert_eq!(walk(&[1, 3, 3, 1], &[(1, 1)], &[1, 2]), 2, "group 1's key at index 2 is no block end");
+        assert_eq!(walk(&[1, 1, 1], &[(1, 1)], &[1, 2]), 0);
+        assert_eq!(walk(&[1, 3, 1], &[(1, 1)], &[1, 2]), 2, "3 is not a multiple of 2");
+        // A main group at scale 2 (bits as group 0): misses between its block ends do not count.
+        assert_eq!(walk(&[0, 1, 0, 1, 0, 0], &[], &[2]), 4);
+        // Window of 2 blocks at scale 2, main at scale 3: align 6.
+        let held = [1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3];
+        assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 12);
+        let held = [1, 1, 1, 3, 1, 3, 1, 1, 1, 3, 1, 3];
+        assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 12, "group 1 holds its blocks 4, 5 (keys 9, 11)");
+        let held = [1, 1, 1, 3, 1, 3, 1, 1, 1, 1, 1, 3];
+        assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 6);
     }
 
     #[test]

@@ -23,11 +23,22 @@ unanswered and nothing else arrives either (a PONG queued behind a backlog is la
 so any byte received counts as a sign of life, and so does a full socket taking bytes again). Then the connection is logged (which server, how
 it was found), counted (``link_failures``) and replaced, its socket aborted rather than closed
 (see ``_replace_dead_link``).
+
+nats-py's private members: all of the above overrides or calls them (``_process_msg``,
+``_process_headers``, ``_remove_sub``, the parser's state, the keepalive's PING bookkeeping). At
+import they are checked against what this module needs (``_NEEDS``, ``missing_internals``); a
+nats-py without one of them gets nats-py's own client instead, with the two additions done
+through its public API (``subscribe_direct`` as a callback subscription, ``link_alive`` as a
+flush): slower, the same messages in the same order, dead links found by nats-py's own keepalive
+(``link_failures`` stays 0). That is logged once, naming what is missing. The versions in
+pyproject.toml's pin are tested (tests/test_natsclient.py runs the oldest in a venv of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +50,7 @@ from nats.protocol import parser as _parser
 
 from kvbridge._native import parse_nats_headers, scan_nats_msgs
 
-__all__ = ["Client", "DirectHandler"]
+__all__ = ["Client", "DirectHandler", "missing_internals"]
 
 log = logging.getLogger("kvbridge.connection")
 
@@ -49,6 +60,70 @@ DirectHandler = Callable[[str, Optional[dict[str, str]], bytes], None]
 # With fast_mail_parser installed nats-py parses headers with it, under rules of its own: then
 # every block goes to nats-py.
 _NATIVE = getattr(_nats, "parse_email", None) is None
+
+
+# What the fast path takes from nats-py beyond its public API. Methods: the parameter names it
+# overrides or calls them with. Attributes: on a client and its parser as constructed.
+_NEEDS_METHODS: dict[str, tuple[str, ...]] = {
+    "_process_msg": ("sid", "subject", "reply", "data", "headers"),
+    "_process_headers": ("headers",),
+    "_remove_sub": ("sid", "max_msgs"),
+    "_process_connect_init": (),
+    "_ping_interval": (),
+    "_process_op_err": ("e",),
+    "_send_ping": ("future",),
+    "_flush_pending": (),
+}
+_NEEDS_CLIENT_ATTRS = ("_ps", "_pending", "_pending_data_size", "_pings_outstanding", "_pongs", "_transport", "stats")
+_NEEDS_PARSER_ATTRS = ("buf", "state", "nc")
+_NEEDS_MODULE = ((_nats, "PING_PROTO"), (_parser, "Parser"), (_parser, "AWAITING_CONTROL_LINE"))
+
+
+def missing_internals() -> tuple[str, ...]:
+    """The nats-py private members the fast path needs that this nats-py lacks (empty: none)."""
+    missing = [f"{mod.__name__}.{name}" for mod, name in _NEEDS_MODULE if not hasattr(mod, name)]
+    for name, params in _NEEDS_METHODS.items():
+        method = getattr(_nats.Client, name, None)
+        try:
+            have = tuple(inspect.signature(method).parameters)[1:] if callable(method) else None
+        except (TypeError, ValueError):
+            have = None
+        if have is None or have[: len(params)] != params:
+            missing.append(f"Client.{name}({', '.join(params)})")
+    try:
+        nc = _nats.Client()
+    except Exception as exc:  # pragma: no cover - a nats-py whose client needs more to construct
+        return (*missing, f"Client() ({exc!r})")
+    missing += [f"Client.{a}" for a in _NEEDS_CLIENT_ATTRS if not hasattr(nc, a)]
+    stats = getattr(nc, "stats", None)
+    if not isinstance(stats, dict) or not {"in_msgs", "in_bytes"} <= stats.keys():
+        missing.append("Client.stats['in_msgs', 'in_bytes']")
+    parser_class = getattr(_parser, "Parser", None)
+    if parser_class is None or not isinstance(getattr(nc, "_ps", None), parser_class):
+        missing.append("Client._ps (a nats.protocol.parser.Parser)")
+    else:
+        missing += [f"Parser.{a}" for a in _NEEDS_PARSER_ATTRS if not hasattr(nc._ps, a)]
+    return tuple(missing)
+
+
+_MISSING = missing_internals()
+_warned = False
+
+
+def _nats_py_version() -> str:
+    try:
+        return importlib.metadata.version("nats-py")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        return "(version unknown)"
+
+
+def _warn_stock_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning("kvbridge: nats-py %s lacks what kvbridge's fast receive path uses (%s): using nats-py's own "
+                    "client instead (slower, same results; dead links found by its keepalive)",
+                    _nats_py_version(), ", ".join(_MISSING))  # fmt: skip
 
 
 class Parser(_parser.Parser):
@@ -102,18 +177,58 @@ def _native_headers(headers: Optional[bytes]) -> Optional[dict[str, str]]:
 
 
 class Client(_nats.Client):
+    """kvbridge's client: constructed, it is the fast one (``_FastClient``) when this nats-py has
+    every private member that needs, else this class, nats-py's own client with kvbridge's two
+    additions done through its public API (module doc)."""
+
+    def __new__(cls) -> Client:
+        if cls is Client:
+            if not _MISSING:
+                cls = _FastClient
+            else:
+                _warn_stock_once()
+        return super().__new__(cls)
+
     def __init__(self) -> None:
         super().__init__()
-        self._ps = Parser(self)
-        self._direct: dict[int, DirectHandler] = {}
         #: Connections found dead by silence (PINGs unanswered) and replaced.
         self.link_failures = 0
-        self._last_alive = time.monotonic()
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         """A plain subscription (no queue group) whose messages go to ``handler`` from the read
         loop. The handler must return quickly, never block and catch its own exceptions: the
-        connection reads nothing meanwhile. Unsubscribing (or closing) ends it as any other."""
+        connection reads nothing meanwhile. Unsubscribing (or closing) ends it as any other.
+        (With nats-py's own client: from the subscription's task, in the same order.)"""
+
+        async def deliver(msg: Any) -> None:
+            handler(msg.subject, msg.headers, msg.data)
+
+        # The handler never waits, so the queue between the read loop and the callback grows only
+        # while the event loop is busy elsewhere: limits far above nats-py's defaults, which drop.
+        return await self.subscribe(subject, cb=deliver, pending_msgs_limit=1 << 20,
+                                    pending_bytes_limit=512 * 1024 * 1024)  # fmt: skip
+
+    async def link_alive(self, timeout: float, why: str) -> bool:
+        """Whether the server answers a PING within ``timeout`` seconds (False while not
+        connected). With nats-py's own client a PONG late behind a backlog counts as none, and
+        replacing a dead link is its keepalive's."""
+        if not self.is_connected:
+            return False
+        try:
+            await self.flush(timeout)  # type: ignore[arg-type]  # seconds for asyncio.wait_for: any number
+        except Exception:
+            return False
+        return True
+
+
+class _FastClient(Client):
+    def __init__(self) -> None:
+        super().__init__()
+        self._ps = Parser(self)
+        self._direct: dict[int, DirectHandler] = {}
+        self._last_alive = time.monotonic()
+
+    async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         sub = await self.subscribe(subject)
         self._direct[sub._id] = handler
         return sub

@@ -1,7 +1,7 @@
 """The publisher's numbered send log: seqs, the replay ring, holes, and the send cursor.
 
 One owner for the rules every sender follows (the core sender in :mod:`kvbridge.bus.publisher` and
-the JetStream one in :mod:`kvbridge.bus.jetstream` drive it through these methods, and neither
+the JetStream one in :mod:`kvbridge.bus.jetstream.acks` drive it through these methods, and neither
 touches its state):
 
 * every message gets the next seq when it is numbered, and is kept, encoded, in a ring bounded
@@ -13,7 +13,10 @@ touches its state):
   unsent messages before it are let go, counted;
 * the send cursor is the first seq not yet sent. ``sent(seq)`` moves it past a message that went
   out; ``rewind(seq)`` moves it back for a re-send (JetStream: whatever the stream has not
-  acknowledged), never before ``first``.
+  acknowledged), never before ``first``;
+* ``never_sent`` is the first seq that never went out: ``sent(seq)`` says whether this was
+  ``seq``'s first send, so a message is counted as published once however often it is re-sent
+  (the core sender counts messages, JetStream counts re-sends, both by this one rule).
 
 No I/O, no clock, no asyncio: the rules are tested without a broker (tests/test_outbox.py).
 """
@@ -26,7 +29,7 @@ __all__ = ["Outbox"]
 
 
 class Outbox:
-    __slots__ = ("max_bytes", "_entries", "_first", "_bytes", "_cursor", "evicted_unsent")
+    __slots__ = ("max_bytes", "_entries", "_first", "_bytes", "_cursor", "_never_sent", "evicted_unsent")
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -36,6 +39,7 @@ class Outbox:
         self._first = 0
         self._bytes = 0
         self._cursor = 0
+        self._never_sent = 0
         #: Messages let go before they were ever sent (evicted, or behind a hole).
         self.evicted_unsent = 0
 
@@ -111,10 +115,21 @@ class Outbox:
     def unsent(self) -> int:
         return self.end - self._cursor
 
-    def sent(self, seq: int) -> None:
-        """``seq`` went out: the cursor moves past it (unless the ring moved meanwhile)."""
+    @property
+    def never_sent(self) -> int:
+        """The first seq that never went out: every seq below it was sent at least once (or
+        let go unsent, or was a hole); seqs below it that go out again are re-sends."""
+        return self._never_sent
+
+    def sent(self, seq: int) -> bool:
+        """``seq`` went out: the cursor moves past it (unless the ring moved meanwhile). True
+        when this was its first send."""
         if self._cursor == seq:
             self._cursor = seq + 1
+        if seq < self._never_sent:
+            return False
+        self._never_sent = seq + 1
+        return True
 
     def rewind(self, seq: int) -> None:
         """Send again from ``seq`` (or the oldest held, if ``seq`` is gone)."""

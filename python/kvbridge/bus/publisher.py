@@ -6,8 +6,9 @@ Threading contract
   It appends to a bounded hand-off queue under a tiny lock and returns; it never waits for the
   network, the event loop or the pool lock. When the queue is full, the oldest hand-offs are
   dropped and counted, and the seq skips so consumers see the hole and resync.
-* Everything else -- coalescing, seq assignment, encoding, the ring buffer, sending, answering
-  replay and snapshot requests -- runs on the publisher's asyncio loop. ``BackgroundPublisher``
+* Everything else -- coalescing, framing (:mod:`kvbridge.bus.framer`: encoding within the
+  limits, slices, holes), seq assignment, the ring buffer, sending, answering replay and snapshot
+  requests -- runs on the publisher's asyncio loop. ``BackgroundPublisher``
   runs that loop in its own thread for engines that are not asyncio programs.
 * Snapshots read the attached pool from the loop thread, under ``publisher.lock``. The engine must
   hold the same lock while it mutates the pool (``with publisher.lock: manager.allocate(...)``) and
@@ -48,17 +49,9 @@ from kvbridge._native import eventfd_signal, timerfd_every, timerfd_new
 from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
+from kvbridge.bus.framer import EVENT_CLASSES, Frame, Framer, number
 from kvbridge.bus.outbox import Outbox
-from kvbridge.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
-    slice_event,
-)
+from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
 from kvbridge.wire.subjects import (
     CONTENT_TYPES,
     HDR_CONTENT_TYPE,
@@ -98,23 +91,19 @@ _IDLE_BEFORE_SLEEP_S = 0.0005
 # linger_ms 0: the poll interval while hand-offs keep coming (a timerfd: asyncio's own timers
 # round up to whole milliseconds). Adds at most this to latency; costs the loop ~4k wake-ups/s.
 _POLL_NS = 250_000
-# Messages are cut to this share of max_batch_bytes by the running bytes-per-event estimate, so
-# that an oversized encode (thrown away and redone in halves) stays rare.
-_BYTES_HEADROOM = 0.8
 # Room left in the server's max_payload for the headers (NATS counts them in): ours are < 200 B.
 _HEADER_ROOM = 1024
 # At start, how long another publisher serving our worker id has to answer the probe.
 _PROBE_TIMEOUT_S = 0.5
 
-_EVENT_CLASSES = frozenset((BlockStored, BlockRemoved, AllBlocksCleared))
 _EXPECTED = "a KVEventBatch or a list of events (BlockStored, BlockRemoved, AllBlocksCleared)"
 
 
 def _check_events(events: Any, what: str) -> None:
     """TypeError naming the first element that is not an event; C-speed when all are."""
-    if not _EVENT_CLASSES.issuperset(map(type, events)):
+    if not EVENT_CLASSES.issuperset(map(type, events)):
         for i, ev in enumerate(events):
-            if type(ev) not in _EVENT_CLASSES:
+            if type(ev) not in EVENT_CLASSES:
                 raise TypeError(
                     f"{what}[{i}] is {type(ev).__name__}, expected BlockStored, BlockRemoved or AllBlocksCleared"
                 )
@@ -196,18 +185,15 @@ class KvEventPublisher:
         self._wake: asyncio.Event | None = None
         self._nc: Any = None
         self._sender: asyncio.Task | None = None
-        self._js: Any = None  # kvbridge.bus.jetstream.JetStreamAcks in JetStream mode
+        self._js: Any = None  # kvbridge.bus.jetstream.acks.JetStreamAcks in JetStream mode
         self._closing = False
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
-        self._sent_high = 0  # every seq below it went out at least once (JetStream re-sends some)
         self._last_emit = 0.0
         self._max_events = config.max_batch_events
-        self._max_bytes = config.max_batch_bytes
-        self._bytes_per_event = 0.0  # running estimate, sizes messages before encoding them
-        self._splitting = False  # inside the split of one oversize event (counted once)
         self._max_payload = 1 << 20
-        self._format = config.encoding
+        self._framer = Framer(config.encoding, max_events=config.max_batch_events, max_bytes=config.max_batch_bytes,
+                              dp_rank=config.dp_rank, max_payload=self.max_payload, name=config.worker_id)  # fmt: skip
         self._content_type = CONTENT_TYPES[config.encoding]
         self._msg_id_prefix = f"{config.worker_id}:{self.epoch}:"
         self._heartbeat_hdr = f"{config.heartbeat_s:g}"
@@ -215,8 +201,7 @@ class KvEventPublisher:
         self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
         self._counts = dict.fromkeys(
             ("messages", "events", "bytes", "publish_errors", "reconnects", "replays",
-             "replays_gone", "snapshots", "snapshot_errors", "heartbeats", "invalid_events", "split_events",
-             "split_batches", "oversize_dropped"),
+             "replays_gone", "snapshots", "snapshot_errors", "heartbeats"),
             0,
         )  # fmt: skip
         register("publisher", self)
@@ -347,13 +332,13 @@ class KvEventPublisher:
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         self._max_payload = self._nc.max_payload
-        self._max_bytes = min(self._max_bytes, self.max_payload)
+        self._framer.limit(self.max_payload)
         try:
             await self._check_worker_id_free()
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
             await self._nc.subscribe(self.subjects.snapshot, cb=self._on_snapshot)
             if self.config.jetstream:
-                from kvbridge.bus.jetstream import JetStreamAcks
+                from kvbridge.bus.jetstream.acks import JetStreamAcks
 
                 self._js = JetStreamAcks(
                     self._nc, self.config, self._outbox, send=self._send, wake=self._wake.set, settle=self._settle,
@@ -446,6 +431,7 @@ class KvEventPublisher:
     @property
     def stats(self) -> dict[str, int]:
         s = dict(self._counts)
+        s.update(self._framer.counts)
         s.update(
             dropped_batches=self._dropped_batches,
             dropped_events=self._dropped_events,
@@ -515,99 +501,32 @@ class KvEventPublisher:
             self._skip_seq()
         return self._outbox.last_seq if at_cut is None else at_cut
 
-    def _encode(self, ts: float, events: list[Any], rank: int | None = None) -> list[tuple[bytes, int]]:
-        """``(payload, events in it)`` within the event and byte limits, in order; ``rank`` None
-        is the configured dp_rank."""
-        if rank is None:
-            rank = self.config.dp_rank
-        out: list[tuple[bytes, int]] = []
-        step = self._max_events
-        if self._bytes_per_event > 0:
-            step = max(1, min(step, int(self._max_bytes * _BYTES_HEADROOM / self._bytes_per_event)))
-        for i in range(0, max(len(events), 1), step):
-            self._encode_within_bytes(ts, events[i : i + step], rank, out)
-        if events:
-            size = sum(len(p) for p, _ in out)
-            self._bytes_per_event = 0.7 * self._bytes_per_event + 0.3 * size / len(events) if self._bytes_per_event else size / len(events)
-        return out
-
-    def _encode_within_bytes(self, ts: float, events: list[Any], rank: int | None, out: list[tuple[bytes, int]]) -> None:
-        try:
-            payload = encode_batch(KVEventBatch(ts, events, rank), self._format)
-        except (TypeError, ValueError, OverflowError) as exc:  # a value msgspec cannot write either
-            if len(events) > 1:
-                payload = b""  # find the culprit by halves; the rest still goes out
-            else:
-                self._invalid(1, f"cannot encode {type(events[0]).__name__}: {exc}")
-                return
-        if len(payload) > self._max_bytes or not payload:
-            if len(events) > 1:
-                half = len(events) // 2
-                self._encode_within_bytes(ts, events[:half], rank, out)
-                self._encode_within_bytes(ts, events[half:], rank, out)
-                return
-            # One event larger than a message may be: cut its chain into parent-linked slices.
-            ev = events[0]
-            n = len(getattr(ev, "block_hashes", ()))
-            if n > 1:
-                if not self._splitting:
-                    self._counts["split_events"] += 1
-                outer, self._splitting = self._splitting, True
-                try:
-                    self._encode_within_bytes(ts, [slice_event(ev, 0, n // 2)], rank, out)
-                    self._encode_within_bytes(ts, [slice_event(ev, n // 2, n)], rank, out)
-                finally:
-                    self._splitting = outer
-                return
-        out.append((payload, len(events)))
-
     def _emit(self, ts: float, events: list[Any], rank: int | None = None) -> None:
-        if not _EVENT_CLASSES.issuperset(map(type, events)):
-            # publish() checked the hand-off, but a list can change after it was handed over.
-            valid = [ev for ev in events if type(ev) in _EVENT_CLASSES]
-            self._invalid(len(events) - len(valid), "not an event (BlockStored, BlockRemoved, AllBlocksCleared)")
-            if not valid:
-                return
-            events = valid
-        for payload, n_events in self._encode(ts, events, rank):
-            self._number(payload, n_events)
-        self._last_emit = time.monotonic()
+        """Frame ``events`` (kvbridge.bus.framer) and number the frames into the ring."""
+        self._number(self._framer.frame(ts, events, rank))
 
     def _emit_own(self, own: _Own) -> None:
-        """A publish_batch() hand-off: its own message, the given bytes when they can go as they are."""
-        payload = own.payload
-        if payload is not None and self._format == "msgpack" and len(payload) <= self.max_payload:
-            self._number(payload, own.n_events)
-            self._last_emit = time.monotonic()
-            return
-        if payload is not None:
-            self._counts["split_batches"] += 1
-        batch = own.batch
-        if batch is None:
+        """A publish_batch() / publish_payload() hand-off: its own message, the given bytes when they
+        can go as they are."""
+        batch, payload = own.batch, own.payload
+        if batch is None:  # publish_payload(): the bytes alone, decoded only if they cannot go as they are
+            framer = self._framer
+            if framer.format == "msgpack" and len(payload) <= framer.max_payload:  # type: ignore[arg-type]
+                self._number([Frame(payload, own.n_events)])
+                return
             try:
                 batch = decode_batch(payload)  # type: ignore[arg-type]
             except DecodeError as exc:
-                self._invalid(own.n_events, f"payload handed over is not a batch: {exc}")
+                framer.counts["invalid_events"] += own.n_events
+                log.warning("kvbridge publisher %s: a payload handed over is not a batch, dropped: %s",
+                            self.config.worker_id, exc)  # fmt: skip
                 return
-        self._emit(batch.ts, batch.events, batch.data_parallel_rank)
+        self._number(self._framer.forwarded(batch, payload))
 
-    def _number(self, payload: bytes, n_events: int) -> None:
-        """Give ``payload`` the next seq and keep it in the ring until sent (and for replay)."""
-        if len(payload) > self.max_payload:
-            # A single block larger than the broker accepts: it can never be delivered, so make
-            # it a visible hole (consumers resync by snapshot) instead of a message that fails forever.
-            self._counts["oversize_dropped"] += 1
-            log.error("kvbridge: a %d-byte message cannot be sent (server max_payload %d); left as a seq hole",
-                      len(payload), self._max_payload)  # fmt: skip
-            self._skip_seq()
-            return
-        self._outbox.append(payload, n_events)
-
-    def _invalid(self, n: int, why: str) -> None:
-        total = self._counts["invalid_events"] = self._counts["invalid_events"] + n
-        if total & (total - 1) == 0 or n > 1:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
-            log.warning("kvbridge publisher %s: %d invalid event(s) dropped before numbering (%d so far): %s",
-                        self.config.worker_id, n, total, why)  # fmt: skip
+    def _number(self, frames: list[Frame]) -> None:
+        if frames:
+            number(self._outbox, frames)
+            self._last_emit = time.monotonic()
 
     def _skip_seq(self) -> None:
         """Leave a hole in the seq (see kvbridge.bus.outbox: the ring restarts after it)."""
@@ -754,9 +673,7 @@ class KvEventPublisher:
             # the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
             self._counts["publish_errors"] += 1
             return None
-        self._outbox.sent(seq)
-        if seq >= self._sent_high:
-            self._sent_high = seq + 1
+        if self._outbox.sent(seq):  # its first time out (JetStream re-sends some)
             counts = self._counts
             counts["messages"] += 1
             counts["events"] += n_events
@@ -827,7 +744,7 @@ class KvEventPublisher:
         try:
             blocks, seq = self.take_snapshot()
             # The same cuts as live messages: an event too large for one message goes in slices.
-            payloads = [p for p, _ in self._encode(time.time(), blocks)] if blocks else []
+            payloads = self._framer.snapshot(time.time(), blocks) if blocks else []
         except Exception as exc:  # the pool failed us: the requester is told, and asks again later
             self._counts["snapshot_errors"] += 1
             log.exception("kvbridge publisher %s: snapshot failed", self.config.worker_id)

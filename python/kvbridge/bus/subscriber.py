@@ -43,20 +43,18 @@ import time
 from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
-import msgspec
 from nats.errors import NoRespondersError
 
-from kvbridge._native import scan_batch_msgpack
 from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
+from kvbridge.bus.loads import LoadReports, parse_load_msg
 from kvbridge.bus.sequencer import Sequencer, Verdict
-from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
-from kvbridge.wire.events import Event, LoadReport, decode_load_report
-from kvbridge.wire.residency import Residency, ops_of
+from kvbridge.bus.update import Body, Update, WorkerView, decode, parse_event_msg
+from kvbridge.wire.events import DecodeError, KVEventBatch
+from kvbridge.wire.events import Event, LoadReport
 from kvbridge.wire.subjects import (
     FORMATS,
-    Format,
     HDR_CONTENT_TYPE,
     HDR_COUNT,
     HDR_EPOCH,
@@ -73,7 +71,6 @@ from kvbridge.wire.subjects import (
     events_pattern,
     load_subject,
     parse_events_subject,
-    parse_load_subject,
 )
 
 __all__ = ["KvEventSubscriber", "Update", "WorkerView"]
@@ -90,149 +87,6 @@ _BACKOFF_NO_RESPONDERS_S = 0.5
 _BACKOFF_MAX_S = 4.0
 # Events subjects remembered with their (model, worker); far more than any deployment's workers.
 _MAX_SUBJECT_KEYS = 4096
-
-
-class _Body:
-    """A message's batch, decoded only as far as someone needs it.
-
-    Views need only the block hashes and what the residency rule reads (medium, group, kind,
-    window, parent None-ness: ``kvbridge.wire.residency.Op``); a full decode builds a Python int for every token id, which
-    is most of a subscriber's work. vLLM-shaped msgpack payloads are scanned natively instead
-    (``_native.scan_batch_msgpack``, which validates the whole payload against the schema), and
-    the KVEventBatch is decoded on first access to ``batch``. Everything else is decoded at once,
-    as before, so a malformed payload is still rejected on arrival.
-    """
-
-    __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
-    payload: bytes | None
-    fmt: Format | None
-    _batch: KVEventBatch | None
-
-    def __init__(self, payload: bytes, fmt: Format, raw: bool = False) -> None:
-        self.payload, self.fmt = payload, fmt
-        if raw:
-            # An Index reads the bytes itself: nothing is scanned or decoded unless asked for.
-            self._batch = None
-            return
-        scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
-        if scanned is None:
-            self._set_batch(_decode(payload, fmt))
-        else:
-            self._batch = None
-            self.ts, self.rank, self.n_events, self.n_blocks, self.ops = scanned
-
-    @classmethod
-    def of(cls, batch: KVEventBatch) -> _Body:
-        body = cls.__new__(cls)
-        body.payload, body.fmt = None, None
-        body._set_batch(batch)
-        return body
-
-    def _set_batch(self, batch: KVEventBatch) -> None:
-        self._batch = batch
-        self.ts, self.rank, self.n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
-        self.ops, self.n_blocks = ops_of(batch.events)
-
-    @property
-    def batch(self) -> KVEventBatch:
-        batch = self._batch
-        if batch is None:
-            # The scan vouched for these bytes, so this decode cannot fail (a raw body's can:
-            # DecodeError).
-            batch = self._batch = _decode(self.payload, self.fmt)  # type: ignore[arg-type]
-        return batch
-
-    def __getattr__(self, name: str) -> Any:
-        # Only a raw body's unset slots get here: decode on first use.
-        if name in ("ts", "rank", "n_events", "n_blocks", "ops"):
-            self._set_batch(self.batch)
-            return object.__getattribute__(self, name)
-        raise AttributeError(name)
-
-
-class Update:
-    """One step of one worker's event stream, delivered exactly once, in seq order.
-
-    ``reset=True`` (snapshots): forget everything known about this worker, then apply ``batch``;
-    ``seq`` is then the seq the snapshot is consistent with. ``source``: "live" | "replay" |
-    "snapshot" | "stream" (an incarnation's start, JetStream).
-
-    ``batch`` (the KVEventBatch) is decoded on first access; ``ts``, ``n_events`` and
-    ``n_blocks`` (block hashes stored + removed) are known without decoding it.
-    """
-
-    __slots__ = ("model", "worker", "epoch", "seq", "reset", "source", "_body")
-
-    def __init__(
-        self,
-        model: str,
-        worker: str,
-        epoch: str,
-        seq: int,
-        batch: KVEventBatch | _Body,
-        reset: bool = False,
-        source: str = "live",
-    ) -> None:
-        self.model, self.worker, self.epoch, self.seq = model, worker, epoch, seq
-        self.reset, self.source = reset, source
-        self._body = batch if batch.__class__ is _Body else _Body.of(batch)  # type: ignore[arg-type]
-
-    @property
-    def batch(self) -> KVEventBatch:
-        return self._body.batch
-
-    @property
-    def ts(self) -> float:
-        return self._body.ts
-
-    @property
-    def n_events(self) -> int:
-        return self._body.n_events
-
-    @property
-    def n_blocks(self) -> int:
-        return self._body.n_blocks
-
-    def __repr__(self) -> str:
-        return (
-            f"Update(model={self.model!r}, worker={self.worker!r}, epoch={self.epoch!r}, seq={self.seq}, "
-            f"events={self.n_events}, blocks={self.n_blocks}, reset={self.reset}, source={self.source!r})"
-        )
-
-
-class WorkerView:
-    """What a worker holds, as its events say (no prefix structure): ``residency``, a
-    :class:`~kvbridge.wire.residency.Residency` (per ``(medium, group)``, each hash's copies; each
-    group's kind; what was skipped), and ``blocks``, the hashes held anywhere."""
-
-    __slots__ = ("residency", "epoch", "seq")
-
-    def __init__(self) -> None:
-        self.residency = Residency()
-        self.epoch: str | None = None
-        self.seq = -1
-
-    @property
-    def blocks(self) -> set[Any]:
-        return self.residency.blocks()
-
-    @property
-    def held(self) -> dict[tuple[str | None, int], dict[Any, int]]:
-        """``{(medium, group): {hash: copies}}``."""
-        return self.residency.held
-
-    def apply(self, update: Update) -> None:
-        if update.reset:
-            self.residency.clear()
-        self.residency.apply_ops(update._body.ops)
-        self.epoch, self.seq = update.epoch, update.seq
-
-    def apply_events(self, events: list[Any]) -> None:
-        self.residency.apply(events)
-
-
-class _Malformed(Exception):
-    pass
 
 
 class _Worker:
@@ -337,10 +191,10 @@ class KvEventSubscriber:
         # Subject -> (model, worker), for the subjects seen (bounded: see _subject_key).
         self._subject_keys: dict[str, tuple[str, str]] = {}
         self._load_subject = load_subject(self.prefix, model, worker)
-        self._loads: dict[tuple[str, str], dict[int, tuple[LoadReport, float]]] = {}
+        self._loads = LoadReports()
         self._nc: Any = None
         self._expiry: asyncio.Task | None = None
-        self._stream_reader: Any = None  # kvbridge.bus.jetstream.StreamReader in JetStream mode
+        self._stream_reader: Any = None  # kvbridge.bus.jetstream.reader.StreamReader in JetStream mode
         self._closed = False
         self._permissions = Permissions(f"subscriber {self.subject}")
         self._counts = dict.fromkeys(
@@ -372,7 +226,7 @@ class KvEventSubscriber:
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
         try:
             if self.config.jetstream:
-                from kvbridge.bus.jetstream import subscribe_stream
+                from kvbridge.bus.jetstream.reader import subscribe_stream
 
                 self._stream_reader = await subscribe_stream(
                     self._nc, self.config, self.subject, self._on_msg, self.stream_start, self._permissions
@@ -534,34 +388,18 @@ class KvEventSubscriber:
         """Each ``(model, worker)``'s latest :class:`LoadReport` and its age in seconds. When several
         API servers report one worker (each sees part of the steps), the gauges are the newest
         report's and the prefix-cache counters add up each API server's latest report that is at
-        most two of its intervals older than the newest."""
-        now = time.monotonic()
-        out = {}
-        for key, by_api in self._loads.items():
-            newest, at = max(by_api.values(), key=lambda r: r[1])
-            if len(by_api) > 1:
-                current = [r for r, t in by_api.values() if at - t <= 2 * r.interval_s]
-                newest = msgspec.structs.replace(
-                    newest,
-                    prefix_cache_queries=sum(r.prefix_cache_queries for r in current),
-                    prefix_cache_hits=sum(r.prefix_cache_hits for r in current),
-                )
-            out[key] = (newest, now - at)
-        return out
+        most two of its intervals older than the newest (kvbridge.bus.loads)."""
+        return self._loads.latest()
 
     async def _on_load(self, msg: Any) -> None:
         try:
-            key = parse_load_subject(msg.subject, self.prefix)
-            fmt = FORMATS.get((msg.headers or {}).get(HDR_CONTENT_TYPE, "application/msgpack"))
-            if key is None or fmt is None:
-                raise DecodeError("not a load report subject or Content-Type")
-            report = decode_load_report(msg.data, fmt)
+            key, report = parse_load_msg(msg.subject, msg.headers, msg.data, self.prefix)
         except DecodeError as exc:
             n = self._counts["malformed"] = self._counts["malformed"] + 1
             if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
                 log.warning("kvbridge: malformed load report on %s skipped (%d malformed so far): %s", msg.subject, n, exc)
             return
-        self._loads.setdefault(key, {})[report.api_rank] = (report, time.monotonic())
+        self._loads.add(key, report)
 
     # -- live messages ----------------------------------------------------------------------------
 
@@ -589,9 +427,9 @@ class KvEventSubscriber:
         try:
             key = self._subject_keys.get(subject) or self._subject_key(subject)
             if not headers:
-                raise _Malformed("no headers")
-            epoch, seq, batch = _parse_event_msg(headers, data, self._raw_bodies)
-        except (_Malformed, DecodeError):
+                raise DecodeError("no headers")
+            epoch, seq, batch = parse_event_msg(headers, data, self._raw_bodies)
+        except DecodeError:
             counts["malformed"] += 1
             return
         w = self._workers.get(key)
@@ -625,7 +463,7 @@ class KvEventSubscriber:
         the first. Forgotten all at once past a bound, so made-up subjects cannot grow it."""
         key = parse_events_subject(subject, self.prefix)
         if key is None:
-            raise _Malformed("not an events subject")
+            raise DecodeError("not an events subject")
         if len(self._subject_keys) >= _MAX_SUBJECT_KEYS:
             self._subject_keys.clear()
         self._subject_keys[subject] = key
@@ -641,7 +479,7 @@ class KvEventSubscriber:
                 w.subjects.events, w.epoch, other, w.worker,
             )  # fmt: skip
 
-    def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: _Body) -> Iterator[Update]:
+    def _begin_epoch_from_stream(self, w: _Worker, epoch: str, batch: Body) -> Iterator[Update]:
         """JetStream hook: the stream holds this incarnation from its first message, and a new
         incarnation starts with an empty cache, so it is rebuilt from the stream: no snapshot."""
         if w.epoch is not None and not w.seq.need_snapshot:
@@ -666,7 +504,7 @@ class KvEventSubscriber:
         for update in self._parked(w):
             await self._notify(update)
 
-    def _deliver(self, w: _Worker, seq: int, batch: _Body | KVEventBatch, source: str, reset: bool = False) -> Update:
+    def _deliver(self, w: _Worker, seq: int, batch: Body | KVEventBatch, source: str, reset: bool = False) -> Update:
         """Applies one update to the index, the worker's view and the counts; handing it on to
         ``on_update`` and the iterator is ``_notify``'s."""
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
@@ -725,7 +563,7 @@ class KvEventSubscriber:
     async def _expire(self, key: tuple[str, str], w: _Worker) -> None:
         """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""
         del self._workers[key]
-        self._loads.pop(key, None)
+        self._loads.forget(key)
         self._index_forget(w)
         if w.syncing is not None:
             w.syncing.cancel()
@@ -841,8 +679,8 @@ class KvEventSubscriber:
             return True
         for m in replies[:-1]:
             try:
-                epoch, seq, batch = _parse_event_msg(m.headers or {}, m.data, self._raw_bodies)
-            except (_Malformed, DecodeError):
+                epoch, seq, batch = parse_event_msg(m.headers or {}, m.data, self._raw_bodies)
+            except DecodeError:
                 # The worker's own copy is bad: every replay would bring it back. Only a snapshot
                 # gets past it.
                 self._counts["malformed"] += 1
@@ -884,7 +722,7 @@ class KvEventSubscriber:
             events: list[Any] = []
             ts, rank = time.time(), None
             for m in chunks:
-                batch = _decode(m.data, FORMATS.get(m.headers.get(HDR_CONTENT_TYPE), "msgpack"))
+                batch = decode(m.data, FORMATS.get(m.headers.get(HDR_CONTENT_TYPE), "msgpack"))
                 events.extend(batch.events)
                 ts, rank = batch.ts, batch.data_parallel_rank
         except (KeyError, ValueError):
@@ -896,31 +734,5 @@ class KvEventSubscriber:
         return True
 
 
-def _parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> tuple[str, int, _Body]:
-    epoch = headers.get(HDR_EPOCH)
-    raw_seq = headers.get(HDR_SEQ)
-    if not epoch or raw_seq is None or HDR_REPLY in headers:
-        raise _Malformed("missing Kv-Epoch / Kv-Seq")
-    try:
-        seq = int(raw_seq)
-    except ValueError:
-        raise _Malformed("Kv-Seq is not an integer") from None
-    if seq < 0:
-        raise _Malformed("negative Kv-Seq")
-    content_type = headers.get(HDR_CONTENT_TYPE)
-    fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
-    if fmt is None:
-        raise _Malformed(f"unknown Content-Type {content_type!r}")
-    return epoch, seq, _Body(data, fmt, raw)
-
-
-_scan = scan_batch_msgpack
 # _request's answer when nobody subscribes to the subject (a made-up or gone worker).
 _NO_RESPONDERS = object()
-
-
-def _decode(payload: bytes, fmt: Format) -> KVEventBatch:
-    # The GC stays on: pausing it here (as this once did) switches it off for every thread of the
-    # application meanwhile. Structs are gc=False (untracked); the lists in them are tracked and
-    # cost 3-30% of decode time (bench/decode_gc.py, bench/RESULTS.md).
-    return decode_batch(payload, fmt)

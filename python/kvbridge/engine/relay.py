@@ -121,11 +121,13 @@ _stored_decoder = msgspec.msgpack.Decoder(BlockStored)
 
 
 def snapshot_events(
-    groups: Iterable[dict[Any, list[tuple[BlockStored, int]]]], kinds: dict[int, tuple[str, int | None]]
+    groups: Iterable[dict[Any, list[tuple[BlockStored, int]]]], kinds: dict[int, tuple[str, int | None]],
+    sizes: dict[int, int],
 ) -> list[BlockStored]:
     """:meth:`RelayView.snapshot` of a view that holds, per ``(medium, group)``, ``{hash: [(event,
     index), ...]}`` (each copy's ``BlockStored`` and the block's index in it, oldest first, hashes in
-    the order they came) and ``kinds`` (``{group: (kind, window)}``)."""
+    the order they came), ``kinds`` (``{group: (kind, window)}``) and ``sizes`` (``{group: largest
+    block_size}``)."""
     out: list[BlockStored] = []
     for by_hash in groups:
         order: list[Any] = []
@@ -144,11 +146,21 @@ def snapshot_events(
         out += merge_runs((by_hash[h][0] for h in order), slice_event)
         out += merge_runs((copy for h in order for copy in by_hash[h][1:]), slice_event)
     said: dict[int, tuple[str, int | None]] = {}
+    sized: dict[int, int] = {}
     for ev in out:
+        g = ev.group_idx or 0
         if ev.kv_cache_spec_kind is not None:
             kind = ev.kv_cache_spec_kind
-            said[ev.group_idx or 0] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
-    out.extend(kind_event(g, *kind) for g, kind in kinds.items() if said.get(g) != kind)
+            said[g] = (kind, ev.kv_cache_spec_sliding_window if kind in WINDOW_KINDS else None)
+        sized[g] = max(sized.get(g, 0), ev.block_size)
+    for g in sorted(kinds.keys() | sizes.keys()):
+        size = sizes.get(g, 0)
+        size = size if sized.get(g, 0) < size else 0  # 0: a placeholder's, which says no size
+        known = kinds.get(g)
+        if known is not None and (said.get(g) != known or size):
+            out.append(kind_event(g, known[0], known[1], size))
+        elif known is None and size:
+            out.append(BlockStored([], None, [], size, None, None, None, group_idx=g))
     return out
 
 
@@ -209,12 +221,13 @@ class RelayView:
         parents before children (a parent stored again after its child is still placed first),
         consecutive blocks of one stored chain as one event; then each further copy, cut from the
         event it came in (so with its real parent, and counted again by a view that applies it);
-        last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind the events
-        before would not leave as it is here."""
+        last, a :func:`~kvbridge.wire.residency.kind_event` for a group whose kind or largest block
+        size (the size an index reads the group at: a group holding only smaller partial-tail
+        blocks, or nothing, would lose it) the events before would not leave as it is here."""
         groups, raws = self.residency.sources()
         events = {src: _stored_decoder.decode(raw) for src, raw in raws.items()}
         by_group = ({h: [(events[src], i) for src, i in copies] for h, copies in blocks} for _, _, blocks in groups)
-        return snapshot_events(by_group, self.residency.kinds)
+        return snapshot_events(by_group, self.residency.kinds, self.residency.sizes)
 
     def __len__(self) -> int:
         """Blocks held, counted once per ``(medium, group)`` that holds them."""
@@ -402,7 +415,7 @@ class Relay:
         frame starts the quiet spell again. A timer handle that cancels the receive, not pyzmq's
         asyncio ``poll`` with a timeout: that cost the relay ~0.4 ms of CPU per frame at vLLM's
         step rates (a cancelled receive takes no message: pyzmq skips cancelled futures)."""
-        fut = sub.recv_multipart(copy=True)
+        fut = asyncio.ensure_future(sub.recv_multipart(copy=True))  # pyzmq's Future itself, no task
         quiet = False
         timer = None
         if self._probe_due:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from kvbridge._native import Index
 from kvbridge.config import Config
-from kvbridge.bus.subscriber import KvEventSubscriber, Update
+from kvbridge.bus.subscriber import KvEventSubscriber
+from kvbridge.bus.update import Update
 from kvbridge.wire.hashing import hash_blocks
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.bus.publisher import KvEventPublisher

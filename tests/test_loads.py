@@ -1,0 +1,53 @@
+"""How a subscriber combines workers' load reports (kvbridge.bus.loads), without a broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.bus.loads import LoadReports, parse_load_msg
+from kvbridge.wire.events import DecodeError, LoadReport, encode_load_report
+from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE
+
+
+def report(api: int, ts: float, *, running: int = 0, queries: int = 0, hits: int = 0, interval: float = 1.0) -> LoadReport:
+    return LoadReport(ts=ts, running=running, prefix_cache_queries=queries, prefix_cache_hits=hits,
+                      interval_s=interval, api_rank=api)  # fmt: skip
+
+
+def test_one_api_server_the_latest_report_and_its_age():
+    loads = LoadReports()
+    loads.add(("m", "w"), report(0, 1.0, running=3), heard=10.0)
+    loads.add(("m", "w"), report(0, 2.0, running=5), heard=11.0)
+    assert loads.latest(now=11.5) == {("m", "w"): (report(0, 2.0, running=5), 0.5)}
+
+
+def test_several_api_servers_newest_gauges_counters_added_while_current():
+    loads = LoadReports()
+    loads.add(("m", "w"), report(0, 1.0, running=9, queries=100, hits=10), heard=10.0)
+    loads.add(("m", "w"), report(1, 2.0, running=4, queries=50, hits=5), heard=11.5)
+    loads.add(("m", "w"), report(2, 0.5, running=1, queries=7, hits=7, interval=1.0), heard=9.0)  # 2.5 s old: stale
+    (got, age), = loads.latest(now=12.0).values()
+    assert (got.api_rank, got.running, got.ts, age) == (1, 4, 2.0, 0.5)  # the newest report's gauges
+    assert (got.prefix_cache_queries, got.prefix_cache_hits) == (150, 15)  # api 2 is older than 2 intervals
+
+
+def test_a_forgotten_worker_has_no_load():
+    loads = LoadReports()
+    loads.add(("m", "w"), report(0, 1.0), heard=1.0)
+    loads.add(("m", "v"), report(0, 1.0), heard=1.0)
+    loads.forget(("m", "w"))
+    loads.forget(("m", "gone"))  # never heard: nothing to do
+    assert list(loads.latest(now=2.0)) == [("m", "v")]
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_a_load_message_is_parsed_by_subject_and_content_type(fmt):
+    r = report(1, 3.0, running=2)
+    headers = {HDR_CONTENT_TYPE: CONTENT_TYPES[fmt]}
+    assert parse_load_msg("kv.load.m.w", headers, encode_load_report(r, fmt), "kv") == (("m", "w"), r)
+    with pytest.raises(DecodeError):
+        parse_load_msg("kv.events.m.w", headers, encode_load_report(r, fmt), "kv")
+    with pytest.raises(DecodeError):
+        parse_load_msg("kv.load.m.w", {HDR_CONTENT_TYPE: "text/plain"}, encode_load_report(r, fmt), "kv")
+    with pytest.raises(DecodeError):
+        parse_load_msg("kv.load.m.w", headers, b"\xc1 not a report", "kv")
