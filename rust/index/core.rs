@@ -773,7 +773,11 @@ impl Core {
 
     /// The vectors for the next payload's batch (see `parse`).
     pub fn take_spare(&mut self) -> Spare {
-        std::mem::take(&mut self.spare)
+        let mut spare = std::mem::take(&mut self.spare);
+        // Keyed by the engines' hashes, a store's token ids only count (a third of a block
+        // event's apply was decoding them).
+        spare.count_tokens = self.mode == Mode::Engine;
+        spare
     }
 
     /// Reads, without changing anything, the table entries a payload's events will change:
@@ -971,7 +975,9 @@ impl Core {
         windows: bool,
     ) {
         let keys = &hashes[s.hashes.clone()];
-        let tokens = &tokens[s.tokens.clone()];
+        // Engine mode parsed them without keeping them (`take_spare`): their count is all it reads.
+        let n_tokens = s.tokens.len();
+        let tokens = if self.mode == Mode::Tokens { &tokens[s.tokens.clone()] } else { &[] };
         let n = keys.len();
         let bs = self.block_size;
         if s.group == BAD_GROUP {
@@ -991,7 +997,7 @@ impl Core {
         };
         // The offload connector's token-less placeholder (offloading/events.py
         // `_placeholder_stored`): only a hash, block_size 0.
-        let placeholder = s.block_size == 0 && tokens.is_empty();
+        let placeholder = s.block_size == 0 && n_tokens == 0;
         // A group's blocks may be a multiple m of the hash block size (vLLM: each group's
         // `block_size`, hashes at their gcd); its block i is keyed by the hash of its last
         // hash block, index block (i + 1) * m - 1 (kv_cache_utils.py
@@ -1022,19 +1028,19 @@ impl Core {
         }
         // Tokens per block of this event (a placeholder's none: its hashes are all it says).
         let ebs = bs * scale.unwrap_or(1) as usize;
-        let dense = tokens.len() == n * ebs;
+        let dense = n_tokens == n * ebs;
         // A window or mamba group lists only the blocks it retains (block_pool.py
         // `cache_full_blocks` skips null blocks) while its token ids cover the whole range.
         let sparse = !dense
-            && !tokens.is_empty()
+            && n_tokens != 0
             && matches!(kind, Kind::Window { .. } | Kind::Unscored)
-            && tokens.len() > n * ebs
-            && tokens.len().is_multiple_of(ebs);
-        if !(placeholder || tokens.is_empty() || dense || sparse) {
+            && n_tokens > n * ebs
+            && n_tokens.is_multiple_of(ebs);
+        if !(placeholder || n_tokens == 0 || dense || sparse) {
             self.stats.block_size_mismatches += 1;
             return;
         }
-        if tokens.is_empty() && !placeholder {
+        if n_tokens == 0 && !placeholder {
             self.stats.events_without_tokens += 1;
             if self.mode == Mode::Tokens {
                 return;
@@ -1183,6 +1189,32 @@ impl Core {
     /// Tokens mode: one more physical copy, in worker `w`'s slot `si`, of the block engine hash
     /// `engine` stands for, index hash `k`.
     fn add_copy_tokens(&mut self, w: u32, si: usize, engine: u64, k: u64) {
+        // Engines that agree (no slot holds a block through an alias) and a slot without
+        // aliases: the shared map and the block table, one probe each. Else, and for an
+        // engine hash that now stands for other content, the general rule below.
+        if self.aliased == 0 && self.workers[w as usize].as_ref().is_some_and(|x| x.slots[si].alias.is_empty()) {
+            let (&mut c, fresh) = self.engine.get_or_insert(engine, k);
+            if fresh || c == k {
+                let (blocks, slab, slot, _) = self.parts(w, si);
+                let e = entry(w, slot.class);
+                let (h, new_block) = blocks.get_or_insert(k, Holders::one(e));
+                if new_block {
+                    slot.held += 1;
+                    return;
+                }
+                if !fresh {
+                    if h.contains(slab, e) {
+                        *slot.copies.entry(engine).or_insert(0) += 1;
+                    } else {
+                        h.insert(slab, e);
+                        slot.held += 1;
+                    }
+                    return;
+                }
+                // The block has a canonical hash already: `engine` will be an alias.
+                self.engine.remove(&engine);
+            }
+        }
         let (blocks, slab, slot, map) = self.parts(w, si);
         let e = entry(w, slot.class);
         match held_as(map, blocks, slab, slot, e, engine) {
@@ -1198,6 +1230,38 @@ impl Core {
             None => {}
         }
         self.add_ref(w, si, engine, k);
+    }
+
+    /// Tokens mode: one physical copy of the block stored under `engine` in worker `w`'s slot
+    /// `si` is gone; whether there was one.
+    fn drop_copy_tokens(&mut self, w: u32, si: usize, engine: u64) -> bool {
+        let Core { blocks, slab, workers, engine: map, aliased, .. } = self;
+        let slot = &mut workers[w as usize].as_mut().expect("live worker").slots[si];
+        if take_copy(slot, engine) {
+            return true;
+        }
+        let e = entry(w, slot.class);
+        if *aliased == 0 && slot.alias.is_empty() && slot.dups.is_empty() {
+            // Engines that agree and a slot with one hash per block: the block's holders lose
+            // the slot, and the block's canonical hash goes with the block.
+            let Some(&k) = map.get(&engine) else {
+                return false;
+            };
+            if !drop_holder(blocks, slab, slot, e, k) {
+                return false;
+            }
+            if blocks.get(&k).is_none() {
+                map.remove(&engine);
+            }
+            return true;
+        }
+        match held_as(map, blocks, slab, slot, e, engine) {
+            Some((k, canonical)) => {
+                self.unref(w, si, engine, k, canonical);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Tokens mode: slot `si` of worker `w`, which does not hold `engine`, now holds it, standing
@@ -1295,24 +1359,15 @@ impl Core {
             self.stats.unknown_removes += keys.len() as u64;
             return;
         };
-        let mode = self.mode;
         let mut found = 0;
         for &engine in keys {
-            let (blocks, slab, slot, map) = self.parts(w, si);
-            let e = entry(w, slot.class);
-            if take_copy(slot, engine) {
-                found += 1;
-                continue;
-            }
-            found += u64::from(match mode {
-                Mode::Engine => drop_holder(blocks, slab, slot, e, engine),
-                Mode::Tokens => match held_as(map, blocks, slab, slot, e, engine) {
-                    Some((k, canonical)) => {
-                        self.unref(w, si, engine, k, canonical);
-                        true
-                    }
-                    None => false,
-                },
+            found += u64::from(match self.mode {
+                Mode::Engine => {
+                    let (blocks, slab, slot, _) = self.parts(w, si);
+                    let e = entry(w, slot.class);
+                    take_copy(slot, engine) || drop_holder(blocks, slab, slot, e, engine)
+                }
+                Mode::Tokens => self.drop_copy_tokens(w, si, engine),
             });
         }
         self.stats.blocks_removed += found;
