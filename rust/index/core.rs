@@ -747,8 +747,11 @@ impl Core {
         self.stats.events += n as u64;
         let mut events = std::mem::take(&mut batch.events);
         let (hashes, tokens) = (&batch.hashes, &batch.tokens);
-        if self.mode == Mode::Tokens {
-            self.touch(&events, hashes);
+        match self.mode {
+            Mode::Tokens => self.touch(&events, hashes),
+            // The events' blocks are the table's slots themselves: asked for all at once, their
+            // cache misses overlap (a payload's hashes are a few KB at most).
+            Mode::Engine => hashes.iter().for_each(|&h| self.blocks.prefetch(h)),
         }
         let mut last = LastClass::default();
         // A payload that names a window or mamba group makes its worker hybrid for the whole
@@ -780,24 +783,31 @@ impl Core {
         spare
     }
 
-    /// Reads, without changing anything, the table entries a payload's events will change:
-    /// independent lookups whose cache misses the CPU overlaps, where the updates that follow
-    /// (each waiting on the last) would take them one at a time.
+    /// Asks the CPU for the table entries a payload's events will change: independent requests
+    /// whose cache misses overlap, where the updates that follow (each waiting on the last)
+    /// would take them one at a time. Prefetches, not lookups, where a lookup is not needed to
+    /// know where to look (a lookup of a block about to be stored mostly misses, which costs
+    /// linear probing the most).
     fn touch(&self, events: &[Event<'_>], hashes: &[u64]) {
         for ev in events {
-            let (range, parent) = match ev {
-                Event::Stored(s) => (&s.hashes, s.parent),
-                Event::Removed { hashes, .. } => (hashes, None),
-                Event::Cleared => continue,
-            };
-            // The parent's index hash is looked up first thing when the event is applied.
-            if let Some(p) = parent {
-                std::hint::black_box(self.engine.get(&p));
-            }
-            for e in &hashes[range.clone()] {
-                if let Some(k) = self.engine.get(e) {
-                    std::hint::black_box(self.blocks.get(k));
+            match ev {
+                Event::Stored(s) => {
+                    // The parent's index hash is looked up first thing when the event is
+                    // applied, the blocks' entries in the shared map when they are stored
+                    // (their table slots are asked for once their keys are hashed).
+                    if let Some(p) = s.parent {
+                        self.engine.prefetch(p);
+                    }
+                    hashes[s.hashes.clone()].iter().for_each(|&e| self.engine.prefetch(e));
                 }
+                Event::Removed { hashes: r, .. } => {
+                    for e in &hashes[r.clone()] {
+                        if let Some(&k) = self.engine.get(e) {
+                            self.blocks.prefetch(k);
+                        }
+                    }
+                }
+                Event::Cleared => {}
             }
         }
     }
@@ -1119,9 +1129,7 @@ impl Core {
                         }
                     });
                 }
-                for k in &digests {
-                    std::hint::black_box(self.blocks.get(k));
-                }
+                digests.iter().for_each(|&k| self.blocks.prefetch(k));
             }
             Mode::Tokens => {
                 // Placeholders, sparse groups and larger blocks with extra keys: each hash
