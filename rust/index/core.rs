@@ -1638,9 +1638,14 @@ mod tests {
     fn engines_with_other_hashes_for_the_same_tokens() {
         // a's hashes are the blocks' canonical ones (stored first); b's, another seed, aliases.
         let mut core = Core::new(2, Mode::Tokens);
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")));
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[71], None, &[5, 6], "GPU")));
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[72], Some(71), &[7, 8], "GPU")));
+        let stores = [
+            ("a", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")),
+            ("b", stored(&[71], None, &[5, 6], "GPU")),
+            ("b", stored(&[72], Some(71), &[7, 8], "GPU")),
+        ];
+        for (w, ev) in stores {
+            apply_json(&mut core, w, &format!("[0, [{ev}]]"));
+        }
         let keys = keys_of(&[5, 6, 7, 8]);
         assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2)]);
         assert_eq!((core.engine.len(), core.aliased), (2, 2));
