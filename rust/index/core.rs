@@ -1197,10 +1197,12 @@ impl Core {
     /// Tokens mode: one more physical copy, in worker `w`'s slot `si`, of the block engine hash
     /// `engine` stands for, index hash `k`.
     fn add_copy_tokens(&mut self, w: u32, si: usize, engine: u64, k: u64) {
-        // Engines that agree (no slot holds a block through an alias) and a slot without
-        // aliases: the shared map and the block table, one probe each. Else, and for an
-        // engine hash that now stands for other content, the general rule below.
-        if self.aliased == 0 && self.workers[w as usize].as_ref().is_some_and(|x| x.slots[si].alias.is_empty()) {
+        // A slot without aliases (what engines that agree give, whatever other slots hold):
+        // the shared map and the block table, one probe each. Else, and for an engine hash
+        // that now stands for other content, or a block that has a canonical hash already,
+        // the general rule below.
+        let plain = |x: &Worker| x.slots[si].alias.is_empty() && x.slots[si].alias_only.is_empty();
+        if self.workers[w as usize].as_ref().is_some_and(plain) {
             let (&mut c, fresh) = self.engine.get_or_insert(engine, k);
             if fresh || c == k {
                 let (blocks, slab, slot, _) = self.parts(w, si);
@@ -1249,16 +1251,16 @@ impl Core {
             return true;
         }
         let e = entry(w, slot.class);
-        if *aliased == 0 && slot.alias.is_empty() && slot.dups.is_empty() {
-            // Engines that agree and a slot with one hash per block: the block's holders lose
-            // the slot, and the block's canonical hash goes with the block.
+        if slot.alias.is_empty() && slot.alias_only.is_empty() && slot.dups.is_empty() {
+            // A slot with one hash per block, each its block's canonical one: the block's
+            // holders lose the slot, and the canonical hash goes with its last holder.
             let Some(&k) = map.get(&engine) else {
                 return false;
             };
             if !drop_holder(blocks, slab, slot, e, k) {
                 return false;
             }
-            if blocks.get(&k).is_none() {
+            if !canonical_held(blocks, slab, workers, *aliased, k) {
                 map.remove(&engine);
             }
             return true;
