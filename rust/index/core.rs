@@ -3,12 +3,19 @@
 //! - `blocks`: block key -> the (worker, class) pairs holding it (`Holders`, 8 bytes inline); a
 //!   class is a (medium, KV-cache group, remote?) triple. The key is the index's own chained
 //!   xxh3 hash (`Mode::Tokens`) or the engine's block hash (`Mode::Engine`).
-//! - per worker, per class a `Slot`; in tokens mode it maps each engine hash to the index hash
-//!   it stands for, which is how removals and parents (both given as engine hashes) are found.
-//!   Two engine hashes may stand for one index hash (engines hash things the index leaves out,
-//!   e.g. the LoRA path): `dups` counts the extra ones, so the block stays held until the last
-//!   engine hash for it is removed. `copies` counts physical copies past the first of one
-//!   engine hash (vLLM does not de-duplicate blocks).
+//! - tokens mode: `engine`, one map engine hash -> index hash for the whole index, one engine
+//!   hash per block (its "canonical" hash: the first stored for it while it had none), which is
+//!   how removals and parents (both given as engine hashes) are found. Engines with the same
+//!   hash seed name the same content alike, so this costs per block, not per (block, worker):
+//!   a (worker, class) holds block k's canonical hash exactly when the holder set of k has it
+//!   and its slot does not list k in `alias_only`.
+//! - per worker, per class a `Slot`; in tokens mode it keeps, as `alias`, the engine hashes it
+//!   holds that do not reach their block through `engine`: a hash another engine uses for other
+//!   content (another seed or algorithm), or a second hash for a block that has one (engines
+//!   hash things the index leaves out, e.g. the LoRA path). `dups` counts the hashes past the
+//!   first standing for one block in the slot, so the block stays held until the last engine
+//!   hash for it is removed. `copies` counts physical copies past the first of one engine hash
+//!   (vLLM does not de-duplicate blocks).
 //! - per worker, per group the kind its stores announced; a worker whose hit is not simply its
 //!   group 0's leading run (a window group, several main groups) is "hybrid" and scored on its
 //!   own (vLLM's HybridKVCacheCoordinator rule); the others share one bitset walk, as before.
@@ -16,16 +23,17 @@
 //! Removing a block removes that block only: a hole in a chain keeps its children, and a
 //! query's prefix simply stops at the hole.
 //!
-//! Engine mode keeps no per-worker list of blocks (the blocks' holder sets are the only record,
-//! which keeps an entry to the map's bytes): clearing or removing a worker there is one pass
-//! over all blocks. Both are rare (a cache reset, a restart, an expired worker).
+//! Neither mode keeps a per-worker list of blocks (the blocks' holder sets are the only record,
+//! which keeps an entry to the table's bytes): clearing or removing a worker is one pass over
+//! all blocks (and, in tokens mode, over `engine`). Both are rare (a cache reset, a restart, an
+//! expired worker).
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use super::holders::{entry, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
+use super::holders::{entry, medium_of, worker_of, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
 use crate::hash::algo::{Algo, Chain, Digest};
@@ -344,8 +352,11 @@ struct Class {
 #[derive(Default)]
 struct Slot {
     class: u8,
-    /// Tokens mode: engine hash -> index hash.
-    engine: Map<u64>,
+    /// Tokens mode: the engine hashes held here that are not their block's canonical hash
+    /// (`Core::engine`), -> the index hash each stands for. Empty unless engines disagree.
+    alias: Map<u64>,
+    /// Tokens mode: the blocks held here through `alias` hashes only, not their canonical one.
+    alias_only: Map<()>,
     /// Index hashes that more than one engine hash stands for: the number of extra ones.
     dups: Map<u32>,
     /// Physical copies past the first (vLLM stores a chain again after an eviction left a
@@ -388,6 +399,12 @@ pub struct Core {
     /// Workers whose hit is not their group 0's leading run (a bitset over worker ids): scored
     /// one by one, apart from the bitset walk.
     hybrid: Vec<u64>,
+    /// Tokens mode: engine hash -> index hash, a block's canonical engine hash only (see the
+    /// module's doc).
+    engine: Table<u64>,
+    /// Tokens mode: the entries of every slot's `alias_only`. While 0 (engines agree), every
+    /// holder of a block holds its canonical hash.
+    aliased: usize,
     pub stats: Stats,
     /// One stored event's index hashes (kept for its allocation).
     digests: Vec<u64>,
@@ -408,6 +425,8 @@ impl Core {
             classes: Vec::new(),
             class_group: Vec::new(),
             hybrid: Vec::new(),
+            engine: Table::default(),
+            aliased: 0,
             stats: Stats::default(),
             digests: Vec::new(),
             spare: Spare::default(),
@@ -694,12 +713,18 @@ impl Core {
                     + w.windows.capacity() * std::mem::size_of::<(u8, u32)>()
                     + w.slots
                         .iter()
-                        .map(|s| s.engine.allocation_size() + s.dups.allocation_size() + s.copies.allocation_size())
+                        .map(|s| {
+                            s.alias.allocation_size()
+                                + s.alias_only.allocation_size()
+                                + s.dups.allocation_size()
+                                + s.copies.allocation_size()
+                        })
                         .sum::<usize>()
             })
             .sum();
         std::mem::size_of::<Core>()
             + self.blocks.allocation_size()
+            + self.engine.allocation_size()
             + self.slab.heap_bytes()
             + self.workers.capacity() * std::mem::size_of::<Option<Worker>>()
             + self.ids.capacity() * (std::mem::size_of::<(Arc<str>, u32)>() + 1)
@@ -722,8 +747,11 @@ impl Core {
         self.stats.events += n as u64;
         let mut events = std::mem::take(&mut batch.events);
         let (hashes, tokens) = (&batch.hashes, &batch.tokens);
-        if self.mode == Mode::Tokens {
-            self.touch(w, &events, hashes);
+        match self.mode {
+            Mode::Tokens => self.touch(&events, hashes),
+            // The events' blocks are the table's slots themselves: asked for all at once, their
+            // cache misses overlap (a payload's hashes are a few KB at most).
+            Mode::Engine => hashes.iter().for_each(|&h| self.blocks.prefetch(h)),
         }
         let mut last = LastClass::default();
         // A payload that names a window or mamba group makes its worker hybrid for the whole
@@ -748,37 +776,38 @@ impl Core {
 
     /// The vectors for the next payload's batch (see `parse`).
     pub fn take_spare(&mut self) -> Spare {
-        std::mem::take(&mut self.spare)
+        let mut spare = std::mem::take(&mut self.spare);
+        // Keyed by the engines' hashes, a store's token ids only count (a third of a block
+        // event's apply was decoding them).
+        spare.count_tokens = self.mode == Mode::Engine;
+        spare
     }
 
-    /// Reads, without changing anything, the table entries a payload's events will change:
-    /// independent lookups whose cache misses the CPU overlaps, where the updates that follow
-    /// (each waiting on the last) would take them one at a time.
-    fn touch<'a>(&self, w: u32, events: &[Event<'a>], hashes: &[u64]) {
-        let Some(worker) = self.workers[w as usize].as_ref() else {
-            return;
-        };
-        let mut last = LastClass::default();
+    /// Asks the CPU for the table entries a payload's events will change: independent requests
+    /// whose cache misses overlap, where the updates that follow (each waiting on the last)
+    /// would take them one at a time. Prefetches, not lookups, where a lookup is not needed to
+    /// know where to look (a lookup of a block about to be stored mostly misses, which costs
+    /// linear probing the most).
+    fn touch(&self, events: &[Event<'_>], hashes: &[u64]) {
         for ev in events {
-            let (range, medium, group, remote, parent) = match ev {
-                Event::Stored(s) => (&s.hashes, s.medium, s.group, s.remote, s.parent),
-                Event::Removed { hashes, medium, group, remote } => (hashes, *medium, *group, *remote, None),
-                Event::Cleared => continue,
-            };
-            let Some(c) = last.find(self, medium, group, remote) else {
-                continue;
-            };
-            let Some(slot) = worker.slots.iter().find(|s| s.class == c) else {
-                continue;
-            };
-            // The parent's index hash is looked up first thing when the event is applied.
-            if let Some(p) = parent {
-                std::hint::black_box(slot.engine.get(&p));
-            }
-            for e in &hashes[range.clone()] {
-                if let Some(k) = slot.engine.get(e) {
-                    std::hint::black_box(self.blocks.get(k));
+            match ev {
+                Event::Stored(s) => {
+                    // The parent's index hash is looked up first thing when the event is
+                    // applied, the blocks' entries in the shared map when they are stored
+                    // (their table slots are asked for once their keys are hashed).
+                    if let Some(p) = s.parent {
+                        self.engine.prefetch(p);
+                    }
+                    hashes[s.hashes.clone()].iter().for_each(|&e| self.engine.prefetch(e));
                 }
+                Event::Removed { hashes: r, .. } => {
+                    for e in &hashes[r.clone()] {
+                        if let Some(&k) = self.engine.get(e) {
+                            self.blocks.prefetch(k);
+                        }
+                    }
+                }
+                Event::Cleared => {}
             }
         }
     }
@@ -956,7 +985,9 @@ impl Core {
         windows: bool,
     ) {
         let keys = &hashes[s.hashes.clone()];
-        let tokens = &tokens[s.tokens.clone()];
+        // Engine mode parsed them without keeping them (`take_spare`): their count is all it reads.
+        let n_tokens = s.tokens.len();
+        let tokens = if self.mode == Mode::Tokens { &tokens[s.tokens.clone()] } else { &[] };
         let n = keys.len();
         let bs = self.block_size;
         if s.group == BAD_GROUP {
@@ -976,7 +1007,7 @@ impl Core {
         };
         // The offload connector's token-less placeholder (offloading/events.py
         // `_placeholder_stored`): only a hash, block_size 0.
-        let placeholder = s.block_size == 0 && tokens.is_empty();
+        let placeholder = s.block_size == 0 && n_tokens == 0;
         // A group's blocks may be a multiple m of the hash block size (vLLM: each group's
         // `block_size`, hashes at their gcd); its block i is keyed by the hash of its last
         // hash block, index block (i + 1) * m - 1 (kv_cache_utils.py
@@ -1007,19 +1038,19 @@ impl Core {
         }
         // Tokens per block of this event (a placeholder's none: its hashes are all it says).
         let ebs = bs * scale.unwrap_or(1) as usize;
-        let dense = tokens.len() == n * ebs;
+        let dense = n_tokens == n * ebs;
         // A window or mamba group lists only the blocks it retains (block_pool.py
         // `cache_full_blocks` skips null blocks) while its token ids cover the whole range.
         let sparse = !dense
-            && !tokens.is_empty()
+            && n_tokens != 0
             && matches!(kind, Kind::Window { .. } | Kind::Unscored)
-            && tokens.len() > n * ebs
-            && tokens.len().is_multiple_of(ebs);
-        if !(placeholder || tokens.is_empty() || dense || sparse) {
+            && n_tokens > n * ebs
+            && n_tokens.is_multiple_of(ebs);
+        if !(placeholder || n_tokens == 0 || dense || sparse) {
             self.stats.block_size_mismatches += 1;
             return;
         }
-        if tokens.is_empty() && !placeholder {
+        if n_tokens == 0 && !placeholder {
             self.stats.events_without_tokens += 1;
             if self.mode == Mode::Tokens {
                 return;
@@ -1098,9 +1129,7 @@ impl Core {
                         }
                     });
                 }
-                for k in &digests {
-                    std::hint::black_box(self.blocks.get(k));
-                }
+                digests.iter().for_each(|&k| self.blocks.prefetch(k));
             }
             Mode::Tokens => {
                 // Placeholders, sparse groups and larger blocks with extra keys: each hash
@@ -1130,19 +1159,24 @@ impl Core {
         // recomputes a chain from block 0 that its main group still holds: a real second copy
         // that looks exactly like a re-announce. There every store is a copy.
         let plain = !windows && self.workers[w as usize].as_ref().is_some_and(|x| x.windows.is_empty());
-        let (blocks, slab, slot) = self.parts(w, si);
         // vLLM's kv_cache_report_mode="full" re-announces reused prefix blocks from block 0
         // (block_pool.py `emit_cached_block_events`) without storing anything: not a copy.
-        let reannounce = plain
-            && s.parent.is_none()
-            && skipped == 0
-            && keys.iter().all(|k| match mode {
+        let reannounce = plain && s.parent.is_none() && skipped == 0 && {
+            let (blocks, slab, slot, map) = self.parts(w, si);
+            keys.iter().all(|k| match mode {
                 Mode::Engine => blocks.get(k).is_some_and(|h| h.contains(slab, e)),
-                Mode::Tokens => slot.engine.contains_key(k),
-            });
+                Mode::Tokens => held_as(map, blocks, slab, slot, e, *k).is_some(),
+            })
+        };
         if !reannounce {
             for (&engine, &k) in resolved.as_deref().unwrap_or(keys).iter().zip(&digests) {
-                add_copy(blocks, slab, slot, e, mode, engine, k);
+                match mode {
+                    Mode::Engine => {
+                        let (blocks, slab, slot, _) = self.parts(w, si);
+                        add_copy(blocks, slab, slot, e, engine);
+                    }
+                    Mode::Tokens => self.add_copy_tokens(w, si, engine, k),
+                }
             }
         }
         self.digests = digests;
@@ -1156,7 +1190,159 @@ impl Core {
         let same = slots.iter().find(|s| s.class == c);
         same.into_iter()
             .chain(slots.iter().filter(|s| s.class != c))
-            .find_map(|s| s.engine.get(&p).copied())
+            .find_map(|s| held_as(&self.engine, &self.blocks, &self.slab, s, entry(w, s.class), p))
+            .map(|(k, _)| k)
+    }
+
+    /// Tokens mode: one more physical copy, in worker `w`'s slot `si`, of the block engine hash
+    /// `engine` stands for, index hash `k`.
+    fn add_copy_tokens(&mut self, w: u32, si: usize, engine: u64, k: u64) {
+        // A slot without aliases (what engines that agree give, whatever other slots hold):
+        // the shared map and the block table, one probe each. Else, and for an engine hash
+        // that now stands for other content, or a block that has a canonical hash already,
+        // the general rule below.
+        let plain = |x: &Worker| x.slots[si].alias.is_empty() && x.slots[si].alias_only.is_empty();
+        if self.workers[w as usize].as_ref().is_some_and(plain) {
+            let (&mut c, fresh) = self.engine.get_or_insert(engine, k);
+            if fresh || c == k {
+                let (blocks, slab, slot, _) = self.parts(w, si);
+                let e = entry(w, slot.class);
+                let (h, new_block) = blocks.get_or_insert(k, Holders::one(e));
+                if new_block {
+                    slot.held += 1;
+                    return;
+                }
+                if !fresh {
+                    if h.contains(slab, e) {
+                        *slot.copies.entry(engine).or_insert(0) += 1;
+                    } else {
+                        h.insert(slab, e);
+                        slot.held += 1;
+                    }
+                    return;
+                }
+                // The block has a canonical hash already: `engine` will be an alias.
+                self.engine.remove(&engine);
+            }
+        }
+        let (blocks, slab, slot, map) = self.parts(w, si);
+        let e = entry(w, slot.class);
+        match held_as(map, blocks, slab, slot, e, engine) {
+            Some((old, _)) if old == k => {
+                *slot.copies.entry(engine).or_insert(0) += 1;
+                return;
+            }
+            Some((old, canonical)) => {
+                // The engine hash now stands for other content: its copies of the old go.
+                slot.copies.remove(&engine);
+                self.unref(w, si, engine, old, canonical);
+            }
+            None => {}
+        }
+        self.add_ref(w, si, engine, k);
+    }
+
+    /// Tokens mode: one physical copy of the block stored under `engine` in worker `w`'s slot
+    /// `si` is gone; whether there was one.
+    fn drop_copy_tokens(&mut self, w: u32, si: usize, engine: u64) -> bool {
+        let Core { blocks, slab, workers, engine: map, aliased, .. } = self;
+        let slot = &mut workers[w as usize].as_mut().expect("live worker").slots[si];
+        if take_copy(slot, engine) {
+            return true;
+        }
+        let e = entry(w, slot.class);
+        if slot.alias.is_empty() && slot.alias_only.is_empty() && slot.dups.is_empty() {
+            // A slot with one hash per block, each its block's canonical one: the block's
+            // holders lose the slot, and the canonical hash goes with its last holder.
+            let Some(&k) = map.get(&engine) else {
+                return false;
+            };
+            if !drop_holder(blocks, slab, slot, e, k) {
+                return false;
+            }
+            if !canonical_held(blocks, slab, workers, *aliased, k) {
+                map.remove(&engine);
+            }
+            return true;
+        }
+        match held_as(map, blocks, slab, slot, e, engine) {
+            Some((k, canonical)) => {
+                self.unref(w, si, engine, k, canonical);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Tokens mode: slot `si` of worker `w`, which does not hold `engine`, now holds it, standing
+    /// for index hash `k`: as the block's canonical hash if it is that (or the block has none),
+    /// otherwise as an alias.
+    fn add_ref(&mut self, w: u32, si: usize, engine: u64, k: u64) {
+        let canonical = match self.engine.get(&engine) {
+            Some(&c) => c == k,
+            None => {
+                let free = !canonical_held(&self.blocks, &self.slab, &self.workers, self.aliased, k);
+                if free {
+                    self.engine.insert(engine, k);
+                }
+                free
+            }
+        };
+        let (blocks, slab, slot, _) = self.parts(w, si);
+        let e = entry(w, slot.class);
+        let held = blocks.get(&k).is_some_and(|h| h.contains(slab, e));
+        if held {
+            // Held through other hashes already: one more for the same block.
+            *slot.dups.entry(k).or_insert(0) += 1;
+        } else {
+            add_holder(blocks, slab, slot, e, k);
+        }
+        let mut aliased = 0isize;
+        if canonical {
+            // Held before, it was through aliases only (the slot did not hold `engine`).
+            if held && slot.alias_only.remove(&k).is_some() {
+                aliased -= 1;
+            }
+        } else {
+            slot.alias.insert(engine, k);
+            if !held {
+                slot.alias_only.insert(k, ());
+                aliased += 1;
+            }
+        }
+        self.aliased = self.aliased.wrapping_add_signed(aliased);
+    }
+
+    /// Tokens mode: slot `si` of worker `w` no longer holds `engine`, which stood for `k`
+    /// (`canonical`: as its block's canonical hash). The canonical hash leaves `engine` with the
+    /// last slot holding it.
+    fn unref(&mut self, w: u32, si: usize, engine: u64, k: u64, canonical: bool) {
+        let (blocks, slab, slot, _) = self.parts(w, si);
+        let e = entry(w, slot.class);
+        if !canonical {
+            slot.alias.remove(&engine);
+        }
+        let mut aliased = 0isize;
+        if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
+            // Other hashes of the slot still stand for k.
+            *d -= 1;
+            if *d == 0 {
+                slot.dups.remove(&k);
+            }
+            if canonical {
+                slot.alias_only.insert(k, ());
+                aliased += 1;
+            }
+        } else {
+            drop_holder(blocks, slab, slot, e, k);
+            if !canonical && slot.alias_only.remove(&k).is_some() {
+                aliased -= 1;
+            }
+        }
+        self.aliased = self.aliased.wrapping_add_signed(aliased);
+        if canonical && !canonical_held(&self.blocks, &self.slab, &self.workers, self.aliased, k) {
+            self.engine.remove(&engine);
+        }
     }
 
     fn removed<'a>(
@@ -1183,21 +1369,26 @@ impl Core {
             self.stats.unknown_removes += keys.len() as u64;
             return;
         };
-        let mode = self.mode;
-        let (blocks, slab, slot) = self.parts(w, si);
-        let e = entry(w, slot.class);
         let mut found = 0;
         for &engine in keys {
-            found += u64::from(drop_copy(blocks, slab, slot, e, mode, engine));
+            found += u64::from(match self.mode {
+                Mode::Engine => {
+                    let (blocks, slab, slot, _) = self.parts(w, si);
+                    let e = entry(w, slot.class);
+                    take_copy(slot, engine) || drop_holder(blocks, slab, slot, e, engine)
+                }
+                Mode::Tokens => self.drop_copy_tokens(w, si, engine),
+            });
         }
         self.stats.blocks_removed += found;
         self.stats.unknown_removes += keys.len() as u64 - found;
     }
 
-    /// The block map, the holder slab and worker `w`'s slot `si`, borrowed together.
-    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot) {
+    /// The block map, the holder slab, worker `w`'s slot `si` and the engine-hash map,
+    /// borrowed together.
+    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot, &Table<u64>) {
         let worker = self.workers[w as usize].as_mut().expect("live worker");
-        (&mut self.blocks, &mut self.slab, &mut worker.slots[si])
+        (&mut self.blocks, &mut self.slab, &mut worker.slots[si], &self.engine)
     }
 
     /// Drops everything worker `w` holds, in every class, and what its groups were.
@@ -1208,6 +1399,8 @@ impl Core {
             slab,
             workers,
             mode,
+            engine,
+            aliased,
             ..
         } = self;
         let worker = workers[w as usize].as_mut().expect("live worker");
@@ -1220,25 +1413,20 @@ impl Core {
             worker.slots.clear();
             return;
         }
-        match mode {
-            Mode::Tokens => {
-                for slot in &worker.slots {
-                    let e = entry(w, slot.class);
-                    for &k in slot.engine.values() {
-                        remove_entry(blocks, slab, e, k);
-                    }
-                }
-            }
-            // Only the blocks know who holds them: one pass over all of them.
-            Mode::Engine => blocks.retain(|_, h| {
-                if h.remove_worker(slab, w) {
-                    h.release(slab);
-                    return false;
-                }
-                true
-            }),
-        }
+        *aliased -= worker.slots.iter().map(|s| s.alias_only.len()).sum::<usize>();
         worker.slots.clear();
+        // Only the blocks know who holds them: one pass over all of them.
+        blocks.retain(|_, h| {
+            if h.remove_worker(slab, w) {
+                h.release(slab);
+                return false;
+            }
+            true
+        });
+        if *mode == Mode::Tokens {
+            // The canonical hashes of the blocks no one else holds through them go.
+            engine.retain(|_, k| canonical_held(blocks, slab, workers, *aliased, *k));
+        }
     }
 }
 
@@ -1317,70 +1505,53 @@ fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e:
     found
 }
 
-/// One more physical copy of the block stored under `engine` (index key `k`) in `slot`.
+/// Engine mode: one more physical copy of block `engine` in `slot`.
 #[inline]
-fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64, k: u64) {
-    let fresh = match mode {
-        Mode::Engine => add_holder(blocks, slab, slot, e, k),
-        Mode::Tokens => match slot.engine.insert(engine, k) {
-            Some(old) if old == k => false,
-            Some(old) => {
-                // The engine hash now stands for other content: its copies of the old go.
-                slot.copies.remove(&engine);
-                drop_ref(blocks, slab, slot, e, old);
-                add_ref(blocks, slab, slot, e, k);
-                true
-            }
-            None => {
-                add_ref(blocks, slab, slot, e, k);
-                true
-            }
-        },
-    };
-    if !fresh {
+fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, engine: u64) {
+    if !add_holder(blocks, slab, slot, e, engine) {
         *slot.copies.entry(engine).or_insert(0) += 1;
     }
 }
 
-/// One physical copy of the block stored under `engine` in `slot` is gone; whether there was one.
+/// Takes one of the copies past the first `slot` holds of `engine`, if it has any.
 #[inline]
-fn drop_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, mode: Mode, engine: u64) -> bool {
-    if let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() {
-        *n -= 1;
-        if *n == 0 {
-            slot.copies.remove(&engine);
-        }
-        return true;
+fn take_copy(slot: &mut Slot, engine: u64) -> bool {
+    let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() else {
+        return false;
+    };
+    *n -= 1;
+    if *n == 0 {
+        slot.copies.remove(&engine);
     }
-    match mode {
-        Mode::Engine => drop_holder(blocks, slab, slot, e, engine),
-        Mode::Tokens => match slot.engine.remove(&engine) {
-            Some(k) => {
-                drop_ref(blocks, slab, slot, e, k);
-                true
-            }
-            None => false,
-        },
-    }
+    true
 }
 
-/// Tokens mode: one more engine hash of `slot` stands for index hash `k`.
-fn add_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    if !add_holder(blocks, slab, slot, e, k) {
-        *slot.dups.entry(k).or_insert(0) += 1;
+/// Tokens mode: what `slot` (holder entry `e`) holds engine hash `engine` as: the index hash it
+/// stands for, and whether as its block's canonical hash (through `map`, `Core::engine`)
+/// rather than as one of the slot's aliases. None when the slot does not hold it.
+#[inline]
+fn held_as(map: &Table<u64>, blocks: &Table<Holders>, slab: &Slab, slot: &Slot, e: Entry, engine: u64) -> Option<(u64, bool)> {
+    if let Some(&k) = (!slot.alias.is_empty()).then(|| slot.alias.get(&engine)).flatten() {
+        return Some((k, false));
     }
+    let &k = map.get(&engine)?;
+    let through_alias = !slot.alias_only.is_empty() && slot.alias_only.contains_key(&k);
+    (!through_alias && blocks.get(&k).is_some_and(|h| h.contains(slab, e))).then_some((k, true))
 }
 
-/// Tokens mode: one engine hash of `slot` standing for `k` is gone.
-fn drop_ref(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) {
-    if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
-        *d -= 1;
-        if *d == 0 {
-            slot.dups.remove(&k);
-        }
-        return;
-    }
-    drop_holder(blocks, slab, slot, e, k);
+/// Tokens mode: whether some slot holds block `k` through its canonical hash, i.e. its holder
+/// set has a slot that does not list it in `alias_only` (`aliased`: how many such entries
+/// there are in all; while none, any holder does).
+fn canonical_held(blocks: &Table<Holders>, slab: &Slab, workers: &[Option<Worker>], aliased: usize, k: u64) -> bool {
+    let Some(h) = blocks.get(&k) else {
+        return false;
+    };
+    aliased == 0
+        || h.entries(slab).any(|e| {
+            let worker = workers.get(worker_of(e) as usize).and_then(Option::as_ref);
+            let slot = worker.and_then(|x| x.slots.iter().find(|s| s.class == medium_of(e)));
+            slot.is_some_and(|s| !s.alias_only.contains_key(&k))
+        })
 }
 
 #[cfg(test)]
@@ -1452,6 +1623,92 @@ mod tests {
         core.remove_worker("b");
         assert_eq!(scores(&core, &keys), vec![("a".into(), 1)]);
         assert_eq!(core.worker_names().len(), 1);
+    }
+
+    fn keys_of(tokens: &[u32]) -> Vec<u64> {
+        let mut d = Vec::new();
+        Chain::new(Algo::Xxh3, 2, 0, None, None, None).run(tokens, None, 0, &mut d);
+        d.iter().map(|x| x.event_hash()).collect()
+    }
+
+    fn remove(core: &mut Core, worker: &str, hashes: &[u64]) {
+        let ev = format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU"}}"#);
+        apply_json(core, worker, &format!("[0, [{ev}]]"));
+    }
+
+    #[test]
+    fn engines_with_other_hashes_for_the_same_tokens() {
+        // a's hashes are the blocks' canonical ones (stored first); b's, another seed, aliases.
+        let mut core = Core::new(2, Mode::Tokens);
+        let stores = [
+            ("a", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")),
+            ("b", stored(&[71], None, &[5, 6], "GPU")),
+            ("b", stored(&[72], Some(71), &[7, 8], "GPU")),
+        ];
+        for (w, ev) in stores {
+            apply_json(&mut core, w, &format!("[0, [{ev}]]"));
+        }
+        let keys = keys_of(&[5, 6, 7, 8]);
+        assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2)]);
+        assert_eq!((core.engine.len(), core.aliased), (2, 2));
+        // A hash only the other worker stored is unknown here, whatever block it stands for.
+        remove(&mut core, "a", &[72]);
+        remove(&mut core, "b", &[2]);
+        assert_eq!(core.stats.unknown_removes, 2);
+        assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2)]);
+        // a leaves block 1: b still holds it through its alias, and chains on it.
+        remove(&mut core, "a", &[2]);
+        assert_eq!(scores(&core, &keys), vec![("a".into(), 1), ("b".into(), 2)]);
+        assert_eq!(core.engine.len(), 1, "no one holds hash 2 any more");
+        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[73], Some(72), &[9, 9], "GPU")));
+        assert_eq!(scores(&core, &keys_of(&[5, 6, 7, 8, 9, 9])), vec![("a".into(), 1), ("b".into(), 3)]);
+        // Block 1 has no canonical hash now: the next worker to store it gives it one (c's),
+        // which a later store of a's old hash for it does not disturb.
+        apply_json(&mut core, "c", &format!("[0, [{}]]", stored(&[1, 92], None, &[5, 6, 7, 8], "GPU")));
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "GPU")));
+        assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2), ("c".into(), 2)]);
+        remove(&mut core, "c", &[92]);
+        remove(&mut core, "a", &[2]);
+        assert_eq!(scores(&core, &keys), vec![("a".into(), 1), ("b".into(), 2), ("c".into(), 1)]);
+        // Everything gone, nothing left behind.
+        remove(&mut core, "a", &[1]);
+        remove(&mut core, "b", &[71, 72, 73]);
+        remove(&mut core, "c", &[1]);
+        assert_eq!((core.len(), core.engine.len(), core.aliased), (0, 0, 0));
+        assert_eq!(core.stats.unknown_removes, 2);
+    }
+
+    #[test]
+    fn one_engine_hash_for_other_tokens_in_another_worker() {
+        for clear in [false, true] {
+            let mut core = Core::new(2, Mode::Tokens);
+            apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")));
+            apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[1], None, &[3, 4], "GPU")));
+            // b's parent 1 is its own block [3, 4], not a's [5, 6].
+            apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "CPU")));
+            let (ka, kb) = (keys_of(&[5, 6, 7, 8]), keys_of(&[3, 4, 7, 8]));
+            assert_eq!(scores(&core, &ka), vec![("a".into(), 2)]);
+            assert_eq!(scores(&core, &kb), vec![("b".into(), 2)]);
+            if clear {
+                apply_json(&mut core, "a", r#"[0, [{"type": "AllBlocksCleared"}]]"#);
+                assert!(scores(&core, &ka).is_empty());
+                assert_eq!(scores(&core, &kb), vec![("b".into(), 2)]);
+                remove(&mut core, "b", &[1]);
+                assert_eq!(scores(&core, &kb[1..]), vec![("b".into(), 1)]);
+            } else {
+                remove(&mut core, "b", &[1]);
+                assert_eq!(scores(&core, &ka), vec![("a".into(), 2)]);
+                assert!(scores(&core, &kb).is_empty());
+                remove(&mut core, "a", &[1, 2]);
+                assert!(scores(&core, &ka).is_empty());
+                // b's hash 2 stands for its own block (in CPU) still.
+                assert_eq!(scores(&core, &kb[1..]), vec![("b".into(), 1)]);
+            }
+            let cpu = r#"{"type": "BlockRemoved", "block_hashes": [2], "medium": "CPU"}"#;
+            apply_json(&mut core, "b", &format!("[0, [{cpu}]]"));
+            assert_eq!((core.len(), core.engine.len(), core.aliased), (0, 0, 0));
+            assert_eq!(core.stats.unknown_removes, 0);
+        }
     }
 
     fn grouped(hashes: &[u64], parent: Option<u64>, tokens: &[u32], group: u8, kind: &str, window: i64) -> String {

@@ -23,6 +23,8 @@ const MAX_DEPTH: u32 = 32;
 pub struct Stored<'a> {
     pub hashes: Range<usize>,
     pub parent: Option<u64>,
+    /// The token ids in `Batch::tokens`; parsed with `Spare::count_tokens` (key="engine", which
+    /// reads only how many there are) they are checked but not kept: only its length is theirs.
     pub tokens: Range<usize>,
     pub block_size: i64,
     pub medium: Option<&'a str>,
@@ -88,6 +90,8 @@ pub struct Spare {
     events: Vec<Event<'static>>,
     hashes: Vec<u64>,
     tokens: Vec<u32>,
+    /// Token ids are checked and counted, not kept (see `Stored::tokens`).
+    pub count_tokens: bool,
 }
 
 /// Larger vectors are freed, so one huge payload does not pin its memory.
@@ -148,6 +152,8 @@ struct Parser<'a> {
     /// Transcoded JSON: strings in hash positions are base64 bytes.
     json: bool,
     out: Batch<'a>,
+    /// `Spare::count_tokens`.
+    count_tokens: bool,
     /// Set by the current event's token ids / extra keys when they hold what the index cannot
     /// use, though the payload is a valid batch.
     bad_tokens: bool,
@@ -180,6 +186,7 @@ impl<'a> Parser<'a> {
                 hashes: spare.hashes,
                 tokens: spare.tokens,
             },
+            count_tokens: spare.count_tokens,
             bad_tokens: false,
             bad_extra_keys: false,
         }
@@ -418,6 +425,17 @@ impl<'a> Parser<'a> {
     fn tokens(&mut self) -> Option<Range<usize>> {
         let n = self.r.bounded_array_len()?;
         let start = self.out.tokens.len();
+        if self.count_tokens {
+            // The same checks, the same chain from one token's width to the next, nothing kept.
+            let (done, p) = fast_skip(self.r.b, self.r.p, n);
+            self.r.p = p;
+            let mut bad = false;
+            for _ in done..n {
+                bad |= other_token(&mut self.r)?.is_none();
+            }
+            self.bad_tokens |= bad;
+            return Some(start..start + n);
+        }
         // Most of a payload's bytes. Token widths vary from token to token (fixint, uint16,
         // uint32 for a vocabulary past 65536), and the next token's position depends on this
         // one's width: a serial chain, which `fast_tokens` keeps short; what it
@@ -646,6 +664,36 @@ fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, 
     (i, p)
 }
 
+/// The widths of the token ids `fast_tokens` reads, by marker byte (0: not one of its forms).
+const FAST_WIDTHS: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = 1;
+        m += 1;
+    }
+    (t[0xcc], t[0xcd], t[0xce]) = (2, 3, 5);
+    t
+};
+
+/// `fast_tokens` for ids that are only counted: how many of up to `n` it would read from
+/// `b[p..]`, and where they end. It stops where `fast_tokens` does (a marker with 8 bytes
+/// readable), so the rest goes to `other_token` alike; a width from a table, not a value, is
+/// all that is on the chain from one token to the next.
+fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
+    let end = b.len().saturating_sub(7);
+    let mut i = 0;
+    while i < n && p < end {
+        let width = FAST_WIDTHS[b[p] as usize];
+        if width == 0 {
+            break;
+        }
+        p += width as usize;
+        i += 1;
+    }
+    (i, p)
+}
+
 /// The token at the low end of `v`: (value, width in bytes, whether it is one of the fast
 /// forms). Branch-free: widths mix at random in a payload. The width (on the chain to the next
 /// token) comes from the marker's low two bits and a constant: uint8/16/32 (0xcc..0xce) are
@@ -860,7 +908,9 @@ mod tests {
             let n = case % 23;
             let mut body = Vec::new();
             let mut want = Vec::new();
+            let mut starts = Vec::new();
             for _ in 0..n {
+                starts.push(body.len());
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 let v = values[(seed >> 33) as usize % values.len()];
                 // Mostly what msgspec writes; sometimes a wider or signed marker, or a negative.
@@ -889,6 +939,21 @@ mod tests {
             let expect: Vec<u32> = want.iter().map(|t| t.unwrap_or(0)).collect();
             assert_eq!(got, expect, "case {case}: {bytes:x?}");
             assert_eq!(p.bad_tokens, want.iter().any(Option::is_none), "case {case}");
+            // Counted only (key="engine"): the same checks and end, nothing kept.
+            let counting = Spare { count_tokens: true, ..Spare::default() };
+            let mut c = Parser::new(&bytes, false, counting);
+            assert_eq!(c.tokens().map(|r| r.len()), Some(n), "case {case}");
+            assert_eq!((c.r.p, c.bad_tokens, c.out.tokens.len()), (bytes.len(), p.bad_tokens, 0), "case {case}");
+            // Cut short, or with a marker no token id has (nil): malformed either way.
+            let mut nil = bytes.clone();
+            nil.insert(3 + starts.get(n / 2).unwrap_or(&0), 0xc0);
+            nil[2] += 1;
+            for bad in [&bytes[..bytes.len() - usize::from(n > 0)], &nil[..]].into_iter().filter(|_| n > 0) {
+                for count_tokens in [false, true] {
+                    let spare = Spare { count_tokens, ..Spare::default() };
+                    assert_eq!(Parser::new(bad, false, spare).tokens(), None, "case {case}, {count_tokens}");
+                }
+            }
         }
     }
 

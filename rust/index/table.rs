@@ -118,8 +118,18 @@ impl<V: Copy> Table<V> {
 
     /// Inserts or replaces; the value replaced.
     pub fn insert(&mut self, k: u64, v: V) -> Option<V> {
+        match self.get_or_insert(k, v) {
+            (_, true) => None,
+            (old, false) => Some(std::mem::replace(old, v)),
+        }
+    }
+
+    /// `k`'s value, `v` inserted first if there is none; whether it was. One probe where a
+    /// `get` and then an `insert` would take two.
+    pub fn get_or_insert(&mut self, k: u64, v: V) -> (&mut V, bool) {
         if k == EMPTY {
-            return self.empty_key.replace(v);
+            let fresh = self.empty_key.is_none();
+            return (self.empty_key.get_or_insert(v), fresh);
         }
         if (self.len + 1) * MAX_LOAD_DEN > self.slots.len() * MAX_LOAD_NUM {
             self.grow(v);
@@ -127,14 +137,14 @@ impl<V: Copy> Table<V> {
         let mask = self.mask();
         let mut i = self.home(k);
         loop {
-            let s = &mut self.slots[i];
-            if s.key == k {
-                return Some(std::mem::replace(&mut s.val, v));
+            let key = self.slots[i].key;
+            if key == k {
+                return (&mut self.slots[i].val, false);
             }
-            if s.key == EMPTY {
-                *s = Slot { key: k, val: v };
+            if key == EMPTY {
+                self.slots[i] = Slot { key: k, val: v };
                 self.len += 1;
-                return None;
+                return (&mut self.slots[i].val, true);
             }
             i = (i + 1) & mask;
         }
@@ -217,8 +227,12 @@ mod tests {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             // Few distinct keys (and key 0 among them): many collisions, removals, reinserts.
             let k = (x >> 33) % 5000;
-            if x & (1 << 20) != 0 {
+            if x & (3 << 20) == 1 << 20 {
                 assert_eq!(t.insert(k, step), m.insert(k, step));
+            } else if x & (3 << 20) == 2 << 20 {
+                let (v, fresh) = t.get_or_insert(k, step);
+                assert_eq!(fresh, !m.contains_key(&k));
+                assert_eq!(*v, *m.entry(k).or_insert(step));
             } else {
                 assert_eq!(t.remove(&k), m.remove(&k));
             }
