@@ -146,7 +146,7 @@ def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
 def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
     """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""
 
-# --- hash-only batch reading (rust/scan.rs; used by kvbridge.bus.subscriber) ----------------------
+# --- hash-only batch reading (rust/scan.rs; the rule's Python spec's ops, for the tests) -----------
 
 #: (ts, data_parallel_rank, n_events, n_blocks, ops), each op (kind, hashes, medium, group_idx,
 #: root, spec_kind, window, n_events) with kind 0 = stored, 1 = removed, 2 = all cleared;

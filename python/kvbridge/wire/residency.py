@@ -38,9 +38,9 @@ so does ``_native.ResidencyView``):
   native view's ``sizes``; not kept by :class:`Residency`, whose ops do not carry it: the tests'
   reference computes it beside it): what a group's blocks are read at when they are said again.
 
-Views read events as *ops* (:data:`Op`): what the native scan (``_native.scan_batch_msgpack``)
+The spec reads events as *ops* (:data:`Op`): what the native scan (``_native.scan_batch_msgpack``)
 reports per run of like events, or :func:`ops_of` for decoded events -- the same tuples either
-way, so a view built from either is the same.
+way, so a ``Residency`` built from either is the same (tests/test_residency.py, test_scan.py).
 """
 
 from __future__ import annotations
