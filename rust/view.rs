@@ -583,16 +583,11 @@ impl ResidencyView {
     }
 
     /// Applies a batch ``read_batch`` read (its bytes are not read again), returning ``(events,
-    /// block hashes)``.
+    /// block hashes)``. With the GIL held throughout (the reading, the long part, was done with it
+    /// released): a thread reading a subscriber's views never finds one mid-change.
     fn apply_read(&mut self, py: Python<'_>, batch: &Bound<'_, ReadBatch>) -> (usize, usize) {
         let batch = batch.get();
-        let b = batch.payload.bind(py).as_bytes();
-        let view = &mut self.view;
-        if batch.read.hashes.len() >= DETACH_MIN_BYTES / 16 {
-            py.detach(|| view.apply_read(b, &batch.read))
-        } else {
-            view.apply_read(b, &batch.read)
-        }
+        self.view.apply_read(batch.payload.bind(py).as_bytes(), &batch.read)
     }
 
     /// Forgets every block, kind and size, as an ``AllBlocksCleared`` does (the counters stay).
