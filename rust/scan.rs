@@ -331,6 +331,28 @@ impl<'a> Reader<'a> {
         Some(())
     }
 
+    /// A `KVEventBatch`'s head, `[ts, events, rank?]`: its length (2 or 3) and `ts` (a float
+    /// of either width); the events are next.
+    pub(crate) fn batch_head(&mut self) -> Option<(usize, f64)> {
+        let len = self.array_len()?;
+        if !(2..=3).contains(&len) {
+            return None;
+        }
+        let ts = match self.byte()? {
+            0xcb => f64::from_bits(self.be(8)?),
+            0xca => f32::from_bits(self.be(4)? as u32) as f64,
+            _ => return None,
+        };
+        Some((len, ts))
+    }
+
+    /// After the events: the rank of a batch of `len` fields, or `None` when the batch does not end
+    /// there (msgspec rejects trailing bytes: so do the readers).
+    pub(crate) fn batch_tail(&mut self, len: usize) -> Option<Option<Hash>> {
+        let rank = if len == 3 && !self.nil() { Some(self.int()?) } else { None };
+        (self.p == self.b.len()).then_some(rank)
+    }
+
     /// One event; its hashes go to `hashes`. Returns its kind and what a view's rule reads of it.
     pub(crate) fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<(u8, Attrs<'a>)> {
         let n = self.map_len()?;
@@ -466,15 +488,7 @@ struct Scan<'a> {
 
 fn scan(b: &[u8]) -> Option<Scan<'_>> {
     let mut r = Reader { b, p: 0 };
-    let len = r.array_len()?;
-    if !(2..=3).contains(&len) {
-        return None;
-    }
-    let ts = match r.byte()? {
-        0xcb => f64::from_bits(r.be(8)?),
-        0xca => f32::from_bits(r.be(4)? as u32) as f64,
-        _ => return None,
-    };
+    let (len, ts) = r.batch_head()?;
     let n_events = r.array_len()?;
     let mut hashes = Vec::new();
     let mut ops: Vec<Op> = Vec::new();
@@ -495,14 +509,7 @@ fn scan(b: &[u8]) -> Option<Scan<'_>> {
             }),
         }
     }
-    let rank = if len == 3 && !r.nil() {
-        Some(r.int()?)
-    } else {
-        None
-    };
-    if r.p != b.len() {
-        return None; // msgspec rejects trailing bytes
-    }
+    let rank = r.batch_tail(len)?;
     Some(Scan {
         ts,
         rank,
@@ -623,6 +630,27 @@ mod tests {
             let want = b.iter().fold(0u64, |acc, &x| acc << 8 | x as u64);
             assert_eq!(whole_and_truncated(&b, |r| r.be(n)), Some(want));
         }
+    }
+
+    #[test]
+    fn a_batch_head_is_two_or_three_fields_and_a_float_of_either_width() {
+        let mut r = reader(&[0x92, 0xca, 0x3f, 0xc0, 0, 0, 0x90]);
+        assert_eq!(r.batch_head(), Some((2, 1.5)));
+        assert_eq!(r.p, 6);
+        let mut b = vec![0x93, 0xcb];
+        b.extend(2.5f64.to_bits().to_be_bytes());
+        assert_eq!(reader(&b).batch_head(), Some((3, 2.5)));
+        assert_eq!(reader(&[0x94, 0xca, 0, 0, 0, 0]).batch_head(), None);
+        assert_eq!(reader(&[0x92, 0x01]).batch_head(), None); // an int is no ts
+    }
+
+    #[test]
+    fn a_batch_tail_reads_the_rank_and_refuses_trailing_bytes() {
+        assert!(matches!(reader(&[0x07]).batch_tail(3), Some(Some(Hash::U(7)))));
+        assert!(matches!(reader(&[0xc0]).batch_tail(3), Some(None)));
+        assert!(matches!(reader(&[]).batch_tail(2), Some(None)));
+        assert!(reader(&[0x07]).batch_tail(2).is_none());
+        assert!(reader(&[0x07, 0x00]).batch_tail(3).is_none());
     }
 
     #[test]

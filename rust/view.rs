@@ -1,23 +1,29 @@
-//! `_native.ResidencyView`: the relay's view of an engine's cache, kept from vLLM payload bytes.
+//! `_native.ResidencyView`: a view of an engine's cache, kept from vLLM payload bytes -- the one
+//! place the residency rule runs for the package's views: the relay's (`RelayView`) and each
+//! worker's in a subscriber (`WorkerView`, hash-only).
 //!
 //! The relay forwards vLLM's bytes unchanged and keeps a view of them for snapshots; decoding each
 //! batch into Python events and applying them in Python cost it ~10x a plain forwarder's CPU
 //! (bench/relay.py). This reads the payload with the scanner (rust/scan.rs: it validates the whole
 //! payload against the schema msgspec decodes with, so a payload is applied whole or not at all)
-//! and applies kvbridge.wire.residency's rule to it per event, exactly as `RelayView` did
-//! in Python: per `(medium, group)`, each block's copies; each group's kind and window; the
-//! full-report re-announce exception; bad `group_idx`, unknown kinds and window kinds without a
-//! window skipped and counted (docs/hybrid.md). tests/test_residency.py checks it against
-//! `Residency` on random hybrid streams.
+//! and applies the rule per event: per `(medium, group)`, each block's copies; each group's kind
+//! and window and largest block size; the full-report re-announce exception; bad `group_idx`,
+//! unknown kinds and window kinds without a window skipped and counted (docs/hybrid.md).
+//! kvbridge.wire.residency's `Residency` is the plain-Python executable spec of the rule:
+//! tests/test_relay_view.py and tests/test_residency.py hold this view to it on random hybrid
+//! streams, in both modes.
 //!
-//! For snapshots each copy remembers the `BlockStored` it came in: the event's own msgpack bytes
-//! (copied out of the payload once per event, shared by its copies, freed with its last copy) and
-//! the block's index in it. Python decodes those few events when a snapshot is asked for and cuts
-//! the snapshot from them (`kvbridge.engine.relay.RelayView.snapshot`).
+//! For the relay's snapshots each copy remembers the `BlockStored` it came in: the event's own
+//! msgpack bytes (copied out of the payload once per event, shared by its copies, freed with its
+//! last copy) and the block's index in it. Python decodes those few events when a snapshot is
+//! asked for and cuts the snapshot from them (`kvbridge.engine.relay.RelayView.snapshot`). A
+//! hash-only view (`ResidencyView(sources=False)`, a subscriber's, one per worker) keeps no bytes:
+//! a subscriber of hundreds of workers must not hold every event's token ids.
 
 use std::hash::{BuildHasher, Hasher};
 
 use hashbrown::HashMap;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
 
@@ -164,6 +170,9 @@ struct View {
     /// `(group, largest block_size)` of the stores the rule did not skip, for snapshots: groups
     /// may have blocks of different sizes (docs/hybrid.md).
     sizes: Vec<(u8, i128)>,
+    /// Whether copies keep their source events (the relay's snapshots); a hash-only view (a
+    /// subscriber's, one per worker) keeps none.
+    keep_sources: bool,
     sources: Vec<Option<Source>>,
     free: Vec<u32>,
     order: u64,
@@ -286,8 +295,13 @@ impl View {
             });
             self.groups.len() - 1
         });
-        let src = self.new_source(&b[ev.raw.clone()]);
-        self.sources[src as usize].as_mut().unwrap().copies = hashes.len() as u32;
+        let src = if self.keep_sources {
+            let src = self.new_source(&b[ev.raw.clone()]);
+            self.sources[src as usize].as_mut().unwrap().copies = hashes.len() as u32;
+            src
+        } else {
+            0 // no source: every copy names none
+        };
         let blocks = &mut self.groups[at].blocks;
         blocks.reserve(hashes.len());
         for (i, &h) in hashes.iter().enumerate() {
@@ -320,6 +334,7 @@ impl View {
         };
         let View {
             groups,
+            keep_sources,
             sources,
             free,
             stats,
@@ -342,6 +357,9 @@ impl View {
                 }
                 None => e.remove().first,
             };
+            if !*keep_sources {
+                continue;
+            }
             let slot = &mut sources[src as usize];
             let s = slot.as_mut().expect("a copy's source is alive");
             s.copies -= 1;
@@ -363,54 +381,157 @@ impl View {
         self.free.clear();
     }
 
-    /// Applies a whole vLLM-shaped msgpack batch, or nothing (`None`) when the payload is not one.
-    /// Returns `(events, block hashes)`.
-    fn apply(&mut self, b: &[u8]) -> Option<(usize, usize)> {
-        let mut r = Reader { b, p: 0 };
-        let len = r.array_len()?;
-        if !(2..=3).contains(&len) {
-            return None;
-        }
-        match r.byte()? {
-            0xcb => r.take(8)?,
-            0xca => r.take(4)?,
-            _ => return None,
-        };
-        // Bounded by the bytes left: the count sizes an allocation.
-        let n_events = r.bounded_array_len()?;
-        let mut hashes = Vec::new();
-        let mut evs = Vec::with_capacity(n_events);
-        let mut windows = false;
-        for _ in 0..n_events {
-            let (h0, p0) = (hashes.len(), r.p);
-            let (kind, attrs) = r.event(&mut hashes)?;
-            if kind == STORED {
-                windows |= attrs.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
-            }
-            evs.push(Ev {
-                kind,
-                attrs,
-                hashes: h0..hashes.len(),
-                raw: p0..r.p,
-            });
-        }
-        if len == 3 && !r.nil() {
-            r.int()?;
-        }
-        if r.p != b.len() {
-            return None; // msgspec rejects trailing bytes: so does the view
-        }
-        for ev in &evs {
-            let hs = &hashes[ev.hashes.clone()];
+    /// Applies a batch [`read`] from `b`, whole. Returns `(events, block hashes)`.
+    fn apply_read(&mut self, b: &[u8], read: &Read) -> (usize, usize) {
+        for at in &read.evs {
+            let ev = at.at(b);
+            let hs = &read.hashes[ev.hashes.clone()];
             match ev.kind {
-                STORED => self.store(b, ev, hs, windows),
-                REMOVED => self.remove(b, ev, hs),
+                STORED => self.store(b, &ev, hs, read.windows),
+                REMOVED => self.remove(b, &ev, hs),
                 CLEARED => self.clear(),
                 _ => unreachable!(),
             }
         }
-        Some((n_events, hashes.len()))
+        (read.evs.len(), read.hashes.len())
     }
+}
+
+/// An event as read, by offsets into its payload, so that a [`Read`] outlives the borrow.
+struct EvAt {
+    kind: u8,
+    medium: Option<std::ops::Range<usize>>,
+    spec: Option<std::ops::Range<usize>>,
+    group: Option<Hash>,
+    window: Option<Hash>,
+    block_size: Option<Hash>,
+    root: bool,
+    hashes: std::ops::Range<usize>,
+    raw: std::ops::Range<usize>,
+}
+
+fn range_in(b: &[u8], s: &[u8]) -> std::ops::Range<usize> {
+    let start = s.as_ptr() as usize - b.as_ptr() as usize;
+    start..start + s.len()
+}
+
+impl EvAt {
+    fn at<'b>(&self, b: &'b [u8]) -> Ev<'b> {
+        Ev {
+            kind: self.kind,
+            attrs: Attrs {
+                medium: self.medium.clone().map(|r| &b[r]),
+                group: self.group,
+                spec: self.spec.clone().map(|r| &b[r]),
+                window: self.window,
+                block_size: self.block_size,
+                root: self.root,
+            },
+            hashes: self.hashes.clone(),
+            raw: self.raw.clone(),
+        }
+    }
+}
+
+/// A vLLM-shaped msgpack batch read whole and checked against the schema (as `scan` checks it),
+/// not yet applied: what a subscriber reads on arrival and applies to its view in seq order.
+struct Read {
+    ts: f64,
+    rank: Option<Hash>,
+    evs: Vec<EvAt>,
+    hashes: Vec<Hash>,
+    /// The batch names a window or mamba group (the re-announce exception reads it).
+    windows: bool,
+}
+
+/// Reads a whole batch, or `None` when the payload is not one in vLLM 0.33's shape.
+fn read(b: &[u8]) -> Option<Read> {
+    let mut r = Reader { b, p: 0 };
+    let (len, ts) = r.batch_head()?;
+    // Bounded by the bytes left: the count sizes an allocation.
+    let n_events = r.bounded_array_len()?;
+    let mut hashes = Vec::new();
+    let mut evs = Vec::with_capacity(n_events);
+    let mut windows = false;
+    for _ in 0..n_events {
+        let (h0, p0) = (hashes.len(), r.p);
+        let (kind, a) = r.event(&mut hashes)?;
+        if kind == STORED {
+            windows |= a.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
+        }
+        evs.push(EvAt {
+            kind,
+            medium: a.medium.map(|m| range_in(b, m)),
+            spec: a.spec.map(|m| range_in(b, m)),
+            group: a.group,
+            window: a.window,
+            block_size: a.block_size,
+            root: a.root,
+            hashes: h0..hashes.len(),
+            raw: p0..r.p,
+        });
+    }
+    let rank = r.batch_tail(len)?;
+    Some(Read {
+        ts,
+        rank,
+        evs,
+        hashes,
+        windows,
+    })
+}
+
+/// Reads a whole payload, with the GIL released for a large one.
+fn read_detached(py: Python<'_>, b: &[u8]) -> Option<Read> {
+    if b.len() >= DETACH_MIN_BYTES {
+        py.detach(|| read(b))
+    } else {
+        read(b)
+    }
+}
+
+/// A msgpack ``KVEventBatch`` in vLLM 0.33's shape, read whole and checked (as
+/// ``scan_batch_msgpack`` checks it) but not applied: ``ResidencyView.apply_read`` applies it
+/// without reading the bytes again. What a subscriber reads on arrival (``read_batch``).
+#[pyclass(module = "kvbridge._native", frozen)]
+pub struct ReadBatch {
+    payload: Py<PyBytes>,
+    read: Read,
+}
+
+#[pymethods]
+impl ReadBatch {
+    #[getter]
+    fn ts(&self) -> f64 {
+        self.read.ts
+    }
+
+    /// ``data_parallel_rank``.
+    #[getter]
+    fn rank(&self) -> Option<i128> {
+        int_of(self.read.rank)
+    }
+
+    #[getter]
+    fn n_events(&self) -> usize {
+        self.read.evs.len()
+    }
+
+    /// Block hashes stored and removed.
+    #[getter]
+    fn n_blocks(&self) -> usize {
+        self.read.hashes.len()
+    }
+}
+
+/// Reads a payload for a view, or ``None`` for any payload ``scan_batch_msgpack`` would not read.
+#[pyfunction]
+fn read_batch(py: Python<'_>, payload: Bound<'_, PyBytes>) -> Option<ReadBatch> {
+    let read = read_detached(py, payload.as_bytes())?;
+    Some(ReadBatch {
+        payload: payload.unbind(),
+        read,
+    })
 }
 
 fn medium_obj<'py>(py: Python<'py>, m: &Option<Box<str>>) -> Bound<'py, PyAny> {
@@ -430,9 +551,22 @@ pub struct ResidencyView {
 
 #[pymethods]
 impl ResidencyView {
+    /// ``sources=False``: a hash-only view, which keeps no event bytes (``sources()`` refuses).
     #[new]
-    fn new() -> Self {
-        ResidencyView { view: View::default() }
+    #[pyo3(signature = (sources = true))]
+    fn new(sources: bool) -> Self {
+        ResidencyView {
+            view: View {
+                keep_sources: sources,
+                ..View::default()
+            },
+        }
+    }
+
+    /// Whether each copy keeps the bytes of its source event (``ResidencyView(sources=...)``).
+    #[getter]
+    fn keeps_sources(&self) -> bool {
+        self.view.keep_sources
     }
 
     /// Applies a msgpack ``KVEventBatch`` in vLLM 0.33's shape whole, returning ``(events,
@@ -442,10 +576,23 @@ impl ResidencyView {
         let b = payload.as_bytes();
         let view = &mut self.view;
         if b.len() >= DETACH_MIN_BYTES {
-            py.detach(|| view.apply(b))
+            py.detach(|| read(b).map(|r| view.apply_read(b, &r)))
         } else {
-            view.apply(b)
+            read(b).map(|r| view.apply_read(b, &r))
         }
+    }
+
+    /// Applies a batch ``read_batch`` read (its bytes are not read again), returning ``(events,
+    /// block hashes)``. With the GIL held throughout (the reading, the long part, was done with it
+    /// released): a thread reading a subscriber's views never finds one mid-change.
+    fn apply_read(&mut self, py: Python<'_>, batch: &Bound<'_, ReadBatch>) -> (usize, usize) {
+        let batch = batch.get();
+        self.view.apply_read(batch.payload.bind(py).as_bytes(), &batch.read)
+    }
+
+    /// Forgets every block, kind and size, as an ``AllBlocksCleared`` does (the counters stay).
+    fn clear(&mut self) {
+        self.view.clear();
     }
 
     /// ``{(medium, group): {hash: copies}}``, built on each call.
@@ -525,7 +672,13 @@ impl ResidencyView {
     /// order the ``(medium, group)`` first held a block, ``blocks`` each held ``(hash, copies)``
     /// in the order the block came, ``copies`` ``[(source, index), ...]`` oldest first;
     /// ``sources`` maps each source to the msgpack bytes of the ``BlockStored`` it is.
+    /// A hash-only view (``sources=False``) has none: ValueError.
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyDict>)> {
+        if !self.view.keep_sources {
+            return Err(PyValueError::new_err(
+                "a hash-only ResidencyView (sources=False) keeps no source events: no sources() to give",
+            ));
+        }
         let groups = PyList::empty(py);
         let raws = PyDict::new(py);
         for g in &self.view.groups {
@@ -575,5 +728,7 @@ impl ResidencyView {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<ResidencyView>()
+    m.add_class::<ResidencyView>()?;
+    m.add_class::<ReadBatch>()?;
+    m.add_function(wrap_pyfunction!(read_batch, m)?)
 }

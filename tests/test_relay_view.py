@@ -1,8 +1,9 @@
-"""The relay's view kept in Rust from payload bytes (``_native.ResidencyView`` behind
-``RelayView``) against the Python rule it replaces: ``Residency`` applied to the decoded events,
-each copy's ``BlockStored`` remembered in a dict -- the relay's view before it moved to Rust, kept
-here as the reference. On random hybrid streams with bad events, copies, re-announces and clears,
-and hashes of every wire type: the same residency, kinds, counters and snapshots, event for event."""
+"""The native view kept in Rust from payload bytes (``_native.ResidencyView``: behind ``RelayView``,
+and hash-only, ``sources=False``, behind the subscriber's ``WorkerView``) against the rule's
+Python spec: ``Residency`` applied to the decoded events, each copy's ``BlockStored`` remembered in
+a dict -- the relay's view before it moved to Rust, kept here as the reference. On random hybrid
+streams with bad events, copies, re-announces and clears, and hashes of every wire type: the same
+residency, kinds, sizes, counters and snapshots, event for event, in both modes."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybrid_support import Stream, removed, stored
+from kvbridge._native import ResidencyView
+from kvbridge.bus.update import WorkerView
 from kvbridge.engine.relay import RelayView, snapshot_events
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
-from kvbridge.wire.residency import Residency, names_windows
+from kvbridge.wire.residency import Residency, names_windows, state_events
 
 
 class PyRelayView:
@@ -86,14 +89,20 @@ def rehash(ev: Any, form: Any) -> Any:
 
 
 def assert_same(native: RelayView, ref: PyRelayView) -> None:
-    res, want = native.residency, ref.residency
+    assert_same_residency(native.residency, ref)
+    assert native.residency.blocks() == native.blocks
+    assert len(native) == sum(ref.residency.counts().values())
+
+
+def assert_same_residency(res: ResidencyView, ref: PyRelayView) -> None:
+    want = ref.residency
     assert res.held == want.held
     assert res.kinds == want.kinds
     assert res.stats == want.stats
     assert res.counts() == want.counts()
     assert res.sizes == ref.sizes
-    assert res.blocks() == want.blocks() == native.blocks
-    assert len(native) == sum(want.counts().values())
+    assert res.blocks() == want.blocks()
+    assert len(res) == sum(want.counts().values())
 
 
 @settings(max_examples=150, deadline=None)
@@ -101,13 +110,25 @@ def assert_same(native: RelayView, ref: PyRelayView) -> None:
 def test_the_native_view_reads_payloads_as_the_python_rule_reads_events(rnd, n_groups, form):
     stream = Stream(rnd, n_groups)
     native, ref = RelayView(), PyRelayView()
+    hash_only, worker = ResidencyView(sources=False), WorkerView()  # a subscriber's, fed bytes and events
     for batch in stream.batches(rnd.randrange(5, 40)):
         batch = [rehash(ev, HASH_FORMS[form]) for ev in batch]
         payload = encode_batch(KVEventBatch(1.0, batch, 0))
         n_blocks = sum(len(getattr(ev, "block_hashes", ())) for ev in batch)
         assert native.apply_payload(payload) == (len(batch), n_blocks)
+        assert hash_only.apply(payload) == (len(batch), n_blocks)
+        worker.apply_events(batch)
         ref.apply(decode_batch(payload).events)
         assert_same(native, ref)
+        assert_same_residency(hash_only, ref)
+        assert_same_residency(worker.residency, ref)
+    assert hash_only == native.residency == worker.residency
+    assert not hash_only.keeps_sources and native.residency.keeps_sources
+    # What an iterator that fell behind is given: the spec's state, with the sizes it learned.
+    assert worker.as_events() == state_events(hash_only.held, ref.residency.kinds, ref.sizes)
+    behind = WorkerView()
+    behind.apply_events(worker.as_events())
+    assert behind.residency == hash_only and behind.residency.sizes == ref.sizes
     snap = native.snapshot()
     assert snap == ref.snapshot()  # the same order, chains, copies and kind events
     late = RelayView()
@@ -154,6 +175,16 @@ def test_a_copy_keeps_its_events_bytes_until_its_last_copy_goes():
     assert [h for h, _ in groups[0][2]] == [3] and len(raws) == 1  # the first event's bytes are gone
     view.apply([AllBlocksCleared()])
     assert view.residency.sources() == ([], {})
+
+
+def test_a_hash_only_view_keeps_no_sources_and_says_so():
+    view = ResidencyView(sources=False)
+    assert view.apply(encode_batch(KVEventBatch(1.0, [stored([1, 2]), stored([2, 3], 1), removed([2])]))) == (3, 5)
+    assert view.held == {("GPU", 0): {1: 1, 2: 1, 3: 1}}
+    with pytest.raises(ValueError, match="hash-only"):
+        view.sources()
+    view.clear()
+    assert view.held == {} and view.sizes == {} and len(view) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))

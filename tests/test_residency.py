@@ -1,12 +1,13 @@
-"""The one rule every Python-side view applies (kvbridge.wire.residency): residency per (medium,
-group) with copies, kinds per group, the re-announce exception, bad input counted and skipped --
-and the views built on it (WorkerView, RelayView and its snapshots) checked against a plain model
-on random hybrid streams."""
+"""The rule every view applies, as its plain-Python spec (kvbridge.wire.residency.Residency):
+residency per (medium, group) with copies, kinds per group, the re-announce exception, bad input
+counted and skipped -- and the views that run it natively (WorkerView, hash-only; RelayView and
+its snapshots) checked against the spec and a plain model on random hybrid streams."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,16 +205,17 @@ def test_random_hybrid_streams_views_equal_the_model_and_snapshots_rebuild_them(
     batches = stream.batches(rnd.randrange(5, 40))
     expected, kinds = stream.model.residency(), stream.model.kinds
 
-    relay = RelayView()
+    relay, spec = RelayView(), Residency()
     scanned, decoded = WorkerView(), WorkerView()
     for seq, batch in enumerate(batches):
         relay.apply(batch)
+        spec.apply(batch)
         decoded.apply_events(batch)
-        # The subscriber's path: the bytes, scanned natively.
+        # The subscriber's path: the payload's bytes, applied natively.
         scanned.apply(Update("m", "w", "e", seq, _body(KVEventBatch(1.0, batch))))
-    for res in (relay.residency, scanned.residency, decoded.residency):
+    for res in (spec, relay.residency, scanned.residency, decoded.residency):
         assert (res.held, res.kinds) == (expected, kinds)
-    assert scanned.residency.stats == decoded.residency.stats == relay.residency.stats
+    assert scanned.residency.stats == decoded.residency.stats == relay.residency.stats == spec.stats
 
     snap = relay.snapshot()
     _parents_first(snap, expected)
@@ -224,8 +226,16 @@ def test_random_hybrid_streams_views_equal_the_model_and_snapshots_rebuild_them(
     assert late.snapshot() == snap  # a snapshot of a snapshot is the snapshot
 
     behind = WorkerView()
-    behind.apply_events(scanned.residency.as_events())  # what an iterator that fell behind is given
+    behind.apply_events(scanned.as_events())  # what an iterator that fell behind is given
     assert behind.residency == scanned.residency
+    assert behind.residency.sizes == scanned.residency.sizes == relay.residency.sizes
+    # The spec's events, but for the sizes it does not keep (and each set's order).
+    unsized = [msgspec.structs.replace(ev, block_size=0) for ev in scanned.as_events() if ev.block_hashes or ev.kv_cache_spec_kind]
+    assert [_sorted(ev) for ev in unsized] == [_sorted(ev) for ev in spec.as_events()]
+
+
+def _sorted(ev: BlockStored) -> BlockStored:
+    return msgspec.structs.replace(ev, block_hashes=sorted(ev.block_hashes))
 
 
 @settings(max_examples=100, deadline=None)
@@ -255,3 +265,40 @@ def test_ops_of_merges_like_the_scan():
     assert n == 6
     assert ops == _native.scan_batch_msgpack(encode_batch(KVEventBatch(1.0, events)))[4]
     assert [(op[0], op[1], op[7]) for op in ops] == [(0, [1, 2, 3], 2), (0, [4], 1), (1, [1, 2], 2)]
+
+
+def test_worker_views_read_every_payload_form_alike():
+    """msgpack payloads are applied as read on arrival; JSON, other engines' shapes and events
+    whose free-form fields nest deeper than the native reader goes are encoded for the view."""
+    from kvbridge.bus.update import Body
+
+    deep: Any = None
+    for _ in range(40):
+        deep = (deep,)
+    events = [stored([1, 2], group_idx=1, **SW8), stored([3], 2, extra_keys=[deep]), removed([1], group_idx=1)]
+    batch = KVEventBatch(1.0, events)
+    positional = msgspec.msgpack.encode([1.0, [["BlockStored", [5], None, [0] * 4, 4, None, "GPU", None]]])
+    bodies = {
+        "msgpack": Body(encode_batch(batch), "msgpack"),
+        "json": Body(encode_batch(batch, "json"), "json"),
+        "positional": Body(positional, "msgpack"),
+        "events": Body.of(batch),
+    }
+    assert bodies["msgpack"].read is None  # the extra key nests too deep for the reader: decoded
+    assert bodies["json"].read is None and bodies["positional"].read is None
+    views = {}
+    for name, body in bodies.items():
+        views[name] = WorkerView()
+        views[name].apply(Update("m", "w", "e", 0, body))
+    want = {("GPU", 1): {2: 1}, ("GPU", 0): {3: 1}}
+    assert views["msgpack"].held == views["json"].held == views["events"].held == want
+    assert views["positional"].held == {("GPU", 0): {5: 1}}
+    assert views["json"].residency.kinds == {1: ("sliding_window", 8)}
+
+    plain = Body(encode_batch(KVEventBatch(1.0, events[:1])), "msgpack")
+    assert plain.read is not None and (plain.n_events, plain.n_blocks) == (1, 2)
+    view = WorkerView()
+    view.apply(Update("m", "w", "e", 0, plain))
+    assert plain.read is None and view.held == {("GPU", 1): {1: 1, 2: 1}}  # applied, then let go
+    view.apply(Update("m", "w", "e", 1, plain))  # the same body again: decoded, applied again
+    assert view.held == {("GPU", 1): {1: 2, 2: 2}}

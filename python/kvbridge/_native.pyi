@@ -25,6 +25,8 @@ __all__ = [
     "parse_nats_headers",
     "scan_nats_msgs",
     "ResidencyView",
+    "ReadBatch",
+    "read_batch",
 ]
 
 # --- chained block hashing (rust/hash.rs; documented in kvbridge.wire.hashing) --------------------
@@ -144,7 +146,7 @@ def encode_batch_msgpack(batch: KVEventBatch) -> bytes:
 def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
     """Which CPython int/list reader the encoder uses here; "api" when the fast path is off."""
 
-# --- hash-only batch reading (rust/scan.rs; used by kvbridge.bus.subscriber) ----------------------
+# --- hash-only batch reading (rust/scan.rs; the rule's Python spec's ops, for the tests) -----------
 
 #: (ts, data_parallel_rank, n_events, n_blocks, ops), each op (kind, hashes, medium, group_idx,
 #: root, spec_kind, window, n_events) with kind 0 = stored, 1 = removed, 2 = all cleared;
@@ -350,22 +352,54 @@ class Index:
         """Distinct blocks held by any worker."""
 
 
-# --- the relay's view from payload bytes (rust/view.rs; used by kvbridge.engine.relay.RelayView) ---
+# --- views from payload bytes (rust/view.rs; behind engine.relay.RelayView and bus.update.WorkerView) ---
+
+@final
+class ReadBatch:
+    """A msgpack ``KVEventBatch`` in vLLM 0.33's shape read whole and checked (as
+    ``scan_batch_msgpack`` checks it), not applied: ``ResidencyView.apply_read`` applies it
+    without reading the bytes again. Holds the payload and its events' hashes."""
+
+    @property
+    def ts(self) -> float: ...
+    @property
+    def rank(self) -> int | None:
+        """``data_parallel_rank``."""
+    @property
+    def n_events(self) -> int: ...
+    @property
+    def n_blocks(self) -> int:
+        """Block hashes stored and removed."""
+
+def read_batch(payload: bytes) -> ReadBatch | None:
+    """Reads a payload for a view (GIL released from 16 KiB); None for any payload
+    ``scan_batch_msgpack`` would not read."""
 
 @final
 class ResidencyView:
     """What an engine's cache holds, kept from its msgpack payloads by the rule of
     ``kvbridge.wire.residency`` (per ``(medium, group)``, each block's copies; each group's kind
-    and window; the full-report re-announce exception; bad ``group_idx``, unknown kinds and
-    window kinds without a window skipped and counted). Reads like a ``Residency``. Each copy
-    keeps the msgpack bytes of the ``BlockStored`` it came in, for snapshots. Not thread-safe:
-    one caller at a time (the relay holds its publisher's lock)."""
+    and window and largest block size; the full-report re-announce exception; bad ``group_idx``,
+    unknown kinds and window kinds without a window skipped and counted): the one place the
+    package's views run it, held to its Python spec ``Residency`` by the tests. Reads like a
+    ``Residency``. With ``sources=True`` (the relay's) each copy keeps the msgpack bytes of the
+    ``BlockStored`` it came in, for snapshots; ``sources=False`` (a subscriber's ``WorkerView``)
+    keeps hashes only. Not thread-safe: one caller at a time (the relay holds its publisher's
+    lock, a subscriber runs on its loop)."""
 
-    def __new__(cls) -> ResidencyView: ...
+    def __new__(cls, sources: bool = True) -> ResidencyView: ...
+    @property
+    def keeps_sources(self) -> bool:
+        """Whether copies keep their source events' bytes (``sources=``)."""
+    def clear(self) -> None:
+        """Forgets every block, kind and size, as an ``AllBlocksCleared`` does (counters stay)."""
     def apply(self, payload: bytes) -> tuple[int, int] | None:
         """Applies a ``KVEventBatch`` in vLLM 0.33's msgpack shape whole (with the GIL released
         from 16 KiB), returning ``(events, block hashes)``; None, applying nothing, for any
         payload ``scan_batch_msgpack`` would not read either."""
+    def apply_read(self, batch: ReadBatch) -> tuple[int, int]:
+        """Applies a batch :func:`read_batch` read (its bytes are not read again), whole:
+        ``(events, block hashes)``."""
     @property
     def held(self) -> dict[tuple[str | None, int], dict[int | bytes, int]]:
         """``{(medium, group): {hash: copies}}``, built on each call."""
@@ -387,7 +421,8 @@ class ResidencyView:
     ) -> tuple[list[tuple[str | None, int, list[tuple[int | bytes, list[tuple[int, int]]]]]], dict[int, bytes]]:
         """``(groups, sources)``: per ``(medium, group)`` in the order it first held a block, each
         held hash in the order it came with its copies ``(source, index in it)``, oldest first;
-        ``sources``: each source's ``BlockStored`` as msgpack bytes."""
+        ``sources``: each source's ``BlockStored`` as msgpack bytes. ValueError for a hash-only
+        view (``sources=False``)."""
     def __len__(self) -> int:
         """Blocks held, counted once per ``(medium, group)``."""
     def __eq__(self, other: object, /) -> bool:

@@ -263,7 +263,7 @@ class KvEventPublisher:
         beyond the server's ``max_payload``, the bytes are decoded when sent and go out as
         ``publish_batch`` would send them (a payload that does not decode then is counted in
         ``stats["invalid_events"]``). The caller vouches that the bytes are a batch
-        (``_native.scan_batch_msgpack`` or ``decode_batch`` read them). Never blocks."""
+        (``_native.read_batch`` or ``decode_batch`` read them). Never blocks."""
         if payload.__class__ is not bytes:
             raise TypeError(f"publish_payload(): payload must be bytes, got {type(payload).__name__}")
         q = self._queue

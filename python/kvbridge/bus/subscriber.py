@@ -24,10 +24,10 @@ in-order sequence of :class:`Update` s:
 Views never wait for anyone: ``async for`` reads from a bounded queue; an iterator that falls
 ``queue_size`` updates behind is told so (``stats["iterator_behind"]``): the queue is dropped and
 the iterator continues with one ``reset=True`` update per worker (``source="behind"``) carrying the
-worker's current view (``Residency.as_events``: per medium and group, its block hashes, one per
-copy, as one ``BlockStored`` without token ids, and each group's kind; without tracked views, the
-worker is resynced by snapshot), so a consumer that rebuilds state from updates stays
-exact. An abandoned iterator is detached.
+worker's current view (``WorkerView.as_events``: per medium and group, its block hashes, one per
+copy, as one ``BlockStored`` without token ids, and each group's kind and largest block size;
+without tracked views, the worker is resynced by snapshot), so a consumer that rebuilds state
+from updates stays exact. An abandoned iterator is detached.
 
 Everything runs on the subscriber's asyncio loop; one resync task per worker at most.
 """
@@ -341,7 +341,7 @@ class KvEventSubscriber:
                 w.seq.need_snapshot = True
                 self._ensure_sync(w)
                 continue
-            events: list[Event] = list(w.view.residency.as_events())
+            events: list[Event] = list(w.view.as_events())
             out.append(Update(w.model, w.worker, w.epoch, w.view.seq, KVEventBatch(now, events), True, "behind"))
             self._iter_known.add(key)
         return out
@@ -511,6 +511,8 @@ class KvEventSubscriber:
         n_events = update.n_events if self.index is None else self._index_apply(w, update)
         if w.view is not None:
             w.view.apply(update)
+        else:
+            update._body.read = None  # what only a view reads
         self._counts["events"] += n_events
         return update
 

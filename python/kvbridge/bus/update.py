@@ -10,69 +10,71 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge._native import scan_batch_msgpack
-from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
-from kvbridge.wire.residency import Residency, ops_of
+from kvbridge._native import ReadBatch, ResidencyView, read_batch
+from kvbridge.wire.events import BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch
+from kvbridge.wire.residency import state_events, view_payload
 from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_EPOCH, HDR_REPLY, HDR_SEQ, Format
 
 __all__ = ["Body", "Update", "WorkerView", "decode", "parse_event_msg"]
 
-_scan = scan_batch_msgpack
+_WITH_BLOCKS = (BlockStored, BlockRemoved)
 
 
 class Body:
     """A message's batch, decoded only as far as someone needs it.
 
-    Views need only the block hashes and what the residency rule reads (medium, group, kind,
-    window, parent None-ness: ``kvbridge.wire.residency.Op``); a full decode builds a Python int for every token id, which
-    is most of a subscriber's work. vLLM-shaped msgpack payloads are scanned natively instead
-    (``kvbridge._native.scan_batch_msgpack``, which validates the whole payload against the schema), and
-    the KVEventBatch is decoded on first access to ``batch``. Everything else is decoded at once,
-    as before, so a malformed payload is still rejected on arrival.
+    A full decode builds a Python int for every token id, which is most of a subscriber's work.
+    vLLM-shaped msgpack payloads are read natively instead (``kvbridge._native.read_batch``, which
+    validates the whole payload against the schema and keeps its events' hashes and what the
+    residency rule reads, making no Python object per hash: ``read``, which a :class:`WorkerView`
+    applies without reading the bytes again, then drops), and the KVEventBatch is decoded on first
+    access to ``batch``. Everything else is decoded at once, as before, so a malformed payload is
+    still rejected on arrival.
     """
 
-    __slots__ = ("payload", "fmt", "_batch", "ts", "rank", "n_events", "n_blocks", "ops")
+    __slots__ = ("payload", "fmt", "_batch", "read", "ts", "rank", "n_events", "n_blocks")
     payload: bytes | None
     fmt: Format | None
     _batch: KVEventBatch | None
 
     def __init__(self, payload: bytes, fmt: Format, raw: bool = False) -> None:
         self.payload, self.fmt = payload, fmt
+        self.read: ReadBatch | None = None
         if raw:
-            # An Index reads the bytes itself: nothing is scanned or decoded unless asked for.
+            # An Index reads the bytes itself: nothing is read or decoded unless asked for.
             self._batch = None
             return
-        scanned = _scan(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
-        if scanned is None:
+        read = read_batch(payload) if fmt == "msgpack" and payload.__class__ is bytes else None
+        if read is None:
             self._set_batch(decode(payload, fmt))
         else:
-            self._batch = None
-            self.ts, self.rank, self.n_events, self.n_blocks, self.ops = scanned
+            self._batch, self.read = None, read
+            self.ts, self.rank, self.n_events, self.n_blocks = read.ts, read.rank, read.n_events, read.n_blocks
 
     @classmethod
     def of(cls, batch: KVEventBatch) -> Body:
         body = cls.__new__(cls)
-        body.payload, body.fmt = None, None
+        body.payload, body.fmt, body.read = None, None, None
         body._set_batch(batch)
         return body
 
     def _set_batch(self, batch: KVEventBatch) -> None:
         self._batch = batch
         self.ts, self.rank, self.n_events = batch.ts, batch.data_parallel_rank, len(batch.events)
-        self.ops, self.n_blocks = ops_of(batch.events)
+        self.n_blocks = sum(len(ev.block_hashes) for ev in batch.events if ev.__class__ in _WITH_BLOCKS)
 
     @property
     def batch(self) -> KVEventBatch:
         batch = self._batch
         if batch is None:
-            # The scan vouched for these bytes, so this decode cannot fail (a raw body's can:
+            # read_batch vouched for these bytes, so this decode cannot fail (a raw body's can:
             # DecodeError).
             batch = self._batch = decode(self.payload, self.fmt)  # type: ignore[arg-type]
         return batch
 
     def __getattr__(self, name: str) -> Any:
         # Only a raw body's unset slots get here: decode on first use.
-        if name in ("ts", "rank", "n_events", "n_blocks", "ops"):
+        if name in ("ts", "rank", "n_events", "n_blocks"):
             self._set_batch(self.batch)
             return object.__getattribute__(self, name)
         raise AttributeError(name)
@@ -129,14 +131,16 @@ class Update:
 
 
 class WorkerView:
-    """What a worker holds, as its events say (no prefix structure): ``residency``, a
-    :class:`~kvbridge.wire.residency.Residency` (per ``(medium, group)``, each hash's copies; each
-    group's kind; what was skipped), and ``blocks``, the hashes held anywhere."""
+    """What a worker holds, as its events say (no prefix structure): ``residency``, a hash-only
+    :class:`kvbridge._native.ResidencyView` (``sources=False``: the rule of
+    :mod:`kvbridge.wire.residency` run in Rust, read like a ``Residency``: per ``(medium,
+    group)``, each hash's copies; each group's kind and largest block size; what was skipped),
+    ``held`` and ``blocks``, the hashes held anywhere."""
 
     __slots__ = ("residency", "epoch", "seq")
 
     def __init__(self) -> None:
-        self.residency = Residency()
+        self.residency = ResidencyView(sources=False)
         self.epoch: str | None = None
         self.seq = -1
 
@@ -150,13 +154,31 @@ class WorkerView:
         return self.residency.held
 
     def apply(self, update: Update) -> None:
+        """Applies one update: a msgpack payload as read on arrival (``Body.read``), anything else
+        (JSON, other engines' shapes, a batch built in Python) as its events."""
+        body = update._body
         if update.reset:
             self.residency.clear()
-        self.residency.apply_ops(update._body.ops)
+        read = body.read
+        if read is not None:
+            self.residency.apply_read(read)
+            body.read = None  # applied: its hashes are not kept with the update
+        else:
+            self.apply_events(body.batch.events)
         self.epoch, self.seq = update.epoch, update.seq
 
     def apply_events(self, events: list[Any]) -> None:
-        self.residency.apply(events)
+        """Applies decoded (or hand-built) events, encoded for the view (:func:`view_payload`).
+        ValueError, applying none, for events whose bytes the view cannot read (a field of a type
+        the wire does not have)."""
+        if self.residency.apply(view_payload(events, lean=True)) is None:
+            raise ValueError("events the view cannot read")
+
+    def as_events(self) -> list[BlockStored]:
+        """The state as events (:func:`kvbridge.wire.residency.state_events`: per ``(medium,
+        group)`` one store of its hashes, a hash once per copy, without token ids; each group's kind
+        and largest block size): what an iterator that fell behind is given."""
+        return state_events(self.residency.held, self.residency.kinds, self.residency.sizes)
 
 
 def parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> tuple[str, int, Body]:

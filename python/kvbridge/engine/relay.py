@@ -61,16 +61,13 @@ from kvbridge._native import ResidencyView
 from kvbridge.metrics import register
 from kvbridge.config import Config, ConfigError
 from kvbridge.wire.events import (
-    AllBlocksCleared,
     BlockStored,
     DecodeError,
-    KVEventBatch,
     decode_batch,
-    encode_batch,
     merge_runs,
     slice_event,
 )
-from kvbridge.wire.residency import WINDOW_KINDS, kind_event
+from kvbridge.wire.residency import WINDOW_KINDS, kind_event, view_payload
 from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint", "snapshot_events"]
@@ -164,24 +161,6 @@ def snapshot_events(
     return out
 
 
-def _wire_safe(ev: Any) -> Any:
-    """``ev`` as the wire can carry it, read the same by the view: a ``group_idx`` or window that
-    is not an int (a bool, from hand-built events; the wire's decoders never make one) becomes
-    one the rule skips and counts alike (group -1: ``bad_groups``; window 0: ``bad_windows`` for
-    a window kind, ignored otherwise)."""
-    cls = ev.__class__
-    if cls is AllBlocksCleared:
-        return ev
-    group = ev.group_idx
-    if group is not None and group.__class__ is not int:
-        ev = msgspec.structs.replace(ev, group_idx=-1)
-    if cls is BlockStored:
-        window = ev.kv_cache_spec_sliding_window
-        if window is not None and window.__class__ is not int:
-            ev = msgspec.structs.replace(ev, kv_cache_spec_sliding_window=0)
-    return ev
-
-
 class RelayView:
     """The blocks an engine holds, as the forwarded events say: the relay's stand-in for a pool
     (``take_events`` / ``snapshot``, for :meth:`KvEventPublisher.attach`). ``residency`` follows the
@@ -203,8 +182,7 @@ class RelayView:
     def apply(self, events: list[Any]) -> None:
         """Applies decoded (or hand-built) events: encoded in vLLM 0.33's shape, then read as any
         payload. ValueError, applying none, for events whose bytes the view cannot read."""
-        payload = encode_batch(KVEventBatch(0.0, [_wire_safe(ev) for ev in events]))
-        if self.residency.apply(payload) is None:
+        if self.residency.apply(view_payload(events)) is None:
             # The one case: an extra key nested deeper than the reader goes (rust/scan.rs).
             raise ValueError("events the view cannot read (values nested too deep)")
 

@@ -1,11 +1,20 @@
-"""What a worker's cache holds, as its events say: the one rule every Python-side view applies.
+"""What a worker's cache holds, as its events say: the rule every view applies, as plain Python.
+
+The package's views run the rule in Rust, in one place: ``_native.ResidencyView`` (rust/view.rs),
+the relay's view (``RelayView``, keeping each copy's source event for snapshots) and each worker's
+in a subscriber (``WorkerView``, hash-only: ``ResidencyView(sources=False)``). :class:`Residency`
+here is its plain-Python executable spec, as ``kvbridge.engine._reference_pool`` is the native
+pool's: tests/test_relay_view.py and tests/test_residency.py hold the native view to it on random
+hybrid streams, event for event. :func:`view_payload` is how decoded or hand-built events reach a
+native view (as msgpack bytes, the one input it reads); :func:`state_events` how a view's state is
+said as events.
 
 A worker's cache is several caches: one per ``(medium, group)`` -- a hybrid-attention model keeps
 one KV-cache group per attention type (vLLM's ``group_idx``; ``None`` is group 0, as older
 engines and SGLang send it), each in every medium it is offloaded to. :class:`Residency` keeps,
 per ``(medium, group)``, ``{block hash: copies}`` and, per group, the kind (and sliding window)
 its stores announced. The rules (docs/hybrid.md; the Rust ``Index`` reads events by the same, and
-so does ``_native.ResidencyView``, the relay's view, held to this class by tests/test_relay_view.py):
+so does ``_native.ResidencyView``):
 
 * ``group_idx`` must be an int 0..63 (not a bool): any other event is skipped whole and counted
   (``bad_groups``); it removes nothing elsewhere.
@@ -25,10 +34,13 @@ so does ``_native.ResidencyView``, the relay's view, held to this class by tests
   (a window group cut the hit to 0 while the main group held the chain), so there every store
   counts and re-announces over-count.
 * ``AllBlocksCleared`` empties every medium and group and forgets the kinds.
+* Each group's largest ``block_size`` among the stores not skipped, since the last clear (the
+  native view's ``sizes``; not kept by :class:`Residency`, whose ops do not carry it: the tests'
+  reference computes it beside it): what a group's blocks are read at when they are said again.
 
-Views read events as *ops* (:data:`Op`): what the native scan (``_native.scan_batch_msgpack``)
+The spec reads events as *ops* (:data:`Op`): what the native scan (``_native.scan_batch_msgpack``)
 reports per run of like events, or :func:`ops_of` for decoded events -- the same tuples either
-way, so a view built from either is the same.
+way, so a ``Residency`` built from either is the same (tests/test_residency.py, test_scan.py).
 """
 
 from __future__ import annotations
@@ -36,7 +48,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterable
 
-from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+import msgspec
+
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 
 __all__ = [
     "CLEARED",
@@ -52,6 +66,8 @@ __all__ = [
     "kind_event",
     "names_windows",
     "ops_of",
+    "state_events",
+    "view_payload",
 ]
 
 MAX_GROUPS = 64
@@ -121,6 +137,55 @@ def kind_event(
     own ``block_size`` and ``medium``, so the event looks like its others."""
     return BlockStored([], None, [], block_size, None, medium, None, group_idx=group, kv_cache_spec_kind=kind,
                        kv_cache_spec_sliding_window=window)  # fmt: skip
+
+
+def state_events(
+    held: dict[Key, dict[Any, int]], kinds: dict[int, tuple[str, int | None]], sizes: dict[int, int] | None = None
+) -> list[BlockStored]:
+    """A view's state as stores without token ids or parents (for a consumer that keeps hashes, not
+    chains): one per ``(medium, group)``, a hash listed once per copy -- the first store into an
+    empty ``(medium, group)``, so every copy counts; a placeholder (``block_size`` 0), as an index
+    reads one -- then a :func:`kind_event` for each group's kind, carrying the group's largest
+    block size when ``sizes`` knows it (a store of no blocks saying only the size for a group
+    with no kind), so an index reads a group of larger blocks at its own size."""
+    sizes = sizes or {}
+    out = [
+        BlockStored([h for h, c in blocks.items() for _ in range(c)], None, [], 0, None, medium, None,
+                    group_idx=group)  # fmt: skip
+        for (medium, group), blocks in held.items()
+    ]
+    out.extend(kind_event(g, kind, window, sizes.get(g, 0)) for g, (kind, window) in kinds.items())
+    out.extend(BlockStored([], None, [], size, None, None, None, group_idx=g)
+               for g, size in sizes.items() if g not in kinds and size > 0)  # fmt: skip
+    return out
+
+
+def _wire_safe(ev: Any, lean: bool = False) -> Any:
+    """``ev`` as the wire can carry it, read the same by a native view: a ``group_idx`` or window
+    that is not an int (a bool, from hand-built events; the wire's decoders never make one) becomes
+    one the rule skips and counts alike (group -1: ``bad_groups``; window 0: ``bad_windows`` for
+    a window kind, ignored otherwise). ``lean``: without the free-form fields the rule never reads
+    (``extra_keys``, ``metadata``), which may nest deeper than the view's reader goes."""
+    cls = ev.__class__
+    if cls is AllBlocksCleared:
+        return ev
+    group = ev.group_idx
+    if group is not None and group.__class__ is not int:
+        ev = msgspec.structs.replace(ev, group_idx=-1)
+    if cls is BlockStored:
+        window = ev.kv_cache_spec_sliding_window
+        if window is not None and window.__class__ is not int:
+            ev = msgspec.structs.replace(ev, kv_cache_spec_sliding_window=0)
+        if lean and (ev.extra_keys is not None or ev.metadata is not None):
+            ev = msgspec.structs.replace(ev, extra_keys=None, metadata=None)
+    return ev
+
+
+def view_payload(events: Iterable[Any], lean: bool = False) -> bytes:
+    """Decoded (or hand-built) events as the msgpack batch in vLLM 0.33's shape that a native view
+    applies (``ResidencyView.apply``) -- read by the same rule as the events (:func:`_wire_safe`).
+    ``lean``: the free-form fields left out (a hash-only view, whose snapshots need none)."""
+    return encode_batch(KVEventBatch(0.0, [_wire_safe(ev, lean) for ev in events]))
 
 
 class Residency:
@@ -286,16 +351,8 @@ class Residency:
         return {key: len(held) for key, held in self._sets.items()}
 
     def as_events(self) -> list[BlockStored]:
-        """The state as stores without token ids or parents (for a consumer that keeps hashes, not
-        chains): one per ``(medium, group)``, a hash listed once per copy -- the first store into an
-        empty ``(medium, group)``, so every copy counts -- and a :func:`kind_event` for each kind."""
-        out = [
-            BlockStored([h for h, c in held.items() for _ in range(c)], None, [], 0, None, medium, None,
-                        group_idx=group)  # fmt: skip
-            for (medium, group), held in self.held.items()
-        ]
-        out.extend(kind_event(g, kind, window) for g, (kind, window) in self.kinds.items())
-        return out
+        """The state as events (:func:`state_events`; no block sizes: this class keeps none)."""
+        return state_events(self.held, self.kinds)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Residency):
