@@ -19,6 +19,7 @@ CLAIMS = {
 READERS = {
     "scan_batch_msgpack": "from kvbridge._native import scan_batch_msgpack as read",
     "ResidencyView.apply": "from kvbridge._native import ResidencyView; read = ResidencyView().apply",
+    "read_batch": "from kvbridge._native import read_batch as read",
     "Index.apply": "from kvbridge._native import Index; read = lambda p: Index(4, 'engine').apply('w', p) or None",
 }
 
