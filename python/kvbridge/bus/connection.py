@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import ssl
 import time
 from collections import Counter
 from typing import Any, Awaitable, Callable, Iterable
@@ -125,9 +126,19 @@ async def connect(
     **extra: Any,
 ) -> Client:
     errors: list[BaseException] = []
+    # An untrusted certificate or rejected credentials do not change on a retry, and nats-py would
+    # retry until the deadline: once there have been as many such errors as servers (each may be
+    # the one that works), the connect ends.
+    fatal = asyncio.Event()
+    fatal_errors = 0
 
     async def on_error(exc: Exception) -> None:
+        nonlocal fatal_errors
         errors.append(exc)
+        if isinstance(exc, ssl.SSLError) or _is_auth_error(exc):
+            fatal_errors += 1
+            if fatal_errors >= len(config.servers):
+                fatal.set()
         if error_cb is not None:
             await error_cb(exc)
 
@@ -138,18 +149,21 @@ async def connect(
     # A server that accepts TCP but never answers (or a wrong TLS setup) must not hang start-up.
     deadline = config.connect_timeout_s * (2 * len(config.servers)) + 1.0
     servers = ", ".join(config.servers)
+    connecting = asyncio.ensure_future(
+        nc.connect(**opts, error_cb=on_error, reconnected_cb=reconnected_cb, disconnected_cb=disconnected_cb, **extra)
+    )
+    gave_up = asyncio.ensure_future(fatal.wait())
     try:
-        await asyncio.wait_for(
-            nc.connect(
-                **opts,
-                error_cb=on_error,
-                reconnected_cb=reconnected_cb,
-                disconnected_cb=disconnected_cb,
-                **extra,
-            ),
-            deadline,
-        )
+        await asyncio.wait((connecting, gave_up), timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            raise asyncio.TimeoutError() if not fatal.is_set() else errors[-1]
+        connecting.result()  # its own error, if it failed
     except BaseException as exc:
+        if not connecting.done():  # we were cancelled while it ran
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
         await _discard(nc)
         if isinstance(exc, asyncio.CancelledError) and not isinstance(exc, asyncio.TimeoutError):
             raise
@@ -161,6 +175,8 @@ async def connect(
             ) from exc
         detail = "; ".join(sorted({f"{type(e).__name__}: {e}" for e in causes if str(e)})) or type(exc).__name__
         raise ConnectError(f"cannot connect to NATS at {servers}: {detail}") from exc
+    finally:
+        gave_up.cancel()
     nc.options.update(policy)
     return nc
 
