@@ -157,6 +157,14 @@ _exporters: dict[tuple[str, int], Any] = {}
 _module_lock = threading.Lock()
 
 
+def tally(counts: dict[str, int], key: str, n: int = 1) -> int | None:
+    """Adds ``n`` to ``counts[key]`` (a stats counter); the new total when it is worth a log line --
+    the first, then each power of two (1, 2, 4, 8...): visible, but a flood cannot fill the log --
+    else None."""
+    total = counts[key] = counts[key] + n
+    return total if total & (total - 1) == 0 else None
+
+
 def register(role: str, obj: Any) -> None:
     """Expose ``obj.stats`` under ``role`` ('publisher', 'subscriber', 'relay' or 'index') in the default registry."""
     global _registered

@@ -28,6 +28,7 @@ import logging
 from typing import Any, NamedTuple
 
 from kvbridge.bus.outbox import Outbox
+from kvbridge.metrics import tally
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch, slice_event
 from kvbridge.wire.subjects import Format
 
@@ -156,10 +157,9 @@ class Framer:
         out.append((payload, len(events)))
 
     def _invalid(self, n: int, why: str) -> None:
-        total = self.counts["invalid_events"] = self.counts["invalid_events"] + n
-        if total & (total - 1) == 0 or n > 1:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+        if tally(self.counts, "invalid_events", n) is not None or n > 1:
             log.warning("kvbridge publisher %s: %d invalid event(s) dropped before numbering (%d so far): %s",
-                        self.name, n, total, why)  # fmt: skip
+                        self.name, n, self.counts["invalid_events"], why)  # fmt: skip
 
 
 def number(outbox: Outbox, frames: list[Frame]) -> None:

@@ -45,7 +45,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 from nats.errors import NoRespondersError
 
-from kvbridge.metrics import register, start_exporter
+from kvbridge.metrics import register, start_exporter, tally
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.loads import LoadReports, parse_load_msg
@@ -316,8 +316,7 @@ class KvEventSubscriber:
         if len(queue) >= self._queue_size:
             queue.clear()
             self._iter_behind = True
-            n = self._counts["iterator_behind"] = self._counts["iterator_behind"] + 1
-            if n & (n - 1) == 0:
+            if (n := tally(self._counts, "iterator_behind")) is not None:
                 log.warning("kvbridge subscriber: the async iterator fell %d updates behind; it continues from "
                             "a reset per worker carrying the current view (%d time(s) so far)", self._queue_size, n)  # fmt: skip
         else:
@@ -395,8 +394,7 @@ class KvEventSubscriber:
         try:
             key, report = parse_load_msg(msg.subject, msg.headers, msg.data, self.prefix)
         except DecodeError as exc:
-            n = self._counts["malformed"] = self._counts["malformed"] + 1
-            if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+            if (n := tally(self._counts, "malformed")) is not None:
                 log.warning("kvbridge: malformed load report on %s skipped (%d malformed so far): %s", msg.subject, n, exc)
             return
         self._loads.add(key, report)

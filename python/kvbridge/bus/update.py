@@ -201,7 +201,6 @@ def parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> 
     return epoch, seq, Body(data, fmt, raw)
 
 
-
 def decode(payload: bytes, fmt: Format) -> KVEventBatch:
     # The GC stays on: pausing it here (as this once did) switches it off for every thread of the
     # application meanwhile. Structs are gc=False (untracked); the lists in them are tracked and

@@ -58,7 +58,7 @@ import zmq.asyncio
 import msgspec
 
 from kvbridge._native import ResidencyView
-from kvbridge.metrics import register
+from kvbridge.metrics import register, tally
 from kvbridge.config import Config, ConfigError
 from kvbridge.wire.events import (
     BlockStored,
@@ -479,14 +479,12 @@ class Relay:
         return True
 
     def _view_unread(self, why: Exception) -> None:
-        n = self._counts["view_unread_batches"] = self._counts["view_unread_batches"] + 1
-        if n & (n - 1) == 0:
+        if (n := tally(self._counts, "view_unread_batches")) is not None:
             log.warning("kvbridge relay: a batch from %s forwarded but left out of the view (%d so far): %s",
                         self.endpoint, n, why)  # fmt: skip
 
     def _malformed(self, why: Exception) -> None:
-        n = self._counts["malformed"] = self._counts["malformed"] + 1
-        if n & (n - 1) == 0:  # 1, 2, 4, 8...: visible, but a flood cannot fill the log
+        if (n := tally(self._counts, "malformed")) is not None:
             log.warning("kvbridge relay: malformed frame from %s skipped (%d so far): %s", self.endpoint, n, why)
 
     def _lose(self, n: int, why: str) -> None:

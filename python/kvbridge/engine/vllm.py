@@ -67,6 +67,7 @@ from kvbridge.bus.connection import connect
 from kvbridge.engine.discover import RateLimitedLog, RelaySet, RelaySpec, close_quietly, start_retrying, worker_name
 from kvbridge.wire.events import DecodeError, KVEventBatch, LoadReport, decode_batch, encode_load_report
 from kvbridge.bus.publisher import KvEventPublisher
+from kvbridge.metrics import tally
 from kvbridge.engine.relay import RelayView, engine_endpoint
 from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
 
@@ -440,8 +441,10 @@ class _EventSink:
             with pub.lock:
                 try:
                     view.apply(batch.events)
-                except ValueError:  # a value nested beyond the view's reader: published, not in the view
-                    self.stats["view_unread"] += 1
+                except ValueError as exc:  # a value nested beyond the view's reader: published, not in the view
+                    if (n := tally(self.stats, "view_unread")) is not None:
+                        log.warning("kvbridge: stats-carried events published but left out of the relay's view "
+                                    "(%d so far): %s", n, exc)  # fmt: skip
                 pub.publish_batch(batch)
             self.stats["batches"] += 1
 
@@ -454,8 +457,7 @@ class _EventSink:
             # vLLM's KVEventBatch is wire-identical to ours: its bytes decode to our Structs.
             return decode_batch(msgspec.msgpack.encode(obj))
         except (DecodeError, TypeError, msgspec.EncodeError) as exc:
-            n = self.stats["malformed"] = self.stats["malformed"] + 1
-            if n & (n - 1) == 0:
+            if (n := tally(self.stats, "malformed")) is not None:
                 log.warning("kvbridge: kv_cache_events on the stats not readable (%d so far): %s", n, exc)
             return None
 
