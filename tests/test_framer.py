@@ -47,6 +47,10 @@ def forwarded(events: list[Any], payload: bytes) -> Callable[[Framer], list[Fram
     return lambda f: f.forwarded(KVEventBatch(TS, events, None), payload)
 
 
+def bytes_alone(payload: bytes, n_events: int) -> Callable[[Framer], list[Frame]]:
+    return lambda f: f.forwarded(None, payload, n_events)
+
+
 def snapshot(events: list[Any]) -> Callable[[Framer], list[Frame]]:
     return lambda f: [Frame(payload, len(decode_batch(payload).events)) for payload in f.snapshot(TS, events)]
 
@@ -109,6 +113,12 @@ CASES: list[tuple[str, dict[str, Any], list[Callable[[Framer], list[Frame]]], li
     ("forwarded bytes over max_payload are encoded and cut, counted",
      {"max_payload": size(S(1), S(2))}, [forwarded([S(1), S(2), S(3), S(4)], b"x" * (size(S(1), S(2)) + 1))],
      [[stored(1), stored(2)], [stored(3), stored(4)]], {"split_batches": 1}),
+    ("forwarded bytes alone (no batch) go as they are", {}, [bytes_alone(FOREIGN, 1)], [[stored(5)]], {}),
+    ("forwarded bytes alone over max_payload are decoded and cut, counted", {"max_payload": size(S(1), S(2))},
+     [bytes_alone(encode_batch(KVEventBatch(TS, [S(1), S(2), S(3), S(4)], DP_RANK)), 4)],
+     [[stored(1), stored(2)], [stored(3), stored(4)]], {"split_batches": 1}),
+    ("forwarded bytes alone that must be decoded and are no batch are dropped as invalid", {"format": "json"},
+     [bytes_alone(b"not a batch", 3)], [], {"invalid_events": 3}),
     ("in JSON mode forwarded msgpack bytes are encoded again (not a split)", {"format": "json"},
      [forwarded([S(1)], FOREIGN)], [[stored(1)]], {}),
     ("a snapshot is cut like live messages", {"max_bytes": size(S(1))}, [snapshot([S(1), S(2), S(3)])],

@@ -29,7 +29,16 @@ from typing import Any, NamedTuple
 
 from kvbridge.bus.outbox import Outbox
 from kvbridge.metrics import tally
-from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch, slice_event
+from kvbridge.wire.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    slice_event,
+)
 from kvbridge.wire.subjects import Format
 
 __all__ = ["EVENT_CLASSES", "Frame", "Framer", "number"]
@@ -85,12 +94,20 @@ class Framer:
             events = valid
         return [self._carriable(payload, n) for payload, n in self.encode(ts, events, rank)]
 
-    def forwarded(self, batch: KVEventBatch, payload: bytes | None) -> list[Frame]:
-        """A batch handed over to go as a message of its own, as ``payload`` when that can go as it is."""
+    def forwarded(self, batch: KVEventBatch | None, payload: bytes | None, n_events: int = 0) -> list[Frame]:
+        """A batch handed over to go as a message of its own, as ``payload`` when that can go as it
+        is. ``batch`` None: only the bytes were handed over (``n_events`` events in them), decoded
+        only when they cannot go as they are; bytes that do not decode are dropped as invalid."""
         if payload is not None and self.format == "msgpack":
             if len(payload) <= self.max_payload:
-                return [Frame(payload, len(batch.events))]
+                return [Frame(payload, n_events if batch is None else len(batch.events))]
             self.counts["split_batches"] += 1
+        if batch is None:
+            try:
+                batch = decode_batch(payload)  # type: ignore[arg-type]
+            except DecodeError as exc:
+                self._invalid(n_events, f"a payload handed over is not a batch: {exc}")
+                return []
         return self.frame(batch.ts, batch.events, batch.data_parallel_rank)
 
     def snapshot(self, ts: float, events: list[Any]) -> list[bytes]:

@@ -51,7 +51,7 @@ from kvbridge.config import Config
 from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
 from kvbridge.bus.framer import EVENT_CLASSES, Frame, Framer, number
 from kvbridge.bus.outbox import Outbox
-from kvbridge.wire.events import DecodeError, KVEventBatch, decode_batch
+from kvbridge.wire.events import KVEventBatch
 from kvbridge.wire.subjects import (
     CONTENT_TYPES,
     HDR_CONTENT_TYPE,
@@ -508,20 +508,7 @@ class KvEventPublisher:
     def _emit_own(self, own: _Own) -> None:
         """A publish_batch() / publish_payload() hand-off: its own message, the given bytes when they
         can go as they are."""
-        batch, payload = own.batch, own.payload
-        if batch is None:  # publish_payload(): the bytes alone, decoded only if they cannot go as they are
-            framer = self._framer
-            if framer.format == "msgpack" and len(payload) <= framer.max_payload:  # type: ignore[arg-type]
-                self._number([Frame(payload, own.n_events)])
-                return
-            try:
-                batch = decode_batch(payload)  # type: ignore[arg-type]
-            except DecodeError as exc:
-                framer.counts["invalid_events"] += own.n_events
-                log.warning("kvbridge publisher %s: a payload handed over is not a batch, dropped: %s",
-                            self.config.worker_id, exc)  # fmt: skip
-                return
-        self._number(self._framer.forwarded(batch, payload))
+        self._number(self._framer.forwarded(own.batch, own.payload, own.n_events))
 
     def _number(self, frames: list[Frame]) -> None:
         if frames:
