@@ -29,16 +29,8 @@ from typing import Any, NamedTuple
 
 from kvbridge.bus.outbox import Outbox
 from kvbridge.metrics import tally
-from kvbridge.wire.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodeError,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
-    slice_event,
-)
+from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch
+from kvbridge.wire.events import decode_batch, encode_batch, slice_event
 from kvbridge.wire.subjects import Format
 
 __all__ = ["EVENT_CLASSES", "Frame", "Framer", "number"]
