@@ -197,6 +197,23 @@ impl Many {
         true
     }
 
+    /// Word 0 of the workers holding the block in any class.
+    fn word0_any(&self) -> u64 {
+        self.others.iter().fold(self.b0.w0, |w, (_, b)| w | b.w0)
+    }
+
+    /// Word 0 of the workers holding the block in a class `filter` accepts.
+    #[inline]
+    fn word0(&self, filter: &Filter) -> u64 {
+        let mut w = if filter.accepts(self.m0) { self.b0.w0 } else { 0 };
+        for (m, b) in &self.others {
+            if filter.accepts(*m) {
+                w |= b.w0;
+            }
+        }
+        w
+    }
+
     fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
         self.media()
             .flat_map(|(m, b)| b.workers().map(move |w| entry(w, m)))
@@ -232,18 +249,24 @@ impl Iterator for Bits {
 #[derive(Default)]
 pub struct Slab {
     many: Vec<Many>,
+    /// By entry: word 0 (workers 0-63) of its workers in any class. What a query counting
+    /// every class in an index of at most 64 workers reads (8 bytes where the entry is 64).
+    words: Vec<u64>,
     free: Vec<u32>,
 }
 
 impl Slab {
     fn add(&mut self, m: Many) -> u32 {
+        let word = m.word0_any();
         match self.free.pop() {
             Some(i) => {
                 self.many[i as usize] = m;
+                self.words[i as usize] = word;
                 i
             }
             None => {
                 self.many.push(m);
+                self.words.push(word);
                 (self.many.len() - 1) as u32
             }
         }
@@ -251,11 +274,18 @@ impl Slab {
 
     fn release(&mut self, i: u32) {
         self.many[i as usize] = Many::default();
+        self.words[i as usize] = 0;
         self.free.push(i);
+    }
+
+    /// Entry `i`'s word in `words` again, after a change.
+    fn sync(&mut self, i: u32) {
+        self.words[i as usize] = self.many[i as usize].word0_any();
     }
 
     pub fn heap_bytes(&self) -> usize {
         self.many.capacity() * std::mem::size_of::<Many>()
+            + self.words.capacity() * 8
             + self.free.capacity() * 4
             + self
                 .many
@@ -276,6 +306,9 @@ pub enum Removed {
 }
 
 impl Holders {
+    /// No holder at all: what a query reads for a block the table does not have.
+    pub const ABSENT: Holders = Holders { a: NONE, b: NONE };
+
     pub fn one(e: Entry) -> Holders {
         Holders { a: e, b: NONE }
     }
@@ -293,6 +326,7 @@ impl Holders {
     pub fn insert(&mut self, slab: &mut Slab, e: Entry) {
         if self.a == MANY {
             slab.many[self.b as usize].insert(e);
+            slab.sync(self.b);
         } else if self.b == NONE {
             self.b = e;
         } else {
@@ -322,6 +356,8 @@ impl Holders {
                 let [a, b] = rest;
                 slab.release(i);
                 *self = Holders { a, b };
+            } else {
+                slab.sync(i);
             }
             Removed::Kept
         } else if self.b == e {
@@ -375,18 +411,50 @@ impl Holders {
     }
 
     /// Asks the CPU to bring the slab entry of a set of more than two into cache (a query reads
-    /// it a little later; the block's slot was read first, so its miss would come second).
+    /// it a little later; the block's slot was read first, so its miss would come second): its
+    /// word in `words` if `any` (for `word0_any`), else the entry.
     #[inline]
-    pub fn prefetch(&self, slab: &Slab) {
+    pub fn prefetch(&self, slab: &Slab, any: bool) {
         #[cfg(target_arch = "x86_64")]
         if self.a == MANY {
-            if let Some(m) = slab.many.get(self.b as usize) {
-                // SAFETY: a prefetch never faults.
-                unsafe { std::arch::x86_64::_mm_prefetch(m as *const Many as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-            }
+            let p = if any {
+                slab.words.as_ptr().wrapping_add(self.b as usize) as *const i8
+            } else {
+                slab.many.as_ptr().wrapping_add(self.b as usize) as *const i8
+            };
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = slab;
+        let _ = (slab, any);
+    }
+
+    /// `word0` for a filter that accepts every class: the slab's `words` rather than its
+    /// entry.
+    #[inline(always)]
+    pub fn word0_any(&self, slab: &Slab) -> u64 {
+        if self.a == MANY {
+            return slab.words[self.b as usize];
+        }
+        let bit = |e: Entry| if e != NONE { 1u64 << (worker_of(e) & 63) } else { 0 };
+        bit(self.a) | bit(self.b)
+    }
+
+    /// `workers_into` for an index whose worker ids are all below 64: the one word, without
+    /// the loops over words.
+    #[inline(always)]
+    pub fn word0(&self, slab: &Slab, filter: &Filter) -> u64 {
+        if self.a == MANY {
+            return slab.many[self.b as usize].word0(filter);
+        }
+        let bit = |e: Entry| {
+            if e != NONE && filter.accepts(medium_of(e)) {
+                1u64 << (worker_of(e) & 63)
+            } else {
+                0
+            }
+        };
+        bit(self.a) | bit(self.b)
     }
 
     /// ORs into `out` (a bitset over worker ids) the workers holding this block in a class
@@ -468,6 +536,46 @@ mod tests {
         assert_eq!(sorted(&h, &slab), vec![es[69]]);
         assert_eq!(h.remove(&mut slab, es[69]), Removed::Empty);
         assert_eq!(slab.free.len(), 1);
+    }
+
+    /// The one-word reads a query of at most 64 workers (ids below 64) makes (`word0_any`, from the slab's
+    /// `words`, and `word0`) against word 0 of `workers_into`, through sets growing into the
+    /// slab and back, entries freed and reused.
+    #[test]
+    fn one_word_reads_agree_with_workers_into() {
+        let mut slab = Slab::default();
+        let mut sets: Vec<Option<Holders>> = vec![None; 12];
+        let all = Filter { all: true, mask: [0; 4] };
+        let mut class1 = Filter { all: false, mask: [0; 4] };
+        class1.set(1);
+        let word = |h: &Holders, slab: &Slab, f: &Filter| {
+            let mut out = vec![0u64; 2];
+            h.workers_into(slab, f, &mut out);
+            out[0]
+        };
+        let mut x = 11u64;
+        for _ in 0..20_000 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let (i, w, m) = ((x >> 33) as usize % sets.len(), (x >> 40) as u32 % 64, (x >> 50) as u8 % 3);
+            let e = entry(w, m);
+            match &mut sets[i] {
+                None => sets[i] = Some(Holders::one(e)),
+                Some(h) if h.contains(&slab, e) => {
+                    if h.remove(&mut slab, e) == Removed::Empty {
+                        h.release(&mut slab);
+                        sets[i] = None;
+                    }
+                }
+                Some(h) => h.insert(&mut slab, e),
+            }
+            for h in sets.iter().flatten() {
+                assert_eq!(h.word0_any(&slab), word(h, &slab, &all));
+                assert_eq!(h.word0(&slab, &class1), word(h, &slab, &class1));
+            }
+        }
+        assert!(sets.iter().flatten().any(|h| h.a == MANY));
+        assert_eq!(Holders::ABSENT.word0_any(&slab), 0);
+        assert_eq!(Holders::ABSENT.word0(&slab, &all), 0);
     }
 
     #[test]

@@ -25,7 +25,8 @@ struct Slot<V: Copy> {
 
 pub struct Table<V: Copy> {
     slots: Box<[Slot<V>]>,
-    /// 64 - log2(capacity): a key's home slot is the top bits of its mixed hash.
+    /// 64 - log2(capacity): a key's home slot is the top bits of its mixed hash. 63 for the
+    /// empty table, whose "home" (0 or 1) nothing reads: every lookup checks for no slots first.
     shift: u32,
     len: usize,
     /// The value of key `EMPTY`.
@@ -36,7 +37,7 @@ impl<V: Copy> Default for Table<V> {
     fn default() -> Self {
         Table {
             slots: Box::new([]),
-            shift: 64,
+            shift: 63,
             len: 0,
             empty_key: None,
         }
@@ -54,8 +55,7 @@ fn mix(k: u64) -> u64 {
 impl<V: Copy> Table<V> {
     #[inline]
     fn home(&self, k: u64) -> usize {
-        // shift is 64 for the empty table, which has no slot to find.
-        mix(k).checked_shr(self.shift).unwrap_or(0) as usize
+        (mix(k) >> self.shift) as usize
     }
 
     #[inline]
@@ -98,6 +98,18 @@ impl<V: Copy> Table<V> {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = k;
+    }
+
+    /// The table for lookups split in two (`Probe`), None while it has no slots (when a key
+    /// 0 may still be held: `get` finds it).
+    #[inline]
+    pub fn probe(&self) -> Option<Probe<'_, V>> {
+        (!self.slots.is_empty()).then(|| Probe {
+            slots: &self.slots,
+            mask: self.mask(),
+            shift: self.shift,
+            empty_key: self.empty_key.as_ref(),
+        })
     }
 
     #[inline]
@@ -213,6 +225,55 @@ impl<V: Copy> Table<V> {
     }
 }
 
+/// Lookups in two steps, for many keys at once: `start` (hashing the key, where its slot is)
+/// and `prefetch_at` early, `get_from` a little later, once the slot has arrived; where
+/// `prefetch` and then `get` would hash each key twice and check for an empty table each time.
+pub struct Probe<'t, V: Copy> {
+    /// Not empty.
+    slots: &'t [Slot<V>],
+    mask: usize,
+    shift: u32,
+    empty_key: Option<&'t V>,
+}
+
+impl<'t, V: Copy> Probe<'t, V> {
+    #[inline(always)]
+    pub fn start(&self, k: u64) -> usize {
+        (mix(k) >> self.shift) as usize
+    }
+
+    #[inline(always)]
+    pub fn prefetch_at(&self, i: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = self.slots.as_ptr().wrapping_add(i);
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = i;
+    }
+
+    /// The value of `k`, `start` being `start(k)`.
+    #[inline(always)]
+    pub fn get_from(&self, start: usize, k: u64) -> Option<&'t V> {
+        if k == EMPTY {
+            return self.empty_key;
+        }
+        let mut i = start;
+        loop {
+            let s = &self.slots[i & self.mask];
+            if s.key == k {
+                return Some(&s.val);
+            }
+            if s.key == EMPTY {
+                return None;
+            }
+            i += 1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,8 +303,10 @@ mod tests {
             }
         }
         assert_eq!(t.len(), m.len());
+        let p = t.probe().expect("slots");
         for k in 0..5000u64 {
             assert_eq!(t.get(&k), m.get(&k));
+            assert_eq!(p.get_from(p.start(k), k), m.get(&k));
         }
     }
 }
