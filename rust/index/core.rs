@@ -1914,6 +1914,21 @@ mod tests {
         assert_eq!(scores(&core, &[1]), vec![("a".into(), 1)]);
     }
 
+    /// Key 0 is the table's free-slot marker, kept apart: found by a query both while it is
+    /// the only block (the table has no slots) and among others.
+    #[test]
+    fn a_block_keyed_zero() {
+        let mut core = Core::new(2, Mode::Engine);
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[0], None, &[1, 2], "GPU")));
+        assert_eq!(scores(&core, &[0, 7]), vec![("a".into(), 1)]);
+        assert_eq!(scores(&core, &[7, 0]), vec![]);
+        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[7, 8], Some(0), &[3, 4, 5, 6], "GPU")));
+        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[0, 7], None, &[1, 2, 3, 4], "GPU")));
+        assert_eq!(scores(&core, &[0, 7, 8, 9]), vec![("a".into(), 3), ("b".into(), 2)]);
+        remove(&mut core, "a", &[0]);
+        assert_eq!(scores(&core, &[0, 7, 8]), vec![("b".into(), 2)]);
+    }
+
     #[test]
     fn many_workers_use_several_words() {
         let mut core = Core::new(2, Mode::Engine);
