@@ -57,6 +57,22 @@ const KEEP_BUFFER_BYTES: usize = 8 << 20;
 const WIRE_MODULE: &str = "kvbridge.wire.events";
 const WIRE_TYPES: [&str; 4] = ["KVEventBatch", "BlockStored", "BlockRemoved", "AllBlocksCleared"];
 
+/// List items are read this many ahead of the walk (see `prefetch`).
+const PREFETCH_AHEAD: usize = 16;
+
+/// Asks for the cache line of `p`: a list's items are separate objects, so a walk over items
+/// not read lately waits on memory once per item; asked ahead, those waits overlap.
+#[inline(always)]
+fn prefetch(p: *mut ffi::PyObject) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Encode `batch` (normally a `KVEventBatch`) to the exact bytes msgspec's msgpack encoder writes.
 #[pyfunction]
 pub fn encode_batch_msgpack<'py>(
@@ -387,7 +403,14 @@ impl<'a> Encoder<'a, '_> {
         // item array stays as read and its items alive (this function's contract, passed on).
         unsafe {
             match cpython::list_items(self.layout, obj) {
-                Some(items) => items.iter().try_for_each(|&item| self.item(item))?,
+                Some(items) => {
+                    for (i, &item) in items.iter().enumerate() {
+                        if let Some(&ahead) = items.get(i + PREFETCH_AHEAD) {
+                            prefetch(ahead);
+                        }
+                        self.item(item)?;
+                    }
+                }
                 None => (0..len).try_for_each(|i| self.item(ffi::PyList_GetItem(obj, i)))?,
             }
         }

@@ -86,6 +86,44 @@ async def test_headers_arrive_through_a_real_server():
             await nc.close()
 
 
+def test_the_publishers_header_block_is_the_one_nats_py_builds():
+    pub = KvEventPublisher(Config(model="m", worker_id="w-1"))
+    for seq in (0, 9, 10, 123_456_789_012):
+        headers = pub._headers(seq)
+        # nats-py's _send_publish: the version line, "key: value" lines in dict order, a blank line.
+        want = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
+        assert pub._header_block(seq) == want
+        assert _native.parse_nats_headers(want) == headers
+
+
+async def test_publish_headed_writes_at_once_only_with_nothing_queued_ahead():
+    block = b"NATS/1.0\r\nKv-Seq: 1\r\nKv-Epoch: ab\r\n\r\n"
+    with NatsServer() as server:
+        nc = Client()
+        await nc.connect(server.url)
+        try:
+            sub = await nc.subscribe("t.h")
+            await nc.flush()
+            assert nc.publish_now("t.h", b"a", block)  # an idle connection: written in this pass
+            assert not nc._pending
+            await nc.publish("t.h", b"b")  # on nats-py's list until its flusher task runs
+            assert nc._pending  # the premise
+            assert not nc.publish_now("t.h", b"c", block)  # would overtake b: nothing done
+            await nc.publish_headed("t.h", b"c", block)  # behind b, on nats-py's path
+            await nc.publish_headed("t.h", b"d", block, reply="r.x")
+            got = [await sub.next_msg(timeout=10) for _ in range(4)]
+            assert [m.data for m in got] == [b"a", b"b", b"c", b"d"]
+            headed = {"Kv-Seq": "1", "Kv-Epoch": "ab"}
+            assert [m.headers for m in got] == [headed, None, headed, headed]
+            assert [m.reply for m in got] == ["", "", "", "r.x"]
+            assert nc.stats["out_msgs"] == 4 and nc.stats["out_bytes"] == 4
+        finally:
+            await nc.close()
+        assert not nc.publish_now("t.h", b"e", block)  # closed: nothing done, and publish_headed says why
+        with pytest.raises(natsclient._errors.ConnectionClosedError):
+            await nc.publish_headed("t.h", b"e", block)
+
+
 async def test_a_direct_subscription_gets_what_a_plain_one_gets():
     with NatsServer() as server:
         nc = Client()

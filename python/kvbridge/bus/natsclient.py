@@ -10,6 +10,16 @@ server writes; anything else (other protocol operations, partial frames, status 
 non-ASCII headers) and every later step of receiving (subscriptions, JetStream flow control,
 callbacks) is nats-py's own. tests/test_natsclient.py holds both to nats-py's answers.
 
+``Client.publish_headed`` is for a publisher that sends many messages with the same few
+headers: it takes the header block ready-made as bytes (nats-py checks and encodes every header
+of every message) and, when nothing is queued ahead of it and the socket's buffer is empty,
+writes the HPUB to the socket in the caller's own pass of the loop. nats-py appends every publish
+to its pending list and wakes its flusher task to write it: a Future, a queue and one more pass
+of the loop per message, most of what a publisher sending one message per engine step spends
+in the loop. Whatever finds something queued, or a buffer not yet drained, takes nats-py's
+path, so the order of everything written is nats-py's and its flusher's ``drain()`` still holds
+a publisher back from a slow server.
+
 ``Client.subscribe_direct`` is for a subscriber whose handling of a message is short and never
 waits (kvbridge's event subscriber without an ``on_update`` to await): its handler is called
 from the read loop itself with the subject, headers and payload, where nats-py would build a
@@ -44,6 +54,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+from nats import errors as _errors
 from nats.aio import client as _nats
 from nats.errors import StaleConnectionError, UnexpectedEOF
 from nats.protocol import parser as _parser
@@ -73,8 +84,10 @@ _NEEDS_METHODS: dict[str, tuple[str, ...]] = {
     "_process_op_err": ("e",),
     "_send_ping": ("future",),
     "_flush_pending": (),
+    "_send_command": ("cmd",),
 }
-_NEEDS_CLIENT_ATTRS = ("_ps", "_pending", "_pending_data_size", "_pings_outstanding", "_pongs", "_transport", "stats")
+_NEEDS_CLIENT_ATTRS = ("_ps", "_pending", "_pending_data_size", "_pings_outstanding", "_pongs", "_transport", "stats",
+                       "_flush_queue", "_max_payload", "_max_pending_size", "is_closed", "is_draining_pubs")  # fmt: skip
 _NEEDS_PARSER_ATTRS = ("buf", "state", "nc")
 _NEEDS_MODULE = ((_nats, "PING_PROTO"), (_parser, "Parser"), (_parser, "AWAITING_CONTROL_LINE"))
 
@@ -96,8 +109,8 @@ def missing_internals() -> tuple[str, ...]:
         return (*missing, f"Client() ({exc!r})")
     missing += [f"Client.{a}" for a in _NEEDS_CLIENT_ATTRS if not hasattr(nc, a)]
     stats = getattr(nc, "stats", None)
-    if not isinstance(stats, dict) or not {"in_msgs", "in_bytes"} <= stats.keys():
-        missing.append("Client.stats['in_msgs', 'in_bytes']")
+    if not isinstance(stats, dict) or not {"in_msgs", "in_bytes", "out_msgs", "out_bytes"} <= stats.keys():
+        missing.append("Client.stats['in_msgs', 'in_bytes', 'out_msgs', 'out_bytes']")
     parser_class = getattr(_parser, "Parser", None)
     if parser_class is None or not isinstance(getattr(nc, "_ps", None), parser_class):
         missing.append("Client._ps (a nats.protocol.parser.Parser)")
@@ -165,6 +178,12 @@ _PING = _nats.PING_PROTO
 _OTHER: Any = object()
 
 
+def _header_dict(block: bytes) -> dict[str, str]:
+    """The headers of a block ``publish_headed`` takes, as nats-py's ``publish`` takes them."""
+    lines = block.decode().split("\r\n")[1:]
+    return dict(line.split(": ", 1) for line in lines if line)
+
+
 def _native_headers(headers: Optional[bytes]) -> Optional[dict[str, str]]:
     """nats-py's header dict for ``headers`` (None for none), or ``_OTHER``."""
     if not headers:
@@ -208,6 +227,20 @@ class Client(_nats.Client):
         return await self.subscribe(subject, cb=deliver, pending_msgs_limit=1 << 20,
                                     pending_bytes_limit=512 * 1024 * 1024)  # fmt: skip
 
+    async def publish_headed(self, subject: str, payload: bytes, header_block: bytes, reply: str = "") -> None:
+        """``publish(subject, payload, reply, headers)`` with the headers given as their block,
+        ``b"NATS/1.0\r\n"`` then ``b"Key: value\r\n"`` lines then ``b"\r\n"``, keys and values
+        as nats-py accepts them (the caller vouches). The same errors as ``publish``. (With
+        nats-py's own client: its ``publish``, the block read back into a dict.)"""
+        await self.publish(subject, payload, reply=reply, headers=_header_dict(header_block))
+
+    def publish_now(self, subject: str, payload: bytes, header_block: bytes) -> bool:
+        """``publish_headed`` without a reply, done here and now if it can be without waiting
+        and without anything queued ahead of it: then True. False: nothing was done (not
+        connected, something queued, the socket's buffer not drained; always, with nats-py's own
+        client), and ``publish_headed`` is the way."""
+        return False
+
     async def link_alive(self, timeout: float, why: str) -> bool:
         """Whether the server answers a PING within ``timeout`` seconds (False while not
         connected). With nats-py's own client a PONG late behind a backlog counts as none, and
@@ -227,6 +260,8 @@ class _FastClient(Client):
         self._ps = Parser(self)
         self._direct: dict[int, DirectHandler] = {}
         self._last_alive = time.monotonic()
+        # The connection's asyncio transport, for publish_headed's direct writes (None: never).
+        self._socket_out: Optional[asyncio.WriteTransport] = None
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler) -> Any:
         sub = await self.subscribe(subject)
@@ -259,6 +294,46 @@ class _FastClient(Client):
     async def _process_headers(self, headers: Optional[bytes]) -> Optional[dict[str, str]]:
         hdr = _native_headers(headers)
         return await super()._process_headers(headers) if hdr is _OTHER else hdr
+
+    def publish_now(self, subject: str, payload: bytes, header_block: bytes) -> bool:
+        # Written now only with nothing ahead of it: nats-py's pending list empty (a keepalive
+        # PING waiting to ride goes first, on nats-py's path) and the socket's buffer drained
+        # (else the flusher's drain() is what holds us back from a slow server).
+        out = self._socket_out
+        if (self._pending or out is None or not self.is_connected or self.is_draining_pubs or out.is_closing()
+                or out.get_write_buffer_size() or len(payload) > self._max_payload):  # fmt: skip
+            return False
+        n = len(header_block)
+        size = len(payload)
+        out.write(b"".join((f"HPUB {subject} {n} {n + size}\r\n".encode(), header_block, payload, b"\r\n")))
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += size
+        return True
+
+    async def publish_headed(self, subject: str, payload: bytes, header_block: bytes, reply: str = "") -> None:
+        if not reply and self.publish_now(subject, payload, header_block):
+            return
+        # nats-py's publish checks, in its order (the subject is the caller's, built from tokens).
+        if self.is_closed:
+            raise _errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise _errors.ConnectionDrainingError
+        size = len(payload)
+        connected = self.is_connected
+        if not connected and (self._max_pending_size <= 0 or size + self._pending_data_size > self._max_pending_size):
+            raise _errors.OutboundBufferLimitError
+        if size > self._max_payload:
+            raise _errors.MaxPayloadError
+        n = len(header_block)
+        head = f"HPUB {subject} {reply} {n} {n + size}\r\n" if reply else f"HPUB {subject} {n} {n + size}\r\n"
+        cmd = b"".join((head.encode(), header_block, payload, b"\r\n"))
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += size
+        await self._send_command(cmd)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)
@@ -297,7 +372,9 @@ class _FastClient(Client):
         # acknowledged what it had). A publisher the server reads slowly (the server throttles
         # fast producers for slow consumers) has its PONG behind its own backlog.
         writer = getattr(self._transport, "_io_writer", None)
+        self._socket_out = None
         if isinstance(writer, asyncio.StreamWriter):
+            self._socket_out = writer.transport
             protocol = writer.transport.get_protocol()
             resume = protocol.resume_writing
 

@@ -190,6 +190,8 @@ class KvEventPublisher:
         self._dropped_seen = 0
         self._outbox = Outbox(config.ring_buffer_bytes)
         self._last_emit = 0.0
+        self._beat_due = False  # the heartbeat's timer found heartbeat_s without an emit
+        self._parked = False  # the sender is asleep until woken (on_wake may send for it)
         self._max_events = config.max_batch_events
         self._max_payload = 1 << 20
         self._framer = Framer(config.encoding, max_events=config.max_batch_events, max_bytes=config.max_batch_bytes,
@@ -197,6 +199,13 @@ class KvEventPublisher:
         self._content_type = CONTENT_TYPES[config.encoding]
         self._msg_id_prefix = f"{config.worker_id}:{self.epoch}:"
         self._heartbeat_hdr = f"{config.heartbeat_s:g}"
+        # _headers() as the block on the wire, all but the seq made once (kvbridge.bus.natsclient:
+        # nats-py would check and encode five headers per message).
+        self._block_parts = (
+            f"NATS/1.0\r\n{HDR_SEQ}: ".encode(),
+            f"\r\n{HDR_EPOCH}: {self.epoch}\r\n{HDR_MSG_ID}: {self._msg_id_prefix}".encode(),
+            f"\r\n{HDR_CONTENT_TYPE}: {self._content_type}\r\n{HDR_HEARTBEAT}: {self._heartbeat_hdr}\r\n\r\n".encode(),
+        )
         self._idle_ticks = 0
         self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
         self._counts = dict.fromkeys(
@@ -529,6 +538,12 @@ class KvEventPublisher:
             HDR_HEARTBEAT: self._heartbeat_hdr,
         }
 
+    def _header_block(self, seq: int) -> bytes:
+        """``_headers(seq)`` as its block (same keys, values and order)."""
+        head, mid, tail = self._block_parts
+        s = b"%d" % seq
+        return b"".join((head, s, mid, s, tail))
+
     # -- loop side: sending ---------------------------------------------------------------------------
 
     async def _run_sender(self) -> None:
@@ -538,9 +553,26 @@ class KvEventPublisher:
         wake = self._wake
         assert wake is not None
         waker = self._install_waker(loop, wake)
+        # One timer for the heartbeat, re-armed when it fires (about once a heartbeat_s), not each
+        # time the sender sleeps: it wakes the sender once heartbeat_s has passed with nothing emitted.
+        beat: asyncio.TimerHandle | None = None
+
+        def on_beat() -> None:
+            nonlocal beat
+            delay = self._last_emit + heartbeat - time.monotonic()
+            if delay <= 0:
+                self._beat_due = True
+                wake.set()
+                delay = heartbeat
+            beat = loop.call_later(delay, on_beat)
+
+        if heartbeat > 0:
+            beat = loop.call_later(max(0.0, self._last_emit + heartbeat - time.monotonic()), on_beat)
         try:
             await self._send_loop(loop, linger, heartbeat, wake, waker if waker and waker.tick_fd >= 0 else None)
         finally:
+            if beat is not None:
+                beat.cancel()
             if waker is not None:
                 self._waker = None
                 loop.remove_reader(waker.fd)
@@ -555,6 +587,18 @@ class KvEventPublisher:
 
         def on_wake() -> None:
             waker.consume(waker.fd)
+            # The sender asleep and one hand-off (an engine stepping slower than we send): its
+            # pass is done here, in this callback, when it can go out without waiting; waking the
+            # sender task for it would cost another pass of the loop and a future. Anything else
+            # (several hand-offs: the sender's polling decides; a heartbeat due; closing;
+            # JetStream; nats-py's path needed) is the sender's.
+            if self._parked and len(self._queue) == 1 and not (self._beat_due or self._closing or self._js is not None):
+                self._drain()
+                if self._send_now():
+                    self._sleeping = True
+                    if not self._queue:  # else handed over meanwhile, maybe unseen: the sender's
+                        return
+                    self._sleeping = False
             wake.set()
 
         idle_ticks_before_sleep = int(_IDLE_BEFORE_SLEEP_S * 1e9 / _POLL_NS)
@@ -592,6 +636,11 @@ class KvEventPublisher:
         ticking = False
         while True:
             wake.clear()
+            if self._beat_due:
+                self._beat_due = False
+                if not self._queue and time.monotonic() - self._last_emit >= heartbeat:
+                    self._emit(time.time(), [])
+                    self._counts["heartbeats"] += 1
             handed = len(self._queue)
             self._drain()
             await self._send_pending()
@@ -625,15 +674,13 @@ class KvEventPublisher:
             if self._queue or self._closing:
                 self._sleeping = False
                 continue
-            timeout = None
-            if heartbeat > 0:
-                timeout = max(0.0, self._last_emit + heartbeat - time.monotonic())
+            # The heartbeat's timer wakes it too (_run_sender): a wait_for here would cost a task,
+            # a timer and three more passes of the loop for every message.
+            self._parked = True
             try:
-                await asyncio.wait_for(wake.wait(), timeout)
-            except asyncio.TimeoutError:
-                if heartbeat > 0 and time.monotonic() - self._last_emit >= heartbeat:
-                    self._emit(time.time(), [])
-                    self._counts["heartbeats"] += 1
+                await wake.wait()
+            finally:
+                self._parked = False
             self._sleeping = False
 
     async def _send_pending(self) -> int:
@@ -654,18 +701,33 @@ class KvEventPublisher:
         may send a seq again); a seq counts as published the first time it goes out."""
         payload, n_events = self._outbox.get(seq)
         try:
-            await self._nc.publish(self.subjects.events, payload, reply=reply, headers=self._headers(seq))
+            await self._nc.publish_headed(self.subjects.events, payload, self._header_block(seq), reply)
         except NatsError:
             # Broker gone or nats-py's buffer full: the message stays held and goes out after
             # the reconnect (or is evicted, and consumers resync); JetStream re-sends it.
             self._counts["publish_errors"] += 1
             return None
+        self._sent(seq, payload, n_events)
+        return payload, n_events
+
+    def _sent(self, seq: int, payload: bytes, n_events: int) -> None:
         if self._outbox.sent(seq):  # its first time out (JetStream re-sends some)
             counts = self._counts
             counts["messages"] += 1
             counts["events"] += n_events
             counts["bytes"] += len(payload)
-        return payload, n_events
+
+    def _send_now(self) -> bool:
+        """Send what is numbered and unsent without waiting (core mode, ``Client.publish_now``);
+        False when something is left that needs the sender's way (``_send``)."""
+        nc, outbox, subject = self._nc, self._outbox, self.subjects.events
+        while outbox.cursor < outbox.end:
+            seq = outbox.cursor
+            payload, n_events = outbox.get(seq)
+            if not nc.publish_now(subject, payload, self._header_block(seq)):
+                return False
+            self._sent(seq, payload, n_events)
+        return True
 
     def _settle(self) -> bool:
         """Number what has been handed over; True when no hand-off is left queued."""
