@@ -27,6 +27,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
 
+use crate::index::table::Table;
 use crate::scan::{Attrs, Hash, Reader, CLEARED, REMOVED, STORED};
 
 /// Payloads at least this long are applied with the GIL released.
@@ -126,25 +127,113 @@ impl Hasher for MixHasher {
 /// A copy: the source event (index into `View::sources`) and the block's index in it.
 type Copy_ = (u32, u32);
 
+/// `Entry::more` of a block with one copy.
+const NO_MORE: u32 = u32::MAX;
+
+#[derive(Clone, Copy)]
 struct Entry {
     /// Insertion order: a snapshot lists blocks in the order they came, as Python's dicts did.
     order: u64,
     first: Copy_,
-    /// Further copies, rare: behind a thin pointer, None when there are none.
-    #[allow(clippy::box_collection)]
-    more: Option<Box<Vec<Copy_>>>,
+    /// Further copies, rare: their list's index in `View::more`, or `NO_MORE`. An index, not a
+    /// pointer: entries are copied in and out of the table's slots (`Table` holds `Copy` values).
+    more: u32,
 }
 
-impl Entry {
-    fn n_more(&self) -> usize {
-        self.more.as_ref().map_or(0, |m| m.len())
+/// Blocks [`Blocks::prefetch`]ed ahead of the one applied: a batch's lookups are independent, and
+/// a view of tens of thousands of blocks misses the cache on nearly every one.
+const AHEAD: usize = 8;
+
+/// An int hash as the table's key: what `Key::of` makes a `Key::N`.
+#[inline]
+fn u64_key(h: Hash) -> Option<u64> {
+    match h {
+        Hash::U(v) => Some(v),
+        Hash::I(v) if v >= 0 => Some(v as u64),
+        _ => None,
+    }
+}
+
+/// A `(medium, group)`'s blocks. Hashes of 0..2**64 (what engines send) live in the index's
+/// open-addressing table (rust/index/table.rs), where a key's slot follows from the key alone:
+/// the slots of a batch's next blocks are prefetched while one is applied (with hashbrown, which
+/// this used, each lookup waited for its miss: ~100 ns of the relay's ~300 per block event).
+/// Negative and bytes hashes, rare, in a hashbrown map beside it.
+#[derive(Default)]
+struct Blocks {
+    table: Table<Entry>,
+    rare: HashMap<Key, Entry, Mix>,
+}
+
+impl Blocks {
+    fn len(&self) -> usize {
+        self.table.len() + self.rare.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[inline]
+    fn prefetch(&self, h: Hash) {
+        if let Some(k) = u64_key(h) {
+            self.table.prefetch(k);
+        }
+    }
+
+    fn contains(&self, b: &[u8], h: Hash) -> bool {
+        match u64_key(h) {
+            Some(k) => self.table.get(&k).is_some(),
+            None => self.rare.contains_key(&Key::of(b, h)),
+        }
+    }
+
+    fn get(&self, k: &Key) -> Option<&Entry> {
+        match k {
+            Key::N(k) => self.table.get(k),
+            _ => self.rare.get(k),
+        }
+    }
+
+    /// `h`'s entry, `e` inserted first if there is none; whether it was.
+    #[inline]
+    fn get_or_insert(&mut self, b: &[u8], h: Hash, e: Entry) -> (&mut Entry, bool) {
+        match u64_key(h) {
+            Some(k) => self.table.get_or_insert(k, e),
+            None => match self.rare.entry(Key::of(b, h)) {
+                hashbrown::hash_map::Entry::Occupied(o) => (o.into_mut(), false),
+                hashbrown::hash_map::Entry::Vacant(v) => (v.insert(e), true),
+            },
+        }
+    }
+
+    #[inline]
+    fn get_mut(&mut self, b: &[u8], h: Hash) -> Option<&mut Entry> {
+        match u64_key(h) {
+            Some(k) => self.table.get_mut(&k),
+            None => self.rare.get_mut(&Key::of(b, h)),
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, b: &[u8], h: Hash) -> Option<Entry> {
+        match u64_key(h) {
+            Some(k) => self.table.remove(&k),
+            None => self.rare.remove(&Key::of(b, h)),
+        }
+    }
+
+    /// In no particular order.
+    fn iter(&self) -> impl Iterator<Item = (Key, &Entry)> {
+        let ints = self.table.iter().map(|(k, e)| (Key::N(k), e));
+        ints.chain(self.rare.iter().map(|(k, e)| (k.clone(), e)))
     }
 }
 
 struct Group {
     medium: Option<Box<str>>,
     group: u8,
-    blocks: HashMap<Key, Entry, Mix>,
+    blocks: Blocks,
 }
 
 struct Source {
@@ -175,6 +264,11 @@ struct View {
     keep_sources: bool,
     sources: Vec<Option<Source>>,
     free: Vec<u32>,
+    /// The further copies' lists (`Entry::more`), and which are free.
+    more: Vec<Vec<Copy_>>,
+    free_more: Vec<u32>,
+    /// The group the last event applied to: where the next blocks are prefetched.
+    last_group: usize,
     order: u64,
     stats: Stats,
 }
@@ -195,6 +289,22 @@ struct Ev<'a> {
 }
 
 impl View {
+    fn more_of(&self, e: &Entry) -> &[Copy_] {
+        match e.more {
+            NO_MORE => &[],
+            m => &self.more[m as usize],
+        }
+    }
+
+    /// Prefetches the blocks `AHEAD` of batch hash `i` in `blocks`: the batch's next events mostly
+    /// go to the group this one does.
+    #[inline]
+    fn prefetch_ahead(blocks: &Blocks, all: &[Hash], i: usize) {
+        if let Some(&h) = all.get(i + AHEAD) {
+            blocks.prefetch(h);
+        }
+    }
+
     fn kind_of(&self, group: u8) -> Option<u8> {
         self.kinds.iter().find(|k| k.0 == group).map(|k| k.1)
     }
@@ -240,7 +350,9 @@ impl View {
         }
     }
 
-    fn store(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash], windows: bool) {
+    /// `all`: the batch's hashes, the event's at `ev.hashes`.
+    fn store(&mut self, b: &[u8], ev: &Ev<'_>, all: &[Hash], windows: bool) {
+        let hashes = &all[ev.hashes.clone()];
         let a = &ev.attrs;
         let Some(group) = self.group_of(a.group) else {
             return;
@@ -283,7 +395,7 @@ impl View {
         let plain = a.root && !windows && !self.kinds.iter().any(|k| is_hybrid(k.1));
         if let (true, Some(at)) = (plain, at) {
             let held = &self.groups[at].blocks;
-            if hashes.iter().all(|&h| held.contains_key(&Key::of(b, h))) {
+            if hashes.iter().all(|&h| held.contains(b, h)) {
                 return;
             }
         }
@@ -291,7 +403,7 @@ impl View {
             self.groups.push(Group {
                 medium: a.medium.map(|m| String::from_utf8_lossy(m).into()),
                 group,
-                blocks: HashMap::default(),
+                blocks: Blocks::default(),
             });
             self.groups.len() - 1
         });
@@ -302,25 +414,43 @@ impl View {
         } else {
             0 // no source: every copy names none
         };
-        let blocks = &mut self.groups[at].blocks;
-        blocks.reserve(hashes.len());
+        self.last_group = at;
+        let View {
+            groups,
+            more,
+            free_more,
+            order,
+            ..
+        } = self;
+        let blocks = &mut groups[at].blocks;
         for (i, &h) in hashes.iter().enumerate() {
+            Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
             let copy = (src, i as u32);
-            match blocks.entry(Key::of(b, h)) {
-                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().more.get_or_insert_default().push(copy),
-                hashbrown::hash_map::Entry::Vacant(e) => {
-                    self.order += 1;
-                    e.insert(Entry {
-                        order: self.order,
-                        first: copy,
-                        more: None,
-                    });
+            let fresh = Entry {
+                order: *order + 1,
+                first: copy,
+                more: NO_MORE,
+            };
+            match blocks.get_or_insert(b, h, fresh) {
+                (_, true) => *order += 1,
+                (e, false) if e.more == NO_MORE => {
+                    e.more = match free_more.pop() {
+                        Some(m) => m,
+                        None => {
+                            more.push(Vec::new());
+                            (more.len() - 1) as u32
+                        }
+                    };
+                    more[e.more as usize].push(copy);
                 }
+                (e, false) => more[e.more as usize].push(copy),
             }
         }
     }
 
-    fn remove(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash]) {
+    /// `all`: the batch's hashes, the event's at `ev.hashes`.
+    fn remove(&mut self, b: &[u8], ev: &Ev<'_>, all: &[Hash]) {
+        let hashes = &all[ev.hashes.clone()];
         let a = &ev.attrs;
         let Some(group) = self.group_of(a.group) else {
             return;
@@ -332,30 +462,36 @@ impl View {
             self.stats.unknown_removes += hashes.len() as u64;
             return;
         };
+        self.last_group = at;
         let View {
             groups,
             keep_sources,
             sources,
             free,
+            more,
+            free_more,
             stats,
             ..
         } = self;
         let blocks = &mut groups[at].blocks;
-        for &h in hashes {
-            let hashbrown::hash_map::Entry::Occupied(mut e) = blocks.entry(Key::of(b, h)) else {
+        for (i, &h) in hashes.iter().enumerate() {
+            Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
+            let Some(entry) = blocks.get_mut(b, h) else {
                 stats.unknown_removes += 1;
                 continue;
             };
             // The last copy goes first, as the Python view popped it.
-            let entry = e.get_mut();
-            let (src, _) = match entry.more.as_mut().and_then(|m| m.pop()) {
-                Some(c) => {
-                    if entry.more.as_ref().is_some_and(|m| m.is_empty()) {
-                        entry.more = None;
+            let (src, _) = match entry.more {
+                NO_MORE => blocks.remove(b, h).expect("the entry just found").first,
+                m => {
+                    let list = &mut more[m as usize];
+                    let c = list.pop().expect("a list of further copies is never empty");
+                    if list.is_empty() {
+                        entry.more = NO_MORE;
+                        free_more.push(m);
                     }
                     c
                 }
-                None => e.remove().first,
             };
             if !*keep_sources {
                 continue;
@@ -379,16 +515,23 @@ impl View {
         self.sizes.clear();
         self.sources.clear();
         self.free.clear();
+        self.more.clear();
+        self.free_more.clear();
     }
 
     /// Applies a batch [`read`] from `b`, whole. Returns `(events, block hashes)`.
     fn apply_read(&mut self, b: &[u8], read: &Read) -> (usize, usize) {
+        // The first blocks' slots, which the events' own look-ahead does not cover.
+        if let Some(g) = self.groups.get(self.last_group) {
+            for &h in read.hashes.iter().take(AHEAD) {
+                g.blocks.prefetch(h);
+            }
+        }
         for at in &read.evs {
             let ev = at.at(b);
-            let hs = &read.hashes[ev.hashes.clone()];
             match ev.kind {
-                STORED => self.store(b, &ev, hs, read.windows),
-                REMOVED => self.remove(b, &ev, hs),
+                STORED => self.store(b, &ev, &read.hashes, read.windows),
+                REMOVED => self.remove(b, &ev, &read.hashes),
                 CLEARED => self.clear(),
                 _ => unreachable!(),
             }
@@ -601,8 +744,8 @@ impl ResidencyView {
         let out = PyDict::new(py);
         for g in &self.view.groups {
             let d = PyDict::new(py);
-            for (k, e) in &g.blocks {
-                d.set_item(k.to_object(py)?, 1 + e.n_more())?;
+            for (k, e) in g.blocks.iter() {
+                d.set_item(k.to_object(py)?, 1 + self.view.more_of(e).len())?;
             }
             out.set_item((medium_obj(py, &g.medium), g.group), d)?;
         }
@@ -656,7 +799,7 @@ impl ResidencyView {
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
         let out = PySet::empty(py)?;
         for g in &self.view.groups {
-            for k in g.blocks.keys() {
+            for (k, _) in g.blocks.iter() {
                 out.add(k.to_object(py)?)?;
             }
         }
@@ -682,12 +825,12 @@ impl ResidencyView {
         let groups = PyList::empty(py);
         let raws = PyDict::new(py);
         for g in &self.view.groups {
-            let mut entries: Vec<(&Key, &Entry)> = g.blocks.iter().collect();
+            let mut entries: Vec<(Key, &Entry)> = g.blocks.iter().collect();
             entries.sort_unstable_by_key(|(_, e)| e.order);
             let blocks = PyList::empty(py);
             for (k, e) in entries {
                 let copies = PyList::empty(py);
-                for &(src, i) in std::iter::once(&e.first).chain(e.more.iter().flat_map(|m| m.iter())) {
+                for &(src, i) in std::iter::once(&e.first).chain(self.view.more_of(e)) {
                     if !raws.contains(src)? {
                         let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
                         raws.set_item(src, PyBytes::new(py, &s.raw))?;
@@ -718,7 +861,7 @@ impl ResidencyView {
                 };
                 let h = &b.groups[at].blocks;
                 h.len() == g.blocks.len()
-                    && g.blocks.iter().all(|(k, e)| h.get(k).is_some_and(|f| f.n_more() == e.n_more()))
+                    && g.blocks.iter().all(|(k, e)| h.get(&k).is_some_and(|f| b.more_of(f).len() == a.more_of(e).len()))
             })
     }
 

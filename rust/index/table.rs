@@ -211,6 +211,12 @@ impl<V: Copy> Table<V> {
     pub fn allocation_size(&self) -> usize {
         self.slots.len() * size_of::<Slot<V>>()
     }
+
+    /// Every entry, key `EMPTY`'s too, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
+        let slots = self.slots.iter().filter(|s| s.key != EMPTY).map(|s| (s.key, &s.val));
+        slots.chain(self.empty_key.iter().map(|v| (EMPTY, v)))
+    }
 }
 
 #[cfg(test)]
