@@ -406,8 +406,14 @@ impl<'a> Reader<'a> {
         };
         let mut seen = 0u32;
         let mut next = 0;
-        // Where each attribute's value starts: read again once the event has been validated.
-        let mut at = [usize::MAX; N_SLOTS];
+        let mut a = Attrs {
+            medium: None,
+            group: None,
+            spec: None,
+            window: None,
+            block_size: None,
+            root: false,
+        };
         for _ in 1..n {
             // Writers emit fields in declaration order, as msgspec writes keys: try the next one
             // before reading the key and searching.
@@ -423,39 +429,48 @@ impl<'a> Reader<'a> {
             }
             seen |= 1 << i;
             let f = &fields[i];
-            if let Some(slot) = f.slot {
-                at[slot as usize] = self.p;
+            // An attribute is read as `value` would check its type, once.
+            match f.slot {
+                None => self.value(f.ty, hashes)?,
+                Some(Slot::Parent) => {
+                    a.root = self.nil();
+                    if !a.root {
+                        self.hash()?;
+                    }
+                }
+                Some(Slot::BlockSize) => a.block_size = Some(self.int()?),
+                Some(Slot::Medium) => a.medium = self.opt_str()?,
+                Some(Slot::Spec) => a.spec = self.opt_str()?,
+                Some(Slot::Group) => a.group = self.opt_int()?,
+                Some(Slot::Window) => a.window = self.opt_int()?,
             }
-            self.value(f.ty, hashes)?;
         }
         for (i, f) in fields.iter().enumerate() {
             if f.required && seen & (1 << i) == 0 {
                 return None;
             }
         }
-        Some((kind, self.attrs(&at)))
+        Some((kind, a))
     }
 
-    /// The attributes at `at` (validated already: a `None` here is an absent or nil field).
-    fn attrs(&self, at: &[usize; N_SLOTS]) -> Attrs<'a> {
-        let b = self.b;
-        let read = |slot: Slot| {
-            let p = at[slot as usize];
-            (p != usize::MAX && b[p] != 0xc0).then_some(Reader { b, p })
-        };
-        let parent = at[Slot::Parent as usize];
-        Attrs {
-            medium: read(Slot::Medium).and_then(|mut r| r.str()),
-            group: read(Slot::Group).and_then(|mut r| r.int()),
-            spec: read(Slot::Spec).and_then(|mut r| r.str()),
-            window: read(Slot::Window).and_then(|mut r| r.int()),
-            block_size: read(Slot::BlockSize).and_then(|mut r| r.int()),
-            root: parent != usize::MAX && b[parent] == 0xc0,
+    fn opt_str(&mut self) -> Option<Option<&'a [u8]>> {
+        if self.nil() {
+            Some(None)
+        } else {
+            self.str().map(Some)
+        }
+    }
+
+    fn opt_int(&mut self) -> Option<Option<Hash>> {
+        if self.nil() {
+            Some(None)
+        } else {
+            self.int().map(Some)
         }
     }
 }
 
-/// The attributes a view's rule (kvbridge.wire.residency) reads, each in a slot of `at`.
+/// The attributes a view's rule (kvbridge.wire.residency) reads: which `Attrs` field a field goes to.
 #[derive(Clone, Copy)]
 enum Slot {
     Parent,
@@ -465,7 +480,6 @@ enum Slot {
     Window,
     BlockSize,
 }
-const N_SLOTS: usize = 6;
 
 #[derive(Clone, Copy)]
 pub(crate) struct Attrs<'a> {
