@@ -77,6 +77,21 @@ const STORED_FIELDS: &[Field] = &[
     f(b"\xb3lookahead_token_ids", Ty::OptIntLists, false, None),
     f(b"\xa8metadata", Ty::OptMetadata, false, None),
 ];
+/// The bits of `fields`' required fields, for one test of `seen` per event.
+const fn required(fields: &[Field]) -> u32 {
+    let mut mask = 0;
+    let mut i = 0;
+    while i < fields.len() {
+        if fields[i].required {
+            mask |= 1 << i;
+        }
+        i += 1;
+    }
+    mask
+}
+const STORED_REQUIRED: u32 = required(STORED_FIELDS);
+const REMOVED_REQUIRED: u32 = required(REMOVED_FIELDS);
+
 const REMOVED_FIELDS: &[Field] = &[
     f(b"\xacblock_hashes", Ty::Hashes, true, None),
     f(b"\xa6medium", Ty::OptStr, true, Some(Slot::Medium)),
@@ -392,15 +407,15 @@ impl<'a> Reader<'a> {
         if n == 0 || !(self.skip_key(b"\xa4type") || self.raw_str()? == b"type") {
             return None;
         }
-        let (kind, fields) = if self.skip_key(b"\xabBlockStored") {
-            (STORED, STORED_FIELDS)
+        let (kind, fields, required) = if self.skip_key(b"\xabBlockStored") {
+            (STORED, STORED_FIELDS, STORED_REQUIRED)
         } else if self.skip_key(b"\xacBlockRemoved") {
-            (REMOVED, REMOVED_FIELDS)
+            (REMOVED, REMOVED_FIELDS, REMOVED_REQUIRED)
         } else {
             match self.raw_str()? {
-                b"BlockStored" => (STORED, STORED_FIELDS),
-                b"BlockRemoved" => (REMOVED, REMOVED_FIELDS),
-                b"AllBlocksCleared" => (CLEARED, &[][..]),
+                b"BlockStored" => (STORED, STORED_FIELDS, STORED_REQUIRED),
+                b"BlockRemoved" => (REMOVED, REMOVED_FIELDS, REMOVED_REQUIRED),
+                b"AllBlocksCleared" => (CLEARED, &[][..], 0),
                 _ => return None,
             }
         };
@@ -445,10 +460,8 @@ impl<'a> Reader<'a> {
                 Some(Slot::Window) => a.window = self.opt_int()?,
             }
         }
-        for (i, f) in fields.iter().enumerate() {
-            if f.required && seen & (1 << i) == 0 {
-                return None;
-            }
+        if seen & required != required {
+            return None;
         }
         Some((kind, a))
     }
