@@ -177,7 +177,7 @@ impl Blocks {
     #[inline]
     fn prefetch(&self, h: Hash) {
         if let Some(k) = u64_key(h) {
-            self.table.prefetch(k);
+            self.table.prefetch_run(k);
         }
     }
 
