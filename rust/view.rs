@@ -127,17 +127,36 @@ impl Hasher for MixHasher {
 /// A copy: the source event (index into `View::sources`) and the block's index in it.
 type Copy_ = (u32, u32);
 
-/// `Entry::more` of a block with one copy.
-const NO_MORE: u32 = u32::MAX;
-
+/// A block's first copy in 8 bytes, so that a table slot with its key is 16 (four to a cache
+/// line: the table is probed at random, and a remove's backward shift reads the slots after the
+/// one it empties): the source (high 32 bits), whether further copies are in `Blocks::more`
+/// (bit 31), and the block's index in the source (the low 31: an event of 2**31 blocks is not
+/// read, `MAX_EVENT_BLOCKS`). The first copy stays while the block is held (removes take the
+/// last copy first), and the blocks came in the order of their first copies: a snapshot's order
+/// is `(Source::seq, index)`.
 #[derive(Clone, Copy)]
-struct Entry {
-    /// Insertion order: a snapshot lists blocks in the order they came, as Python's dicts did.
-    order: u64,
-    first: Copy_,
-    /// Further copies, rare: their list's index in `View::more`, or `NO_MORE`. An index, not a
-    /// pointer: entries are copied in and out of the table's slots (`Table` holds `Copy` values).
-    more: u32,
+struct Entry(u64);
+
+const MORE_BIT: u64 = 1 << 31;
+/// Blocks an event may have for the view: their index in it fits `Entry`.
+const MAX_EVENT_BLOCKS: usize = 1 << 31;
+
+impl Entry {
+    fn new((src, i): Copy_) -> Entry {
+        Entry((src as u64) << 32 | i as u64)
+    }
+
+    fn first(self) -> Copy_ {
+        ((self.0 >> 32) as u32, (self.0 & (MORE_BIT - 1)) as u32)
+    }
+
+    fn has_more(self) -> bool {
+        self.0 & MORE_BIT != 0
+    }
+
+    fn with_more(self, more: bool) -> Entry {
+        Entry(if more { self.0 | MORE_BIT } else { self.0 & !MORE_BIT })
+    }
 }
 
 /// Blocks [`Blocks::prefetch`]ed ahead of the one applied: a batch's lookups are independent, and
@@ -163,6 +182,8 @@ fn u64_key(h: Hash) -> Option<u64> {
 struct Blocks {
     table: Table<Entry>,
     rare: HashMap<Key, Entry, Mix>,
+    /// The further copies of blocks with more than one, oldest first (rare).
+    more: HashMap<Key, Vec<Copy_>, Mix>,
 }
 
 impl Blocks {
@@ -216,9 +237,17 @@ impl Blocks {
     }
 
     /// In no particular order.
-    fn iter(&self) -> impl Iterator<Item = (Key, &Entry)> {
-        let ints = self.table.iter().map(|(k, e)| (Key::N(k), e));
-        ints.chain(self.rare.iter().map(|(k, e)| (k.clone(), e)))
+    fn iter(&self) -> impl Iterator<Item = (Key, Entry)> + '_ {
+        let ints = self.table.iter().map(|(k, e)| (Key::N(k), *e));
+        ints.chain(self.rare.iter().map(|(k, e)| (k.clone(), *e)))
+    }
+
+    /// The further copies of the block `k`, whose entry is `e`.
+    fn more_of(&self, k: &Key, e: Entry) -> &[Copy_] {
+        match e.has_more() {
+            true => self.more.get(k).map_or(&[], |m| m.as_slice()),
+            false => &[],
+        }
     }
 }
 
@@ -231,6 +260,8 @@ struct Group {
 struct Source {
     raw: Box<[u8]>,
     copies: u32,
+    /// When it came: sources are reused, their index says nothing of it.
+    seq: u64,
 }
 
 #[derive(Default)]
@@ -256,11 +287,9 @@ struct View {
     keep_sources: bool,
     sources: Vec<Option<Source>>,
     free: Vec<u32>,
-    /// The further copies' lists (`Entry::more`), and which are free.
-    more: Vec<Vec<Copy_>>,
-    free_more: Vec<u32>,
     /// The group the last event applied to: where the next blocks are prefetched.
     last_group: usize,
+    /// Sources made so far (`Source::seq`).
     order: u64,
     stats: Stats,
 }
@@ -281,13 +310,6 @@ struct Ev<'a> {
 }
 
 impl View {
-    fn more_of(&self, e: &Entry) -> &[Copy_] {
-        match e.more {
-            NO_MORE => &[],
-            m => &self.more[m as usize],
-        }
-    }
-
     /// Prefetches the blocks `AHEAD` of batch hash `i` in `blocks`: the batch's next events mostly
     /// go to the group this one does.
     #[inline]
@@ -326,9 +348,11 @@ impl View {
     }
 
     fn new_source(&mut self, raw: &[u8]) -> u32 {
+        self.order += 1;
         let s = Some(Source {
             raw: raw.into(),
             copies: 0,
+            seq: self.order,
         });
         match self.free.pop() {
             Some(i) => {
@@ -407,35 +431,14 @@ impl View {
             0 // no source: every copy names none
         };
         self.last_group = at;
-        let View {
-            groups,
-            more,
-            free_more,
-            order,
-            ..
-        } = self;
-        let blocks = &mut groups[at].blocks;
+        let blocks = &mut self.groups[at].blocks;
         for (i, &h) in hashes.iter().enumerate() {
             Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
             let copy = (src, i as u32);
-            let fresh = Entry {
-                order: *order + 1,
-                first: copy,
-                more: NO_MORE,
-            };
-            match blocks.get_or_insert(b, h, fresh) {
-                (_, true) => *order += 1,
-                (e, false) if e.more == NO_MORE => {
-                    e.more = match free_more.pop() {
-                        Some(m) => m,
-                        None => {
-                            more.push(Vec::new());
-                            (more.len() - 1) as u32
-                        }
-                    };
-                    more[e.more as usize].push(copy);
-                }
-                (e, false) => more[e.more as usize].push(copy),
+            let (e, fresh) = blocks.get_or_insert(b, h, Entry::new(copy));
+            if !fresh {
+                *e = e.with_more(true);
+                blocks.more.entry(Key::of(b, h)).or_default().push(copy);
             }
         }
     }
@@ -460,8 +463,6 @@ impl View {
             keep_sources,
             sources,
             free,
-            more,
-            free_more,
             stats,
             ..
         } = self;
@@ -469,23 +470,23 @@ impl View {
         for (i, &h) in hashes.iter().enumerate() {
             Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
             // Taken out in one probe: a block has one copy but for rare ones, which are put back.
-            let Some(mut entry) = blocks.remove(b, h) else {
+            let Some(entry) = blocks.remove(b, h) else {
                 stats.unknown_removes += 1;
                 continue;
             };
             // The last copy goes first, as the Python view popped it.
-            let (src, _) = match entry.more {
-                NO_MORE => entry.first,
-                m => {
-                    let list = &mut more[m as usize];
-                    let c = list.pop().expect("a list of further copies is never empty");
-                    if list.is_empty() {
-                        entry.more = NO_MORE;
-                        free_more.push(m);
-                    }
-                    blocks.get_or_insert(b, h, entry); // its order as it was
-                    c
+            let (src, _) = if entry.has_more() {
+                let key = Key::of(b, h);
+                let list = blocks.more.get_mut(&key).expect("a block with more copies has their list");
+                let c = list.pop().expect("a list of further copies is never empty");
+                let more = !list.is_empty();
+                if !more {
+                    blocks.more.remove(&key);
                 }
+                blocks.get_or_insert(b, h, entry.with_more(more)); // its first copy as it was
+                c
+            } else {
+                entry.first()
             };
             if !*keep_sources {
                 continue;
@@ -509,8 +510,6 @@ impl View {
         self.sizes.clear();
         self.sources.clear();
         self.free.clear();
-        self.more.clear();
-        self.free_more.clear();
     }
 
     /// Applies a batch [`read`] from `b`, whole. Returns `(events, block hashes)`.
@@ -605,6 +604,9 @@ fn read_into(b: &[u8], out: &mut Read) -> Option<()> {
     for _ in 0..n_events {
         let (h0, p0) = (hashes.len(), r.p);
         let (kind, a) = r.event(hashes)?;
+        if hashes.len() - h0 >= MAX_EVENT_BLOCKS {
+            return None;
+        }
         if kind == STORED {
             windows |= a.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
         }
@@ -751,7 +753,7 @@ impl ResidencyView {
         for g in &self.view.groups {
             let d = PyDict::new(py);
             for (k, e) in g.blocks.iter() {
-                d.set_item(k.to_object(py)?, 1 + self.view.more_of(e).len())?;
+                d.set_item(k.to_object(py)?, 1 + g.blocks.more_of(&k, e).len())?;
             }
             out.set_item((medium_obj(py, &g.medium), g.group), d)?;
         }
@@ -831,12 +833,13 @@ impl ResidencyView {
         let groups = PyList::empty(py);
         let raws = PyDict::new(py);
         for g in &self.view.groups {
-            let mut entries: Vec<(Key, &Entry)> = g.blocks.iter().collect();
-            entries.sort_unstable_by_key(|(_, e)| e.order);
+            let mut entries: Vec<(Key, Entry)> = g.blocks.iter().collect();
+            let seq = |src: u32| self.view.sources[src as usize].as_ref().expect("a copy's source is alive").seq;
+            entries.sort_unstable_by_key(|(_, e)| (seq(e.first().0), e.first().1));
             let blocks = PyList::empty(py);
             for (k, e) in entries {
                 let copies = PyList::empty(py);
-                for &(src, i) in std::iter::once(&e.first).chain(self.view.more_of(e)) {
+                for &(src, i) in std::iter::once(&e.first()).chain(g.blocks.more_of(&k, e)) {
                     if !raws.contains(src)? {
                         let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
                         raws.set_item(src, PyBytes::new(py, &s.raw))?;
@@ -867,7 +870,9 @@ impl ResidencyView {
                 };
                 let h = &b.groups[at].blocks;
                 h.len() == g.blocks.len()
-                    && g.blocks.iter().all(|(k, e)| h.get(&k).is_some_and(|f| b.more_of(f).len() == a.more_of(e).len()))
+                    && g.blocks.iter().all(|(k, e)| {
+                        h.get(&k).is_some_and(|&f| b.groups[at].blocks.more_of(&k, f).len() == g.blocks.more_of(&k, e).len())
+                    })
             })
     }
 
