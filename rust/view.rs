@@ -307,6 +307,8 @@ struct Ev<'a> {
     attrs: Attrs<'a>,
     hashes: std::ops::Range<usize>,
     raw: std::ops::Range<usize>,
+    /// Events read as this one: consecutive removes of one `(medium, group)` (`read_into`).
+    n_events: u32,
 }
 
 impl View {
@@ -451,7 +453,7 @@ impl View {
             return;
         };
         if self.kind_of(group).is_some_and(is_unscored) {
-            self.stats.unscored_group_events += 1;
+            self.stats.unscored_group_events += ev.n_events as u64;
         }
         let Some(at) = self.find(a.medium, group) else {
             self.stats.unknown_removes += hashes.len() as u64;
@@ -529,7 +531,7 @@ impl View {
                 _ => unreachable!(),
             }
         }
-        (read.evs.len(), read.hashes.len())
+        (read.n_events, read.hashes.len())
     }
 }
 
@@ -544,6 +546,7 @@ struct EvAt {
     root: bool,
     hashes: std::ops::Range<usize>,
     raw: std::ops::Range<usize>,
+    n_events: u32,
 }
 
 fn range_in(b: &[u8], s: &[u8]) -> std::ops::Range<usize> {
@@ -565,6 +568,7 @@ impl EvAt {
             },
             hashes: self.hashes.clone(),
             raw: self.raw.clone(),
+            n_events: self.n_events,
         }
     }
 }
@@ -575,6 +579,7 @@ impl EvAt {
 struct Read {
     ts: f64,
     rank: Option<Hash>,
+    n_events: usize,
     evs: Vec<EvAt>,
     hashes: Vec<Hash>,
     /// The batch names a window or mamba group (the re-announce exception reads it).
@@ -610,6 +615,22 @@ fn read_into(b: &[u8], out: &mut Read) -> Option<()> {
         if kind == STORED {
             windows |= a.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
         }
+        // A remove of the same `(medium, group)` as the event before (vLLM sends one block per
+        // BlockRemoved): applied as one, the group found once for the run, not once per block.
+        // Only a valid group: a bad one is counted per event.
+        if let Some(last) = evs.last_mut().filter(|last| {
+            kind == REMOVED
+                && last.kind == REMOVED
+                && last.hashes.end == h0
+                && last.group.map(|g| int_of(Some(g))) == a.group.map(|g| int_of(Some(g)))
+                && int_of(a.group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
+                && (a.group.is_none() || int_of(a.group).is_some())
+                && last.medium.clone().map(|m| &b[m]) == a.medium
+        }) {
+            last.hashes.end = hashes.len();
+            last.n_events += 1;
+            continue;
+        }
         evs.push(EvAt {
             kind,
             medium: a.medium.map(|m| range_in(b, m)),
@@ -620,10 +641,12 @@ fn read_into(b: &[u8], out: &mut Read) -> Option<()> {
             root: a.root,
             hashes: h0..hashes.len(),
             raw: p0..r.p,
+            n_events: 1,
         });
     }
     out.rank = r.batch_tail(len)?;
     out.ts = ts;
+    out.n_events = n_events;
     out.windows = windows;
     Some(())
 }
@@ -661,7 +684,7 @@ impl ReadBatch {
 
     #[getter]
     fn n_events(&self) -> usize {
-        self.read.evs.len()
+        self.read.n_events
     }
 
     /// Block hashes stored and removed.
