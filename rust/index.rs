@@ -11,7 +11,7 @@
 pub(crate) mod core;
 mod holders;
 pub(crate) mod parse;
-mod table;
+pub(crate) mod table;
 
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 

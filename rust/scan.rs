@@ -16,6 +16,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
+use crate::index::parse::{eq_bytes, fast_skip};
+
 /// Deeper `Any` values than this (inside extra_keys / metadata) are left to msgspec.
 const MAX_DEPTH: u32 = 32;
 
@@ -43,31 +45,59 @@ enum Ty {
     OptMetadata,
 }
 
-// (name, type, required). Order matches the Struct definitions; bit i of `seen` is field i.
-const STORED_FIELDS: &[(&[u8], Ty, bool)] = &[
-    (b"block_hashes", Ty::Hashes, true),
-    (b"parent_block_hash", Ty::OptHash, true),
-    (b"token_ids", Ty::Ints, true),
-    (b"block_size", Ty::Int, true),
-    (b"lora_id", Ty::OptInt, true),
-    (b"medium", Ty::OptStr, true),
-    (b"lora_name", Ty::OptStr, true),
-    (b"extra_keys", Ty::OptExtraKeys, false),
-    (b"group_idx", Ty::OptInt, false),
-    (b"kv_cache_spec_kind", Ty::OptStr, false),
-    (b"kv_cache_spec_sliding_window", Ty::OptInt, false),
-    (b"locality", Ty::OptStr, false),
-    (b"ownership", Ty::OptStr, false),
-    (b"session_id", Ty::OptStr, false),
-    (b"lookahead_token_ids", Ty::OptIntLists, false),
-    (b"metadata", Ty::OptMetadata, false),
+/// A field of an event: its key as msgspec writes it (fixstr header, then the name), its type,
+/// whether it is required, and the attribute slot a view's rule reads it into. Order matches the
+/// Struct definitions; bit i of `seen` is field i.
+struct Field {
+    key: &'static [u8],
+    ty: Ty,
+    required: bool,
+    slot: Option<Slot>,
+}
+
+const fn f(key: &'static [u8], ty: Ty, required: bool, slot: Option<Slot>) -> Field {
+    Field { key, ty, required, slot }
+}
+
+const STORED_FIELDS: &[Field] = &[
+    f(b"\xacblock_hashes", Ty::Hashes, true, None),
+    f(b"\xb1parent_block_hash", Ty::OptHash, true, Some(Slot::Parent)),
+    f(b"\xa9token_ids", Ty::Ints, true, None),
+    f(b"\xaablock_size", Ty::Int, true, Some(Slot::BlockSize)),
+    f(b"\xa7lora_id", Ty::OptInt, true, None),
+    f(b"\xa6medium", Ty::OptStr, true, Some(Slot::Medium)),
+    f(b"\xa9lora_name", Ty::OptStr, true, None),
+    f(b"\xaaextra_keys", Ty::OptExtraKeys, false, None),
+    f(b"\xa9group_idx", Ty::OptInt, false, Some(Slot::Group)),
+    f(b"\xb2kv_cache_spec_kind", Ty::OptStr, false, Some(Slot::Spec)),
+    f(b"\xbckv_cache_spec_sliding_window", Ty::OptInt, false, Some(Slot::Window)),
+    f(b"\xa8locality", Ty::OptStr, false, None),
+    f(b"\xa9ownership", Ty::OptStr, false, None),
+    f(b"\xaasession_id", Ty::OptStr, false, None),
+    f(b"\xb3lookahead_token_ids", Ty::OptIntLists, false, None),
+    f(b"\xa8metadata", Ty::OptMetadata, false, None),
 ];
-const REMOVED_FIELDS: &[(&[u8], Ty, bool)] = &[
-    (b"block_hashes", Ty::Hashes, true),
-    (b"medium", Ty::OptStr, true),
-    (b"group_idx", Ty::OptInt, false),
-    (b"locality", Ty::OptStr, false),
-    (b"ownership", Ty::OptStr, false),
+/// The bits of `fields`' required fields, for one test of `seen` per event.
+const fn required(fields: &[Field]) -> u32 {
+    let mut mask = 0;
+    let mut i = 0;
+    while i < fields.len() {
+        if fields[i].required {
+            mask |= 1 << i;
+        }
+        i += 1;
+    }
+    mask
+}
+const STORED_REQUIRED: u32 = required(STORED_FIELDS);
+const REMOVED_REQUIRED: u32 = required(REMOVED_FIELDS);
+
+const REMOVED_FIELDS: &[Field] = &[
+    f(b"\xacblock_hashes", Ty::Hashes, true, None),
+    f(b"\xa6medium", Ty::OptStr, true, Some(Slot::Medium)),
+    f(b"\xa9group_idx", Ty::OptInt, false, Some(Slot::Group)),
+    f(b"\xa8locality", Ty::OptStr, false, None),
+    f(b"\xa9ownership", Ty::OptStr, false, None),
 ];
 
 pub(crate) struct Reader<'a> {
@@ -255,8 +285,14 @@ impl<'a> Reader<'a> {
     }
 
     /// A list of ints (token ids): just each marker and its width; this loop is most of the bytes.
+    /// The widths token ids come in (fixint, uint16, uint32 mixed at random) go through the
+    /// index's table-driven skipper first: a branch per token on the width mispredicts about
+    /// every other token. What it leaves (other widths, the payload's last bytes) is read here.
     fn ints(&mut self) -> Option<()> {
-        for _ in 0..self.array_len()? {
+        let n = self.array_len()?;
+        let (done, p) = fast_skip(self.b, self.p, n);
+        self.p = p;
+        for _ in done..n {
             match self.byte()? {
                 0x00..=0x7f | 0xe0..=0xff => {}
                 0xcc | 0xd0 => self.p += 1,
@@ -353,68 +389,101 @@ impl<'a> Reader<'a> {
         (self.p == self.b.len()).then_some(rank)
     }
 
+    /// Whether `key` (a fixstr key as msgspec writes it, header and name) is next: consumed if so.
+    /// Word compares of the bytes as they are, where reading the str and comparing its name
+    /// took a memcmp call per field, 15 times per `BlockStored`.
+    #[inline(always)]
+    fn skip_key(&mut self, key: &[u8]) -> bool {
+        let hit = self.b.get(self.p..self.p + key.len()).is_some_and(|s| eq_bytes(s, key));
+        if hit {
+            self.p += key.len();
+        }
+        hit
+    }
+
     /// One event; its hashes go to `hashes`. Returns its kind and what a view's rule reads of it.
     pub(crate) fn event(&mut self, hashes: &mut Vec<Hash>) -> Option<(u8, Attrs<'a>)> {
         let n = self.map_len()?;
-        if n == 0 || self.raw_str()? != b"type" {
+        if n == 0 || !(self.skip_key(b"\xa4type") || self.raw_str()? == b"type") {
             return None;
         }
-        let (kind, fields, slots) = match self.raw_str()? {
-            b"BlockStored" => (STORED, STORED_FIELDS, STORED_SLOTS),
-            b"BlockRemoved" => (REMOVED, REMOVED_FIELDS, REMOVED_SLOTS),
-            b"AllBlocksCleared" => (CLEARED, &[][..], &[][..]),
-            _ => return None,
+        let (kind, fields, required) = if self.skip_key(b"\xabBlockStored") {
+            (STORED, STORED_FIELDS, STORED_REQUIRED)
+        } else if self.skip_key(b"\xacBlockRemoved") {
+            (REMOVED, REMOVED_FIELDS, REMOVED_REQUIRED)
+        } else {
+            match self.raw_str()? {
+                b"BlockStored" => (STORED, STORED_FIELDS, STORED_REQUIRED),
+                b"BlockRemoved" => (REMOVED, REMOVED_FIELDS, REMOVED_REQUIRED),
+                b"AllBlocksCleared" => (CLEARED, &[][..], 0),
+                _ => return None,
+            }
         };
         let mut seen = 0u32;
         let mut next = 0;
-        // Where each attribute's value starts: read again once the event has been validated.
-        let mut at = [usize::MAX; N_SLOTS];
+        let mut a = Attrs {
+            medium: None,
+            group: None,
+            spec: None,
+            window: None,
+            block_size: None,
+            root: false,
+        };
         for _ in 1..n {
-            let key = self.raw_str()?;
-            // Writers emit fields in declaration order: try the next one before searching.
-            let i = if fields.get(next).is_some_and(|f| f.0 == key) {
+            // Writers emit fields in declaration order, as msgspec writes keys: try the next one
+            // before reading the key and searching.
+            let i = if fields.get(next).is_some_and(|f| self.skip_key(f.key)) {
                 next
             } else {
-                fields.iter().position(|f| f.0 == key)?
+                let key = self.raw_str()?;
+                fields.iter().position(|f| &f.key[1..] == key)?
             };
             next = i + 1;
             if seen & (1 << i) != 0 {
                 return None;
             }
             seen |= 1 << i;
-            if let Some(&(_, slot)) = slots.iter().find(|s| s.0 == i) {
-                at[slot as usize] = self.p;
+            let f = &fields[i];
+            // An attribute is read as `value` would check its type, once.
+            match f.slot {
+                None => self.value(f.ty, hashes)?,
+                Some(Slot::Parent) => {
+                    a.root = self.nil();
+                    if !a.root {
+                        self.hash()?;
+                    }
+                }
+                Some(Slot::BlockSize) => a.block_size = Some(self.int()?),
+                Some(Slot::Medium) => a.medium = self.opt_str()?,
+                Some(Slot::Spec) => a.spec = self.opt_str()?,
+                Some(Slot::Group) => a.group = self.opt_int()?,
+                Some(Slot::Window) => a.window = self.opt_int()?,
             }
-            self.value(fields[i].1, hashes)?;
         }
-        for (i, f) in fields.iter().enumerate() {
-            if f.2 && seen & (1 << i) == 0 {
-                return None;
-            }
+        if seen & required != required {
+            return None;
         }
-        Some((kind, self.attrs(&at)))
+        Some((kind, a))
     }
 
-    /// The attributes at `at` (validated already: a `None` here is an absent or nil field).
-    fn attrs(&self, at: &[usize; N_SLOTS]) -> Attrs<'a> {
-        let b = self.b;
-        let read = |slot: Slot| {
-            let p = at[slot as usize];
-            (p != usize::MAX && b[p] != 0xc0).then_some(Reader { b, p })
-        };
-        let parent = at[Slot::Parent as usize];
-        Attrs {
-            medium: read(Slot::Medium).and_then(|mut r| r.str()),
-            group: read(Slot::Group).and_then(|mut r| r.int()),
-            spec: read(Slot::Spec).and_then(|mut r| r.str()),
-            window: read(Slot::Window).and_then(|mut r| r.int()),
-            block_size: read(Slot::BlockSize).and_then(|mut r| r.int()),
-            root: parent != usize::MAX && b[parent] == 0xc0,
+    fn opt_str(&mut self) -> Option<Option<&'a [u8]>> {
+        if self.nil() {
+            Some(None)
+        } else {
+            self.str().map(Some)
+        }
+    }
+
+    fn opt_int(&mut self) -> Option<Option<Hash>> {
+        if self.nil() {
+            Some(None)
+        } else {
+            self.int().map(Some)
         }
     }
 }
 
-/// The attributes a view's rule (kvbridge.wire.residency) reads, each in a slot of `at`.
+/// The attributes a view's rule (kvbridge.wire.residency) reads: which `Attrs` field a field goes to.
 #[derive(Clone, Copy)]
 enum Slot {
     Parent,
@@ -424,17 +493,6 @@ enum Slot {
     Window,
     BlockSize,
 }
-const N_SLOTS: usize = 6;
-// (field index, slot)
-const STORED_SLOTS: &[(usize, Slot)] = &[
-    (1, Slot::Parent),
-    (3, Slot::BlockSize),
-    (5, Slot::Medium),
-    (8, Slot::Group),
-    (9, Slot::Spec),
-    (10, Slot::Window),
-];
-const REMOVED_SLOTS: &[(usize, Slot)] = &[(1, Slot::Medium), (2, Slot::Group)];
 
 #[derive(Clone, Copy)]
 pub(crate) struct Attrs<'a> {

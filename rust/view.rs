@@ -27,6 +27,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
 
+use crate::index::table::Table;
 use crate::scan::{Attrs, Hash, Reader, CLEARED, REMOVED, STORED};
 
 /// Payloads at least this long are applied with the GIL released.
@@ -57,9 +58,9 @@ fn is_unscored(kind: u8) -> bool {
     kind >= 6
 }
 
-/// A block hash as Python sees it: msgpack ints of either width are one int. 16 bytes (the
-/// rare bytes hash behind a thin pointer), so a map slot with its entry is 40: the maps are
-/// large and probed at random, and smaller slots miss the cache less.
+/// A block hash as Python sees it: msgpack ints of either width are one int. The key of the rare
+/// blocks outside a group's table (negative and bytes hashes) and of further copies; the table
+/// holds the others by their u64 alone (`Blocks`).
 #[derive(Clone, PartialEq, Eq, Hash)]
 enum Key {
     /// 0..=u64::MAX: what engines send.
@@ -126,30 +127,142 @@ impl Hasher for MixHasher {
 /// A copy: the source event (index into `View::sources`) and the block's index in it.
 type Copy_ = (u32, u32);
 
-struct Entry {
-    /// Insertion order: a snapshot lists blocks in the order they came, as Python's dicts did.
-    order: u64,
-    first: Copy_,
-    /// Further copies, rare: behind a thin pointer, None when there are none.
-    #[allow(clippy::box_collection)]
-    more: Option<Box<Vec<Copy_>>>,
-}
+/// A block's first copy in 8 bytes, so that a table slot with its key is 16 (four to a cache
+/// line: the table is probed at random, and a remove's backward shift reads the slots after the
+/// one it empties): the source (high 32 bits), whether further copies are in `Blocks::more`
+/// (bit 31), and the block's index in the source (the low 31: an event of 2**31 blocks is not
+/// read, `MAX_EVENT_BLOCKS`). The first copy stays while the block is held (removes take the
+/// last copy first), and the blocks came in the order of their first copies: a snapshot's order
+/// is `(Source::seq, index)`.
+#[derive(Clone, Copy)]
+struct Entry(u64);
+
+const MORE_BIT: u64 = 1 << 31;
+/// Blocks an event may have for the view: their index in it fits `Entry`.
+const MAX_EVENT_BLOCKS: usize = 1 << 31;
 
 impl Entry {
-    fn n_more(&self) -> usize {
-        self.more.as_ref().map_or(0, |m| m.len())
+    fn new((src, i): Copy_) -> Entry {
+        Entry((src as u64) << 32 | i as u64)
+    }
+
+    fn first(self) -> Copy_ {
+        ((self.0 >> 32) as u32, (self.0 & (MORE_BIT - 1)) as u32)
+    }
+
+    fn has_more(self) -> bool {
+        self.0 & MORE_BIT != 0
+    }
+
+    fn with_more(self, more: bool) -> Entry {
+        Entry(if more { self.0 | MORE_BIT } else { self.0 & !MORE_BIT })
+    }
+}
+
+/// Blocks [`Blocks::prefetch`]ed ahead of the one applied: a batch's lookups are independent, and
+/// a view of tens of thousands of blocks misses the cache on nearly every one.
+const AHEAD: usize = 8;
+
+/// An int hash as the table's key: what `Key::of` makes a `Key::N`.
+#[inline]
+fn u64_key(h: Hash) -> Option<u64> {
+    match h {
+        Hash::U(v) => Some(v),
+        Hash::I(v) if v >= 0 => Some(v as u64),
+        _ => None,
+    }
+}
+
+/// A `(medium, group)`'s blocks. Hashes of 0..2**64 (what engines send) live in the index's
+/// open-addressing table (rust/index/table.rs), where a key's slot follows from the key alone:
+/// the slots of a batch's next blocks are prefetched while one is applied (with hashbrown, which
+/// this used, each lookup waited for its miss: ~100 ns of the relay's ~300 per block event).
+/// A slot is 16 bytes, the key and a packed `Entry`: four to a cache line.
+/// Negative and bytes hashes, rare, in a hashbrown map beside it.
+#[derive(Default)]
+struct Blocks {
+    table: Table<Entry>,
+    rare: HashMap<Key, Entry, Mix>,
+    /// The further copies of blocks with more than one, oldest first (rare).
+    more: HashMap<Key, Vec<Copy_>, Mix>,
+}
+
+impl Blocks {
+    fn len(&self) -> usize {
+        self.table.len() + self.rare.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[inline]
+    fn prefetch(&self, h: Hash) {
+        if let Some(k) = u64_key(h) {
+            self.table.prefetch_run(k);
+        }
+    }
+
+    fn contains(&self, b: &[u8], h: Hash) -> bool {
+        match u64_key(h) {
+            Some(k) => self.table.get(&k).is_some(),
+            None => self.rare.contains_key(&Key::of(b, h)),
+        }
+    }
+
+    fn get(&self, k: &Key) -> Option<&Entry> {
+        match k {
+            Key::N(k) => self.table.get(k),
+            _ => self.rare.get(k),
+        }
+    }
+
+    /// `h`'s entry, `e` inserted first if there is none; whether it was.
+    #[inline]
+    fn get_or_insert(&mut self, b: &[u8], h: Hash, e: Entry) -> (&mut Entry, bool) {
+        match u64_key(h) {
+            Some(k) => self.table.get_or_insert(k, e),
+            None => match self.rare.entry(Key::of(b, h)) {
+                hashbrown::hash_map::Entry::Occupied(o) => (o.into_mut(), false),
+                hashbrown::hash_map::Entry::Vacant(v) => (v.insert(e), true),
+            },
+        }
+    }
+
+    #[inline]
+    fn remove(&mut self, b: &[u8], h: Hash) -> Option<Entry> {
+        match u64_key(h) {
+            Some(k) => self.table.remove(&k),
+            None => self.rare.remove(&Key::of(b, h)),
+        }
+    }
+
+    /// In no particular order.
+    fn iter(&self) -> impl Iterator<Item = (Key, Entry)> + '_ {
+        let ints = self.table.iter().map(|(k, e)| (Key::N(k), *e));
+        ints.chain(self.rare.iter().map(|(k, e)| (k.clone(), *e)))
+    }
+
+    /// The further copies of the block `k`, whose entry is `e`.
+    fn more_of(&self, k: &Key, e: Entry) -> &[Copy_] {
+        match e.has_more() {
+            true => self.more.get(k).map_or(&[], |m| m.as_slice()),
+            false => &[],
+        }
     }
 }
 
 struct Group {
     medium: Option<Box<str>>,
     group: u8,
-    blocks: HashMap<Key, Entry, Mix>,
+    blocks: Blocks,
 }
 
 struct Source {
     raw: Box<[u8]>,
     copies: u32,
+    /// When it came: sources are reused, their index says nothing of it.
+    seq: u64,
 }
 
 #[derive(Default)]
@@ -175,6 +288,9 @@ struct View {
     keep_sources: bool,
     sources: Vec<Option<Source>>,
     free: Vec<u32>,
+    /// The group the last event applied to: where the next blocks are prefetched.
+    last_group: usize,
+    /// Sources made so far (`Source::seq`).
     order: u64,
     stats: Stats,
 }
@@ -192,9 +308,20 @@ struct Ev<'a> {
     attrs: Attrs<'a>,
     hashes: std::ops::Range<usize>,
     raw: std::ops::Range<usize>,
+    /// Events read as this one: consecutive removes of one `(medium, group)` (`read_into`).
+    n_events: u32,
 }
 
 impl View {
+    /// Prefetches the blocks `AHEAD` of batch hash `i` in `blocks`: the batch's next events mostly
+    /// go to the group this one does.
+    #[inline]
+    fn prefetch_ahead(blocks: &Blocks, all: &[Hash], i: usize) {
+        if let Some(&h) = all.get(i + AHEAD) {
+            blocks.prefetch(h);
+        }
+    }
+
     fn kind_of(&self, group: u8) -> Option<u8> {
         self.kinds.iter().find(|k| k.0 == group).map(|k| k.1)
     }
@@ -224,9 +351,11 @@ impl View {
     }
 
     fn new_source(&mut self, raw: &[u8]) -> u32 {
+        self.order += 1;
         let s = Some(Source {
             raw: raw.into(),
             copies: 0,
+            seq: self.order,
         });
         match self.free.pop() {
             Some(i) => {
@@ -240,7 +369,9 @@ impl View {
         }
     }
 
-    fn store(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash], windows: bool) {
+    /// `all`: the batch's hashes, the event's at `ev.hashes`.
+    fn store(&mut self, b: &[u8], ev: &Ev<'_>, all: &[Hash], windows: bool) {
+        let hashes = &all[ev.hashes.clone()];
         let a = &ev.attrs;
         let Some(group) = self.group_of(a.group) else {
             return;
@@ -283,7 +414,7 @@ impl View {
         let plain = a.root && !windows && !self.kinds.iter().any(|k| is_hybrid(k.1));
         if let (true, Some(at)) = (plain, at) {
             let held = &self.groups[at].blocks;
-            if hashes.iter().all(|&h| held.contains_key(&Key::of(b, h))) {
+            if hashes.iter().all(|&h| held.contains(b, h)) {
                 return;
             }
         }
@@ -291,7 +422,7 @@ impl View {
             self.groups.push(Group {
                 medium: a.medium.map(|m| String::from_utf8_lossy(m).into()),
                 group,
-                blocks: HashMap::default(),
+                blocks: Blocks::default(),
             });
             self.groups.len() - 1
         });
@@ -302,36 +433,34 @@ impl View {
         } else {
             0 // no source: every copy names none
         };
+        self.last_group = at;
         let blocks = &mut self.groups[at].blocks;
-        blocks.reserve(hashes.len());
         for (i, &h) in hashes.iter().enumerate() {
+            Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
             let copy = (src, i as u32);
-            match blocks.entry(Key::of(b, h)) {
-                hashbrown::hash_map::Entry::Occupied(mut e) => e.get_mut().more.get_or_insert_default().push(copy),
-                hashbrown::hash_map::Entry::Vacant(e) => {
-                    self.order += 1;
-                    e.insert(Entry {
-                        order: self.order,
-                        first: copy,
-                        more: None,
-                    });
-                }
+            let (e, fresh) = blocks.get_or_insert(b, h, Entry::new(copy));
+            if !fresh {
+                *e = e.with_more(true);
+                blocks.more.entry(Key::of(b, h)).or_default().push(copy);
             }
         }
     }
 
-    fn remove(&mut self, b: &[u8], ev: &Ev<'_>, hashes: &[Hash]) {
+    /// `all`: the batch's hashes, the event's at `ev.hashes`.
+    fn remove(&mut self, b: &[u8], ev: &Ev<'_>, all: &[Hash]) {
+        let hashes = &all[ev.hashes.clone()];
         let a = &ev.attrs;
         let Some(group) = self.group_of(a.group) else {
             return;
         };
         if self.kind_of(group).is_some_and(is_unscored) {
-            self.stats.unscored_group_events += 1;
+            self.stats.unscored_group_events += ev.n_events as u64;
         }
         let Some(at) = self.find(a.medium, group) else {
             self.stats.unknown_removes += hashes.len() as u64;
             return;
         };
+        self.last_group = at;
         let View {
             groups,
             keep_sources,
@@ -341,21 +470,26 @@ impl View {
             ..
         } = self;
         let blocks = &mut groups[at].blocks;
-        for &h in hashes {
-            let hashbrown::hash_map::Entry::Occupied(mut e) = blocks.entry(Key::of(b, h)) else {
+        for (i, &h) in hashes.iter().enumerate() {
+            Self::prefetch_ahead(blocks, all, ev.hashes.start + i);
+            // Taken out in one probe: a block has one copy but for rare ones, which are put back.
+            let Some(entry) = blocks.remove(b, h) else {
                 stats.unknown_removes += 1;
                 continue;
             };
             // The last copy goes first, as the Python view popped it.
-            let entry = e.get_mut();
-            let (src, _) = match entry.more.as_mut().and_then(|m| m.pop()) {
-                Some(c) => {
-                    if entry.more.as_ref().is_some_and(|m| m.is_empty()) {
-                        entry.more = None;
-                    }
-                    c
+            let (src, _) = if entry.has_more() {
+                let key = Key::of(b, h);
+                let list = blocks.more.get_mut(&key).expect("a block with more copies has their list");
+                let c = list.pop().expect("a list of further copies is never empty");
+                let more = !list.is_empty();
+                if !more {
+                    blocks.more.remove(&key);
                 }
-                None => e.remove().first,
+                blocks.get_or_insert(b, h, entry.with_more(more)); // its first copy as it was
+                c
+            } else {
+                entry.first()
             };
             if !*keep_sources {
                 continue;
@@ -383,17 +517,22 @@ impl View {
 
     /// Applies a batch [`read`] from `b`, whole. Returns `(events, block hashes)`.
     fn apply_read(&mut self, b: &[u8], read: &Read) -> (usize, usize) {
+        // The first blocks' slots, which the events' own look-ahead does not cover.
+        if let Some(g) = self.groups.get(self.last_group) {
+            for &h in read.hashes.iter().take(AHEAD) {
+                g.blocks.prefetch(h);
+            }
+        }
         for at in &read.evs {
             let ev = at.at(b);
-            let hs = &read.hashes[ev.hashes.clone()];
             match ev.kind {
-                STORED => self.store(b, &ev, hs, read.windows),
-                REMOVED => self.remove(b, &ev, hs),
+                STORED => self.store(b, &ev, &read.hashes, read.windows),
+                REMOVED => self.remove(b, &ev, &read.hashes),
                 CLEARED => self.clear(),
                 _ => unreachable!(),
             }
         }
-        (read.evs.len(), read.hashes.len())
+        (read.n_events, read.hashes.len())
     }
 }
 
@@ -408,6 +547,7 @@ struct EvAt {
     root: bool,
     hashes: std::ops::Range<usize>,
     raw: std::ops::Range<usize>,
+    n_events: u32,
 }
 
 fn range_in(b: &[u8], s: &[u8]) -> std::ops::Range<usize> {
@@ -429,15 +569,18 @@ impl EvAt {
             },
             hashes: self.hashes.clone(),
             raw: self.raw.clone(),
+            n_events: self.n_events,
         }
     }
 }
 
 /// A vLLM-shaped msgpack batch read whole and checked against the schema (as `scan` checks it),
 /// not yet applied: what a subscriber reads on arrival and applies to its view in seq order.
+#[derive(Default)]
 struct Read {
     ts: f64,
     rank: Option<Hash>,
+    n_events: usize,
     evs: Vec<EvAt>,
     hashes: Vec<Hash>,
     /// The batch names a window or mamba group (the re-announce exception reads it).
@@ -446,18 +589,48 @@ struct Read {
 
 /// Reads a whole batch, or `None` when the payload is not one in vLLM 0.33's shape.
 fn read(b: &[u8]) -> Option<Read> {
+    let mut out = Read::default();
+    read_into(b, &mut out)?;
+    Some(out)
+}
+
+/// [`read`] into `out`, whose vectors' room is reused: the relay's view reads every payload into
+/// the same one (their allocation, growth and freeing per payload were a tenth of its reading).
+/// `out` is left partly filled when this answers `None`.
+fn read_into(b: &[u8], out: &mut Read) -> Option<()> {
     let mut r = Reader { b, p: 0 };
     let (len, ts) = r.batch_head()?;
     // Bounded by the bytes left: the count sizes an allocation.
     let n_events = r.bounded_array_len()?;
-    let mut hashes = Vec::new();
-    let mut evs = Vec::with_capacity(n_events);
+    let Read { hashes, evs, .. } = out;
+    hashes.clear();
+    evs.clear();
+    evs.reserve(n_events);
     let mut windows = false;
     for _ in 0..n_events {
         let (h0, p0) = (hashes.len(), r.p);
-        let (kind, a) = r.event(&mut hashes)?;
+        let (kind, a) = r.event(hashes)?;
+        if hashes.len() - h0 >= MAX_EVENT_BLOCKS {
+            return None;
+        }
         if kind == STORED {
             windows |= a.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
+        }
+        // A remove of the same `(medium, group)` as the event before (vLLM sends one block per
+        // BlockRemoved): applied as one, the group found once for the run, not once per block.
+        // Only a valid group: a bad one is counted per event.
+        if let Some(last) = evs.last_mut().filter(|last| {
+            kind == REMOVED
+                && last.kind == REMOVED
+                && last.hashes.end == h0
+                && last.group.map(|g| int_of(Some(g))) == a.group.map(|g| int_of(Some(g)))
+                && int_of(a.group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
+                && (a.group.is_none() || int_of(a.group).is_some())
+                && last.medium.clone().map(|m| &b[m]) == a.medium
+        }) {
+            last.hashes.end = hashes.len();
+            last.n_events += 1;
+            continue;
         }
         evs.push(EvAt {
             kind,
@@ -469,16 +642,14 @@ fn read(b: &[u8]) -> Option<Read> {
             root: a.root,
             hashes: h0..hashes.len(),
             raw: p0..r.p,
+            n_events: 1,
         });
     }
-    let rank = r.batch_tail(len)?;
-    Some(Read {
-        ts,
-        rank,
-        evs,
-        hashes,
-        windows,
-    })
+    out.rank = r.batch_tail(len)?;
+    out.ts = ts;
+    out.n_events = n_events;
+    out.windows = windows;
+    Some(())
 }
 
 /// Reads a whole payload, with the GIL released for a large one.
@@ -514,7 +685,7 @@ impl ReadBatch {
 
     #[getter]
     fn n_events(&self) -> usize {
-        self.read.evs.len()
+        self.read.n_events
     }
 
     /// Block hashes stored and removed.
@@ -547,6 +718,8 @@ fn medium_obj<'py>(py: Python<'py>, m: &Option<Box<str>>) -> Bound<'py, PyAny> {
 #[pyclass(module = "kvbridge._native")]
 pub struct ResidencyView {
     view: View,
+    /// What `apply` reads each payload into (`read_into`).
+    scratch: Read,
 }
 
 #[pymethods]
@@ -560,6 +733,7 @@ impl ResidencyView {
                 keep_sources: sources,
                 ..View::default()
             },
+            scratch: Read::default(),
         }
     }
 
@@ -574,11 +748,12 @@ impl ResidencyView {
     /// not read either.
     fn apply(&mut self, py: Python<'_>, payload: &Bound<'_, PyBytes>) -> Option<(usize, usize)> {
         let b = payload.as_bytes();
-        let view = &mut self.view;
+        let ResidencyView { view, scratch } = self;
+        let mut apply = || read_into(b, scratch).map(|()| view.apply_read(b, scratch));
         if b.len() >= DETACH_MIN_BYTES {
-            py.detach(|| read(b).map(|r| view.apply_read(b, &r)))
+            py.detach(apply)
         } else {
-            read(b).map(|r| view.apply_read(b, &r))
+            apply()
         }
     }
 
@@ -601,8 +776,8 @@ impl ResidencyView {
         let out = PyDict::new(py);
         for g in &self.view.groups {
             let d = PyDict::new(py);
-            for (k, e) in &g.blocks {
-                d.set_item(k.to_object(py)?, 1 + e.n_more())?;
+            for (k, e) in g.blocks.iter() {
+                d.set_item(k.to_object(py)?, 1 + g.blocks.more_of(&k, e).len())?;
             }
             out.set_item((medium_obj(py, &g.medium), g.group), d)?;
         }
@@ -656,7 +831,7 @@ impl ResidencyView {
     fn blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PySet>> {
         let out = PySet::empty(py)?;
         for g in &self.view.groups {
-            for k in g.blocks.keys() {
+            for (k, _) in g.blocks.iter() {
                 out.add(k.to_object(py)?)?;
             }
         }
@@ -682,12 +857,13 @@ impl ResidencyView {
         let groups = PyList::empty(py);
         let raws = PyDict::new(py);
         for g in &self.view.groups {
-            let mut entries: Vec<(&Key, &Entry)> = g.blocks.iter().collect();
-            entries.sort_unstable_by_key(|(_, e)| e.order);
+            let mut entries: Vec<(Key, Entry)> = g.blocks.iter().collect();
+            let seq = |src: u32| self.view.sources[src as usize].as_ref().expect("a copy's source is alive").seq;
+            entries.sort_unstable_by_key(|(_, e)| (seq(e.first().0), e.first().1));
             let blocks = PyList::empty(py);
             for (k, e) in entries {
                 let copies = PyList::empty(py);
-                for &(src, i) in std::iter::once(&e.first).chain(e.more.iter().flat_map(|m| m.iter())) {
+                for &(src, i) in std::iter::once(&e.first()).chain(g.blocks.more_of(&k, e)) {
                     if !raws.contains(src)? {
                         let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
                         raws.set_item(src, PyBytes::new(py, &s.raw))?;
@@ -718,7 +894,9 @@ impl ResidencyView {
                 };
                 let h = &b.groups[at].blocks;
                 h.len() == g.blocks.len()
-                    && g.blocks.iter().all(|(k, e)| h.get(k).is_some_and(|f| f.n_more() == e.n_more()))
+                    && g.blocks.iter().all(|(k, e)| {
+                        h.get(&k).is_some_and(|&f| b.groups[at].blocks.more_of(&k, f).len() == g.blocks.more_of(&k, e).len())
+                    })
             })
     }
 

@@ -202,3 +202,29 @@ def test_a_large_payload_is_applied_with_the_gil_released_and_the_same_result(se
     snap = view.snapshot()
     assert snap == ref.snapshot() == batch  # one chain, each event whole
 
+
+
+def test_runs_of_one_block_removes_apply_and_count_as_the_rule_does_event_by_event():
+    # vLLM sends a BlockRemoved per block; the view applies a run of one (medium, group) at once.
+    # Each run here ends differently: another medium, another group, a bad group (counted per
+    # event), a group of an unscored kind (counted per event), a group emptied mid-run, a copy.
+    from kvbridge._native import read_batch
+
+    setup = [stored([1, 2, 3, 4]), stored([5, 6], medium="CPU"), stored([7, 8], group_idx=1),
+             stored([9, 10], group_idx=2, kv_cache_spec_kind="cross_attention"), stored([2], 1)]  # fmt: skip
+    runs = [removed([h]) for h in (1, 2, 2, 99)] + [removed([5], medium="CPU"), removed([6], medium="CPU")]
+    runs += [removed([7], group_idx=1), removed([8], group_idx=1), removed([7], group_idx=1)]  # emptied, then unknown
+    runs += [removed([3], group_idx=64), removed([3], group_idx=64), removed([3]), removed([4])]
+    runs += [removed([9], group_idx=2), removed([10], group_idx=2), removed([11], medium=None)]
+    view, ref = RelayView(), PyRelayView()
+    for batch in (setup, runs):
+        payload = encode_batch(KVEventBatch(1.0, batch, 0))
+        n_blocks = sum(len(ev.block_hashes) for ev in batch)
+        read = read_batch(payload)
+        assert read is not None and (read.n_events, read.n_blocks) == (len(batch), n_blocks)
+        assert view.apply_payload(payload) == (len(batch), n_blocks)
+        ref.apply(batch)
+        assert_same(view, ref)
+    stats = view.residency.stats
+    assert (stats["bad_groups"], stats["unscored_group_events"], stats["unknown_removes"]) == (2, 3, 3)
+    assert view.residency.held == {}

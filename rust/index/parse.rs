@@ -679,8 +679,9 @@ const FAST_WIDTHS: [u8; 256] = {
 /// `fast_tokens` for ids that are only counted: how many of up to `n` it would read from
 /// `b[p..]`, and where they end. It stops where `fast_tokens` does (a marker with 8 bytes
 /// readable), so the rest goes to `other_token` alike; a width from a table, not a value, is
-/// all that is on the chain from one token to the next.
-fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
+/// all that is on the chain from one token to the next. The batch scanner's `ints` (rust/scan.rs)
+/// skips with it too.
+pub(crate) fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
     let end = b.len().saturating_sub(7);
     let mut i = 0;
     while i < n && p < end {

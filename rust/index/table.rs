@@ -223,6 +223,30 @@ impl<V: Copy> Table<V> {
     pub fn allocation_size(&self) -> usize {
         self.slots.len() * size_of::<Slot<V>>()
     }
+
+    /// `prefetch`, and the cache line after `k`'s slot's too: where a lookup at a high load, or
+    /// a remove's backward shift, goes on reading (the relay's view removes as much as it inserts).
+    #[inline]
+    pub fn prefetch_run(&self, k: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.slots.is_empty() {
+            let p = self.slots.as_ptr().wrapping_add(self.home(k)) as *const i8;
+            // SAFETY: a prefetch never faults, whatever the address (the second may be past the
+            // slots' end: no memory is read for it).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0);
+                std::arch::x86_64::_mm_prefetch(p.wrapping_add(64), std::arch::x86_64::_MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = k;
+    }
+
+    /// Every entry, key `EMPTY`'s too, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
+        let slots = self.slots.iter().filter(|s| s.key != EMPTY).map(|s| (s.key, &s.val));
+        slots.chain(self.empty_key.iter().map(|v| (EMPTY, v)))
+    }
 }
 
 /// Lookups in two steps, for many keys at once: `start` (hashing the key, where its slot is)
