@@ -7,6 +7,7 @@
 use pyo3::prelude::*;
 
 mod cpython;
+mod decode;
 mod encode;
 mod hash;
 mod index;
@@ -23,6 +24,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     encode::register(m)?;
     scan::register(m)?;
+    decode::register(m)?;
     wake::register(m)?;
     pool::register(m)?;
     index::register(m)?;

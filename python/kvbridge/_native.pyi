@@ -16,6 +16,7 @@ __all__ = [
     "encode_batch_msgpack",
     "_encode_layout",
     "scan_batch_msgpack",
+    "BatchDecoder",
     "unpack_query_ints",
     "eventfd_signal",
     "timerfd_new",
@@ -156,6 +157,17 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 def unpack_query_ints(raw: Buffer, field: str) -> memoryview | None:
     """A query field's msgpack array of ints (a msgspec.Raw) as a memoryview of packed ints ('I'
     for "tokens", else 'Q'); None when absent or nil; ValueError in msgspec's words."""
+
+# --- native batch decode (rust/decode.rs; used by kvbridge.wire.events.decode_batch) -----------
+
+@final
+class BatchDecoder:
+    """Decodes vLLM 0.33's msgpack ``KVEventBatch`` into the given Structs, sharing one int per
+    token id value; equal to msgspec's decode whenever it answers."""
+
+    def __new__(cls, batch: type, stored: type, removed: type, cleared: type) -> BatchDecoder: ...
+    def decode(self, payload: bytes) -> object | None:
+        """The batch, or None for a payload in a shape it does not read (msgspec decodes it)."""
 
 def scan_batch_msgpack(
     payload: bytes
