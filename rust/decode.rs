@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyString};
 
 use crate::cpython::{layout, Layout};
 use crate::scan::{Hash, Reader};
@@ -133,8 +133,8 @@ impl BatchDecoder {
             Some(h) => or_none!(int_obj(py, h)?),
             None => py.None().into_bound(py),
         };
-        let args = PyTuple::new(py, [ts.into_pyobject(py)?.into_any(), events, rank])?;
-        Ok(Some(self.batch.bind(py).call1(args)?))
+        let ts = ts.into_pyobject(py)?;
+        Ok(Some(call(py, &self.batch, &[ts.as_ptr(), events.as_ptr(), rank.as_ptr()])?))
     }
 }
 
@@ -186,11 +186,10 @@ impl Cache {
         if values[..required].iter().any(Option::is_none) {
             return Ok(None);
         }
-        let args = PyTuple::new(
-            py,
-            values[..fields.len()].iter_mut().map(|v| v.take().unwrap_or_else(|| py.None().into_bound(py))),
-        )?;
-        Ok(Some(cls.bind(py).call1(args)?))
+        let none = py.None();
+        let args: [*mut ffi::PyObject; STORED_FIELDS.len()] =
+            std::array::from_fn(|i| values[i].as_ref().map_or(none.as_ptr(), |v| v.as_ptr()));
+        Ok(Some(call(py, cls, &args[..fields.len()])?))
     }
 
     /// nil as None, else `read`'s value.
@@ -227,38 +226,39 @@ impl Cache {
         // an int runs none).
         let mut items = unsafe { list_slots(layout, list.as_ptr(), n) };
         for i in 0..n {
-            let h = match token(r.b, &mut r.p) {
-                Some(v) => Hash::U(v),
-                // Wider, negative or not an int: the general path (None ends the decode).
-                None => or_none!(r.int()),
-            };
-            let v = match h {
-                Hash::U(v) if v < TOKEN_CACHE => v as usize,
-                h => {
-                    let obj = or_none!(int_obj(py, h)?);
-                    set_item(&list, items.as_deref_mut(), i, obj.into_ptr());
-                    continue;
-                }
-            };
-            if v >= self.tokens.len() {
-                self.tokens.resize_with(v + 1, || None);
-            }
-            let obj = match &self.tokens[v] {
-                Some(o) => {
+            // The common case inline: a cached value (one load, one count, one store).
+            if let Some(v) = token(r.b, &mut r.p) {
+                if let Some(Some(o)) = self.tokens.get(v as usize) {
                     let p = o.as_ptr();
                     // SAFETY: `p` is a live int the cache holds a reference to; the GIL is held.
                     unsafe { incref(layout, p) };
-                    p
+                    set_item(&list, items.as_deref_mut(), i, p);
+                    continue;
                 }
-                None => {
-                    let o = (v as u64).into_pyobject(py)?.into_any();
-                    self.tokens[v] = Some(o.clone().unbind());
-                    o.into_ptr()
-                }
-            };
-            set_item(&list, items.as_deref_mut(), i, obj);
+                let obj = self.token_obj(py, v)?;
+                set_item(&list, items.as_deref_mut(), i, obj);
+                continue;
+            }
+            // Wider, negative or not an int: the general path (None ends the decode).
+            let obj = or_none!(int_obj(py, or_none!(r.int()))?);
+            set_item(&list, items.as_deref_mut(), i, obj.into_ptr());
         }
         Ok(Some(list))
+    }
+
+    /// A new reference to an int of value `v`, cached when below `TOKEN_CACHE` (a value the
+    /// cache has not seen yet).
+    #[inline(never)]
+    fn token_obj(&mut self, py: Python<'_>, v: u64) -> PyResult<*mut ffi::PyObject> {
+        let o = v.into_pyobject(py)?.into_any();
+        if v < TOKEN_CACHE {
+            let v = v as usize;
+            if v >= self.tokens.len() {
+                self.tokens.resize_with(v + 1, || None);
+            }
+            self.tokens[v] = Some(o.clone().unbind());
+        }
+        Ok(o.into_ptr())
     }
 
     /// A str (UTF-8 checked, as msgspec does), short ones shared.
@@ -345,6 +345,26 @@ unsafe fn incref(layout: Layout, obj: *mut ffi::PyObject) {
         }
         // SAFETY: the caller's guarantees.
         Layout::Api => unsafe { ffi::Py_IncRef(obj) },
+    }
+}
+
+extern "C" {
+    // Exported by every CPython this module loads into (3.11's beside its inline form, the
+    // limited API's from 3.12), though pyo3 declares it for abi3 builds from 3.12 only.
+    fn PyObject_Vectorcall(
+        callable: *mut ffi::PyObject,
+        args: *const *mut ffi::PyObject,
+        nargsf: usize,
+        kwnames: *mut ffi::PyObject,
+    ) -> *mut ffi::PyObject;
+}
+
+/// `cls(*args)` without an argument tuple (msgspec's Structs take vectorcalls): one per event.
+fn call<'py>(py: Python<'py>, cls: &Py<PyAny>, args: &[*mut ffi::PyObject]) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: `cls` and every item of `args` are live objects (borrowed for the call), the GIL
+    // is held; the result is a new reference or NULL with an exception set.
+    unsafe {
+        Bound::from_owned_ptr_or_err(py, PyObject_Vectorcall(cls.as_ptr(), args.as_ptr(), args.len(), std::ptr::null_mut()))
     }
 }
 
