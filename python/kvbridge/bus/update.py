@@ -23,7 +23,8 @@ _WITH_BLOCKS = (BlockStored, BlockRemoved)
 class Body:
     """A message's batch, decoded only as far as someone needs it.
 
-    A full decode builds a Python int for every token id, which is most of a subscriber's work.
+    A full decode builds Python objects for every event and token id (natively for vLLM's
+    msgpack shape, ``kvbridge.wire.events.decode_batch``), most of a subscriber's work.
     vLLM-shaped msgpack payloads are read natively instead (``kvbridge._native.read_batch``, which
     validates the whole payload against the schema and keeps its events' hashes and what the
     residency rule reads, making no Python object per hash: ``read``, which a :class:`WorkerView`
