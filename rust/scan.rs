@@ -428,6 +428,7 @@ impl<'a> Reader<'a> {
             window: None,
             block_size: None,
             root: false,
+            hashes_at: 0,
         };
         for _ in 1..n {
             // Writers emit fields in declaration order, as msgspec writes keys: try the next one
@@ -446,7 +447,12 @@ impl<'a> Reader<'a> {
             let f = &fields[i];
             // An attribute is read as `value` would check its type, once.
             match f.slot {
-                None => self.value(f.ty, hashes)?,
+                None => {
+                    if matches!(f.ty, Ty::Hashes) {
+                        a.hashes_at = self.p;
+                    }
+                    self.value(f.ty, hashes)?
+                }
                 Some(Slot::Parent) => {
                     a.root = self.nil();
                     if !a.root {
@@ -464,6 +470,36 @@ impl<'a> Reader<'a> {
             return None;
         }
         Some((kind, a))
+    }
+
+    /// The event at `self.p` when its bytes are `t`'s but for the one hash (read by `hash`, and
+    /// of the same width): it reads as `t`'s did, every byte before and after the hash being the
+    /// same, so its attributes are `t`'s, moved to this event. None (nothing read) otherwise.
+    pub(crate) fn like(&mut self, t: &Template<'a>, hashes: &mut Vec<Hash>) -> Option<Attrs<'a>> {
+        let q = self.p;
+        let len = t.end - t.start;
+        let (ev, was) = (self.b.get(q..q + len)?, &self.b[t.start..t.end]);
+        if ev[..t.hash.start] != was[..t.hash.start] || ev[t.hash.end..] != was[t.hash.end..] {
+            return None;
+        }
+        self.p = q + t.hash.start;
+        match self.hash() {
+            Some(h) if self.p == q + t.hash.end => {
+                hashes.push(h);
+                self.p = q + len;
+                let mut a = t.attrs;
+                a.medium = a.medium.map(|m| {
+                    let at = m.as_ptr() as usize - self.b.as_ptr() as usize + (q - t.start);
+                    &self.b[at..at + m.len()]
+                });
+                a.hashes_at += q - t.start;
+                Some(a)
+            }
+            _ => {
+                self.p = q;
+                None
+            }
+        }
     }
 
     fn opt_str(&mut self) -> Option<Option<&'a [u8]>> {
@@ -494,6 +530,30 @@ enum Slot {
     BlockSize,
 }
 
+/// A one-block `BlockRemoved` read in full (`b[start..end]`), its hash's bytes at `hash`
+/// (relative to `start`): vLLM sends one per block, each the one before with another hash.
+pub(crate) struct Template<'a> {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) hash: std::ops::Range<usize>,
+    pub(crate) attrs: Attrs<'a>,
+}
+
+impl<'a> Template<'a> {
+    /// `b[start..end]`, read by `event` into `attrs` with one hash: a template when it is a
+    /// remove with neither a spec nor a window (their slices or values are not moved by `like`)
+    /// and its hashes an array of one.
+    pub(crate) fn of(b: &'a [u8], start: usize, end: usize, attrs: Attrs<'a>) -> Option<Self> {
+        let at = attrs.hashes_at;
+        if at < start || b.get(at) != Some(&0x91) || attrs.spec.is_some() || attrs.window.is_some() {
+            return None;
+        }
+        let mut r = Reader { b, p: at + 1 };
+        r.hash()?;
+        (r.p <= end).then(|| Template { start, end, hash: at + 1 - start..r.p - start, attrs })
+    }
+}
+
 #[derive(Clone, Copy)]
 pub(crate) struct Attrs<'a> {
     pub(crate) medium: Option<&'a [u8]>,
@@ -504,6 +564,8 @@ pub(crate) struct Attrs<'a> {
     pub(crate) block_size: Option<Hash>,
     /// A store with parent None: the re-announce rule looks at it alone.
     pub(crate) root: bool,
+    /// Where the `block_hashes` value starts (0: no such field read).
+    pub(crate) hashes_at: usize,
 }
 
 fn int_value(h: Option<Hash>) -> Option<i128> {
