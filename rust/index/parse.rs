@@ -416,7 +416,16 @@ impl<'a> Parser<'a> {
         let start = self.out.hashes.len();
         self.out.hashes.reserve(n);
         for _ in 0..n {
-            let h = self.hash()?;
+            // What engines write for a 64-bit hash of 2**32 or more, a uint64 (the same value
+            // `hash` reads, JSON or not), read here without a call; other forms go to `hash`.
+            let (b, p) = (self.r.b, self.r.p);
+            let h = match b.get(p..p + 9) {
+                Some(&[0xcf, ref v @ ..]) => {
+                    self.r.p = p + 9;
+                    u64::from_be_bytes(v.try_into().unwrap())
+                }
+                _ => self.hash()?,
+            };
             self.out.hashes.push(h);
         }
         Some(start..self.out.hashes.len())
@@ -683,6 +692,25 @@ const FAST_WIDTHS: [u8; 256] = {
 fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
     let end = b.len().saturating_sub(7);
     let mut i = 0;
+    // Eight tokens at a time while 8 x 5 bytes fit before `end`: no bounds or marker test per
+    // token, just the marker, its width and the add. A marker that is not a fast form has width
+    // 0, so the position stops there and every later width in the chunk is 0 too: the last
+    // width alone says whether the chunk was all fast forms (if not, it is read again below).
+    const CHUNK: usize = 8;
+    while i + CHUNK <= n && p + 5 * CHUNK <= end {
+        let start = p;
+        let mut width = 0;
+        for _ in 0..CHUNK {
+            // SAFETY: p <= start + 5 * 7 < end <= b.len() (a width is at most 5).
+            width = FAST_WIDTHS[unsafe { *b.get_unchecked(p) } as usize] as usize;
+            p += width;
+        }
+        if width == 0 {
+            p = start;
+            break;
+        }
+        i += CHUNK;
+    }
     while i < n && p < end {
         let width = FAST_WIDTHS[b[p] as usize];
         if width == 0 {
