@@ -1145,7 +1145,7 @@ impl Core {
                         self.stats.unknown_parents += 1;
                     }
                 }
-                digests.extend_from_slice(keys);
+                // The keys are the engine's hashes: `digests` stays empty (see below).
             }
             Mode::Tokens if dense && (ebs == bs || extras_none(&s.extra_keys, s.lora_name)) => {
                 let parent = match s.parent {
@@ -1219,13 +1219,15 @@ impl Core {
             })
         };
         if !reannounce {
-            for (&engine, &k) in resolved.as_deref().unwrap_or(keys).iter().zip(&digests) {
-                match mode {
-                    Mode::Engine => {
-                        let (blocks, slab, slot, _) = self.parts(w, si);
-                        add_copy(blocks, slab, slot, e, engine);
+            match mode {
+                Mode::Engine => {
+                    let (blocks, slab, slot, _) = self.parts(w, si);
+                    keys.iter().for_each(|&engine| add_copy(blocks, slab, slot, e, engine));
+                }
+                Mode::Tokens => {
+                    for (&engine, &k) in resolved.as_deref().unwrap_or(keys).iter().zip(&digests) {
+                        self.add_copy_tokens(w, si, engine, k);
                     }
-                    Mode::Tokens => self.add_copy_tokens(w, si, engine, k),
                 }
             }
         }
@@ -1307,10 +1309,15 @@ impl Core {
             let Some(&k) = map.get(&engine) else {
                 return false;
             };
-            if !drop_holder(blocks, slab, slot, e, k) {
-                return false;
-            }
-            if !canonical_held(blocks, slab, workers, *aliased, k) {
+            let held = match drop_holder(blocks, slab, slot, e, k) {
+                Removed::NotHeld => return false,
+                // No alias-only holder anywhere: any holder left holds it canonically, and
+                // the removal said whether there is one (no lookup of the block again).
+                Removed::Kept if *aliased == 0 => true,
+                Removed::Empty => false,
+                Removed::Kept => canonical_held(blocks, slab, workers, *aliased, k),
+            };
+            if !held {
                 map.remove(&engine);
             }
             return true;
@@ -1420,15 +1427,20 @@ impl Core {
             return;
         };
         let mut found = 0;
-        for &engine in keys {
-            found += u64::from(match self.mode {
-                Mode::Engine => {
-                    let (blocks, slab, slot, _) = self.parts(w, si);
-                    let e = entry(w, slot.class);
-                    take_copy(slot, engine) || drop_holder(blocks, slab, slot, e, engine)
+        match self.mode {
+            Mode::Engine => {
+                let (blocks, slab, slot, _) = self.parts(w, si);
+                let e = entry(w, slot.class);
+                for &engine in keys {
+                    let gone = take_copy(slot, engine) || drop_holder(blocks, slab, slot, e, engine) != Removed::NotHeld;
+                    found += u64::from(gone);
                 }
-                Mode::Tokens => self.drop_copy_tokens(w, si, engine),
-            });
+            }
+            Mode::Tokens => {
+                for &engine in keys {
+                    found += u64::from(self.drop_copy_tokens(w, si, engine));
+                }
+            }
         }
         self.stats.blocks_removed += found;
         self.stats.unknown_removes += keys.len() as u64 - found;
@@ -1514,45 +1526,43 @@ fn strip_lora(keys: Vec<Option<Value>>, lora_name: Option<&str>) -> Vec<Option<V
 }
 
 /// Removes holder `e` from block `k`, dropping the block when it was the last; whether it held.
-fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) -> bool {
-    let Some(h) = blocks.get_mut(&k) else {
-        return false;
-    };
-    match h.remove(slab, e) {
-        Removed::NotHeld => false,
-        Removed::Kept => true,
-        Removed::Empty => {
-            if let Some(h) = blocks.remove(&k) {
-                h.release(slab);
-            }
-            true
+/// In one probe of the table (most removes drop a block's last holder).
+#[inline]
+fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) -> Removed {
+    let removed = blocks.update(&k, |h| {
+        let r = h.remove(slab, e);
+        if r == Removed::Empty {
+            h.release(slab);
         }
-    }
+        let empty = r == Removed::Empty;
+        (r, empty)
+    });
+    removed.unwrap_or(Removed::NotHeld)
 }
 
-/// `slot` holds block `k` (once); whether it did not before.
+/// `slot` holds block `k` (once); whether it did not before. One probe of the table (most
+/// stores are of a block no one holds).
+#[inline]
 fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
-    match blocks.get_mut(&k) {
-        None => {
-            blocks.insert(k, Holders::one(e));
+    let (h, fresh) = blocks.get_or_insert(k, Holders::one(e));
+    if !fresh {
+        if h.contains(slab, e) {
+            return false;
         }
-        Some(h) => {
-            if h.contains(slab, e) {
-                return false;
-            }
-            h.insert(slab, e);
-        }
+        h.insert(slab, e);
     }
     slot.held += 1;
     true
 }
 
-fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
-    let found = remove_entry(blocks, slab, e, k);
-    if found {
+/// What `remove_entry` did; the slot's count follows.
+#[inline]
+fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> Removed {
+    let r = remove_entry(blocks, slab, e, k);
+    if r != Removed::NotHeld {
         slot.held -= 1;
     }
-    found
+    r
 }
 
 /// Engine mode: one more physical copy of block `engine` in `slot`.

@@ -191,7 +191,7 @@ impl Many {
                 self.m0 = m0;
                 self.b0 = b0;
             }
-        } else {
+        } else if !self.others.is_empty() {
             self.others.retain(|x| !x.1.is_empty());
         }
         true

@@ -416,7 +416,16 @@ impl<'a> Parser<'a> {
         let start = self.out.hashes.len();
         self.out.hashes.reserve(n);
         for _ in 0..n {
-            let h = self.hash()?;
+            // What engines write for a 64-bit hash of 2**32 or more, a uint64 (the same value
+            // `hash` reads, JSON or not), read here without a call; other forms go to `hash`.
+            let (b, p) = (self.r.b, self.r.p);
+            let h = match b.get(p..p + 9) {
+                Some(&[0xcf, ref v @ ..]) => {
+                    self.r.p = p + 9;
+                    u64::from_be_bytes(v.try_into().unwrap())
+                }
+                _ => self.hash()?,
+            };
             self.out.hashes.push(h);
         }
         Some(start..self.out.hashes.len())
@@ -651,6 +660,28 @@ impl<'a> Fields<'a> {
 #[inline]
 fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, usize) {
     let mut i = 0;
+    // Eight tokens at a time while their 8 x 5 bytes and a last load's 8 fit: no bounds test
+    // per token, and one validity test per chunk (a chunk with a form not read here is read
+    // again one by one below, which stops at it).
+    const CHUNK: usize = 8;
+    while i + CHUNK <= out.len() && p + 5 * (CHUNK - 1) + 8 <= b.len() {
+        let start = p;
+        let mut valid = true;
+        for slot in &mut out[i..i + CHUNK] {
+            // SAFETY: p <= start + 5 * 7 and start + 43 <= b.len() (a width is at most 5,
+            // an invalid marker's too).
+            let word = unsafe { b.as_ptr().add(p).cast::<u64>().read_unaligned() };
+            let (t, width, ok) = one_token(u64::from_le(word));
+            slot.write(t);
+            valid &= ok;
+            p += width as usize;
+        }
+        if !valid {
+            p = start;
+            break;
+        }
+        i += CHUNK;
+    }
     while i < out.len() {
         let Some(word) = b.get(p..p + 8) else { break };
         let (t, width, valid) = one_token(u64::from_le_bytes(word.try_into().unwrap()));
@@ -684,6 +715,25 @@ const FAST_WIDTHS: [u8; 256] = {
 pub(crate) fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
     let end = b.len().saturating_sub(7);
     let mut i = 0;
+    // Eight tokens at a time while 8 x 5 bytes fit before `end`: no bounds or marker test per
+    // token, just the marker, its width and the add. A marker that is not a fast form has width
+    // 0, so the position stops there and every later width in the chunk is 0 too: the last
+    // width alone says whether the chunk was all fast forms (if not, it is read again below).
+    const CHUNK: usize = 8;
+    while i + CHUNK <= n && p + 5 * CHUNK <= end {
+        let start = p;
+        let mut width = 0;
+        for _ in 0..CHUNK {
+            // SAFETY: p <= start + 5 * 7 < end <= b.len() (a width is at most 5).
+            width = FAST_WIDTHS[unsafe { *b.get_unchecked(p) } as usize] as usize;
+            p += width;
+        }
+        if width == 0 {
+            p = start;
+            break;
+        }
+        i += CHUNK;
+    }
     while i < n && p < end {
         let width = FAST_WIDTHS[b[p] as usize];
         if width == 0 {
@@ -900,13 +950,18 @@ mod tests {
     }
 
     /// Token ids of every width and signedness a writer may use, at every distance from the
-    /// payload's end: the fast decoder (three per load) and the one-by-one reader agree.
+    /// payload's end: the fast decoders (eight at a time, then one by one) and the one-by-one
+    /// reader agree.
     #[test]
     fn token_ids_decode_in_every_width() {
         let values: [u64; 12] = [0, 1, 127, 128, 255, 256, 65535, 65536, 150_000, u32::MAX as u64, 1 << 32, 5];
         let mut seed = 0x9e37_79b9_u64;
-        for case in 0..400 {
-            let n = case % 23;
+        for case in 0..800 {
+            // Up to 62 ids: the decoders' chunks of eight, the rest one by one.
+            let n = case % 23 + case % 3 * 20;
+            // Half the cases with a slow form rarely, so most chunks are all fast forms and
+            // one with a slow form (read again one by one) is among them.
+            let odds = if case % 2 == 0 { 10 } else { 100 };
             let mut body = Vec::new();
             let mut want = Vec::new();
             let mut starts = Vec::new();
@@ -915,7 +970,7 @@ mod tests {
                 seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 let v = values[(seed >> 33) as usize % values.len()];
                 // Mostly what msgspec writes; sometimes a wider or signed marker, or a negative.
-                match (seed >> 20) % 10 {
+                match (seed >> 20) % odds {
                     0 => body.extend_from_slice(&[&[0xcf][..], &v.to_be_bytes()].concat()),
                     1 => body.extend_from_slice(&[&[0xd3][..], &(v as i64).to_be_bytes()].concat()),
                     2 => {
