@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python bench/relay.py --plugin
 	$(BIN)/python bench/consumer.py
 	$(BIN)/python bench/engine_route.py
+	$(BIN)/python bench/engine_route.py --rate 0 --runs 2
 
 # The index core against Dynamo's native indexers (dynamo-kv-router from crates.io): its own cargo
 # package and target dir under bench/native, so neither the wheel nor `make test` ever builds it.
