@@ -94,3 +94,14 @@ def batches(wire: Wire = "any"):
         events=st.lists(events(wire), max_size=8),
         data_parallel_rank=_optional(ints),
     )
+
+
+def corrupted(payload: bytes, rnd) -> bytes:
+    """``payload`` with one to three bytes overwritten and, a third of the time, cut short: the
+    damage a reader must refuse or read exactly as msgspec does (``rnd``: hypothesis' randoms)."""
+    out = bytearray(payload)
+    for _ in range(rnd.randrange(1, 4)):
+        out[rnd.randrange(len(out))] = rnd.randrange(256)
+    if rnd.random() < 0.3:
+        del out[rnd.randrange(len(out)) :]
+    return bytes(out)

@@ -14,7 +14,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from event_strategies import batches
+from event_strategies import batches, corrupted
 from kvbridge._native import BatchDecoder
 from kvbridge.wire import events as wire_events
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
@@ -81,13 +81,7 @@ def test_native_decode_leaves_free_form_fields_to_msgspec(batch):
 @settings(max_examples=300, deadline=None)
 @given(plain_batches, st.randoms(use_true_random=False))
 def test_native_decode_never_accepts_what_msgspec_rejects(batch, rnd):
-    payload = bytearray(encode_batch(batch))
-    for _ in range(rnd.randrange(1, 4)):
-        i = rnd.randrange(len(payload))
-        payload[i] = rnd.randrange(256)
-    if rnd.random() < 0.3:
-        del payload[rnd.randrange(len(payload)) :]
-    payload = bytes(payload)
+    payload = corrupted(encode_batch(batch), rnd)
     native = _decoder().decode(payload)
     try:
         reference = _msgspec_decode(payload)

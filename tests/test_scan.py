@@ -11,7 +11,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from event_strategies import batches
+from event_strategies import batches, corrupted
 from kvbridge import _native
 from kvbridge.wire.residency import ops_of as _ops_of
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch, decode_batch, encode_batch
@@ -40,13 +40,7 @@ def test_scan_agrees_with_decode_on_vllm_batches(batch):
 @settings(max_examples=300, deadline=None)
 @given(batches("vllm"), st.randoms(use_true_random=False))
 def test_scan_never_accepts_what_decode_rejects(batch, rnd):
-    payload = bytearray(encode_batch(batch))
-    for _ in range(rnd.randrange(1, 4)):
-        i = rnd.randrange(len(payload))
-        payload[i] = rnd.randrange(256)
-    if rnd.random() < 0.3:
-        del payload[rnd.randrange(len(payload)) :]
-    payload = bytes(payload)
+    payload = corrupted(encode_batch(batch), rnd)
     try:
         decode_batch(payload)
     except DecodeError:
