@@ -86,7 +86,11 @@ async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
               f"publisher {e.publisher.stats['reconnects']} reconnects")
     stats = sub.stats
     print(f"converged {waited:.2f}s after the engines finished; sub stats {stats}")
-    assert stats["replays"] >= 1 and stats["snapshots"] == 3
+    # Messages in flight when the broker died leave gaps, repaired by replay and never by another
+    # snapshot (3: first contact only). Whether any were in flight is the kill's timing: a kill
+    # between two sends loses nothing (seen once), so the replay is asserted when a gap was seen.
+    assert stats["snapshots"] == 3, stats
+    assert stats["replays"] >= 1 if stats["gaps"] else stats["replays"] == 0, stats
     assert stats["reconnects"] >= 1 and all(p.stats["reconnects"] >= 1 for p in pubs)
     await close_all(*pubs, sub)
 
