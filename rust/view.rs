@@ -1016,4 +1016,51 @@ mod tests {
         }
         assert!(read > 500 && refused > 300 && like > 300, "{read} {refused} {like}");
     }
+
+    #[test]
+    fn a_template_takes_a_hash_of_its_width_in_any_form() {
+        // `like` reads the hash where the template's was and needs it to end where that one
+        // did: hashes of one width in every form (uint, int either sign, bytes, and what is not
+        // a hash: a float, nil, a bool, a shorter hash and bytes of the template's after it), so
+        // a run's template meets each of the others.
+        let forms: [[&[u8]; 5]; 4] = [
+            [
+                &[0xcf, 1, 2, 3, 4, 5, 6, 7, 8],
+                &[0xd3, 0xff, 2, 3, 4, 5, 6, 7, 8],
+                &[0xd3, 0, 2, 3, 4, 5, 6, 7, 8],
+                &[0xc4, 7, 1, 2, 3, 4, 5, 6, 7],
+                &[0x07, 1, 2, 3, 4, 5, 6, 7, 8],
+            ],
+            [&[0xce, 1, 2, 3, 4], &[0xd2, 0xff, 2, 3, 4], &[0xc4, 3, 1, 2, 3], &[0xca, 1, 2, 3, 4], &[0xcc, 1, 2, 3, 4]],
+            [&[0xcd, 1, 2], &[0xd1, 0xff, 2], &[0xc4, 1, 1], &[0xd1, 0, 2], &[0x07, 1, 2]],
+            [&[0x07], &[0xff], &[0xc0], &[0xc2], &[0x05]],
+        ];
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let (mut read, mut refused) = (0, 0);
+        for _ in 0..4000 {
+            let n = (next() % 8) as usize;
+            let width = &forms[(next() % 4) as usize];
+            let mut b = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x90 | n as u8];
+            for _ in 0..n {
+                b.extend_from_slice(b"\x83\xa4type\xacBlockRemoved\xacblock_hashes\x91");
+                b.extend_from_slice(width[(next() % 5) as usize]);
+                b.extend_from_slice(b"\xa6medium\xd9\x03GPU");
+            }
+            b.push(0xc0);
+            let got = summary(&b, true);
+            assert_eq!(got, summary(&b, false), "{b:02x?}");
+            if got.is_some() {
+                read += 1;
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(read > 1000 && refused > 1000, "{read} {refused}");
+    }
 }

@@ -8,6 +8,7 @@ is ``None``, and msgspec decides.
 
 import gc
 import struct
+import sys
 import threading
 
 import msgspec
@@ -178,3 +179,35 @@ def test_threads_share_the_module_decoder():
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_shared_ints_keep_their_counts_whatever_the_decode_ends_in():
+    # The cached ints' counts are written inline: every reference a list took must go when the
+    # list does, whether the decode answered or gave up mid-list, after a list, at a later event
+    # or at the batch's end (the lists it built then are dropped half filled).
+    d = _decoder()
+
+    def stored(tokens, **fields):
+        ev = {"type": "BlockStored", "block_hashes": [2**63], "parent_block_hash": None, "token_ids": tokens}
+        ev.update({"block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None})
+        ev.update(fields)
+        return ev
+
+    good = msgspec.msgpack.encode([1.0, [stored([5000, 7, 5000, 2**40])]])
+    token = d.decode(good).events[0].token_ids[0]
+    base = sys.getrefcount(token)
+    refused = [
+        msgspec.msgpack.encode([1.0, [stored([5000] * 10 + [1.5])]]),
+        msgspec.msgpack.encode([1.0, [stored([5000] * 10, block_size="x")]]),
+        msgspec.msgpack.encode([1.0, [stored([5000] * 10), {"type": "Nope"}]]),
+        msgspec.msgpack.encode([1.0, [stored([5000] * 10)], "rank"]),
+        msgspec.msgpack.encode([1.0, [stored([5000] * 10)]]) + b"\x00",
+    ]
+    for _ in range(100):
+        for payload in refused:
+            assert d.decode(payload) is None
+    assert sys.getrefcount(token) == base
+    kept = [d.decode(good) for _ in range(100)]
+    assert sys.getrefcount(token) == base + 200
+    del kept
+    assert sys.getrefcount(token) == base
