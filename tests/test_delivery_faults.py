@@ -124,6 +124,35 @@ async def test_heartbeat_s_zero_sends_nothing_while_idle(nats_server):
     await nc.close()
 
 
+async def test_no_heartbeat_while_an_engine_steps_faster_than_heartbeat_s(nats_server):
+    # An engine thread stepping every 0.1 s: each hand-off reaches a sleeping sender through the
+    # eventfd (the one-hand-off path that sends from the wake-up callback itself). The one heartbeat
+    # timer must see those emits and stay quiet, and take up heartbeats again once the steps stop.
+    nc, _, col = await raw_subscribe(nats_server, "hbb.events.>")
+    pub = await KvEventPublisher(servers=[nats_server.url], subject_prefix="hbb", model=MODEL, worker_id="w").start()
+    assert pub.config.heartbeat_s == 1.0
+    steps = 25
+
+    def engine() -> None:
+        for i in range(steps):
+            pub.publish([stored(5000 + i)])
+            time.sleep(0.1)  # the engine's pace, 10x heartbeat_s's rate: not what is asserted
+
+    await asyncio.to_thread(engine)
+    await wait_until(lambda: sum(len(b.events) for _, b in col.batches()) == steps, 15, "every step's event")
+    batches = col.batches()
+    with_events = [i for i, (_, b) in enumerate(batches) if b.events]
+    busy = batches[with_events[0] : with_events[-1] + 1]
+    assert all(b.events for _, b in busy), [(s, len(b.events)) for s, b in busy]  # no heartbeat among them
+    seqs = [s for s, _ in batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    after = len(batches)
+    await wait_until(lambda: sum(1 for _, b in col.batches()[after:] if not b.events) >= 2, 15,
+                     "heartbeats again once the engine is idle")  # fmt: skip
+    await pub.close()
+    await nc.close()
+
+
 # -- bad publish() arguments ----------------------------------------------------------------------
 
 
