@@ -113,6 +113,22 @@ unsafe fn wide_magnitude(ndigits: usize, digits: *const u32) -> Option<u64> {
     }
 }
 
+/// A list's size and item array pointer, read off its object.
+///
+/// # Safety
+/// `obj` is a live list (exact or subclass), the GIL is held, and the layout is not `Api` (a
+/// list's size is at `WORD`, its item array pointer at `PAYLOAD`).
+#[inline(always)]
+unsafe fn list_raw(obj: *mut ffi::PyObject) -> (usize, *mut *mut ffi::PyObject) {
+    // SAFETY: a live list object, laid out as the caller guarantees.
+    unsafe {
+        (
+            *((obj as *const u8).add(WORD) as *const isize) as usize,
+            *((obj as *const u8).add(PAYLOAD) as *const *mut *mut ffi::PyObject),
+        )
+    }
+}
+
 /// A list's items without a call per item.
 ///
 /// # Safety
@@ -128,19 +144,37 @@ pub unsafe fn list_items<'a>(
     if layout == Layout::Api {
         return None;
     }
-    // SAFETY: a live list object, laid out as the caller guarantees.
-    let (len, items) = unsafe {
-        (
-            *((obj as *const u8).add(WORD) as *const isize) as usize,
-            *((obj as *const u8).add(PAYLOAD) as *const *const *mut ffi::PyObject),
-        )
-    };
+    // SAFETY: the caller's guarantees.
+    let (len, items) = unsafe { list_raw(obj) };
     Some(if len == 0 {
         &[]
     } else {
         // SAFETY: a non-empty list's item array holds `len` initialised item pointers.
         unsafe { std::slice::from_raw_parts(items, len) }
     })
+}
+
+/// A fresh list's item slots (`PyList_New(n)`: `n` NULLs), for a decoder to fill without a
+/// call per item; `None` on `Api` (use `PyList_SetItem`) or for an empty list.
+///
+/// # Safety
+/// As for `list_items`, and `obj` is fresh: no one else holds it, so each slot is set once,
+/// with a new reference the list takes over.
+#[inline(always)]
+pub unsafe fn fresh_list_slots<'a>(
+    layout: Layout,
+    obj: *mut ffi::PyObject,
+) -> Option<&'a mut [*mut ffi::PyObject]> {
+    if layout == Layout::Api {
+        return None;
+    }
+    // SAFETY: the caller's guarantees.
+    let (len, items) = unsafe { list_raw(obj) };
+    if len == 0 {
+        return None;
+    }
+    // SAFETY: a fresh list of `len` slots owns an item array of `len` pointers (all NULL).
+    Some(unsafe { std::slice::from_raw_parts_mut(items, len) })
 }
 
 /// Appends the leading items of `items` that are exact ints in 0..=u32::MAX (token ids) to

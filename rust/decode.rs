@@ -23,11 +23,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use crate::cpython::{layout, Layout};
+use crate::cpython::{fresh_list_slots, layout, Layout};
 use crate::scan::{Hash, Reader};
-
-/// Where a list's item array pointer is, after the header and size (as `crate::cpython` reads it).
-const LIST_ITEMS: usize = 24;
 
 /// Token id values with a shared int: every vocabulary in use fits (Gemma's, the largest, is
 /// 262,144). Filled as values are seen, so a deployment pays for the ids its traffic holds
@@ -224,7 +221,7 @@ impl Cache {
         let layout = if cfg!(target_endian = "little") { layout(py) } else { Layout::Api };
         // SAFETY: `list` is a fresh list; no Python code runs while `items` is in use (creating
         // an int runs none).
-        let mut items = unsafe { list_slots(layout, list.as_ptr(), n) };
+        let mut items = unsafe { fresh_list_slots(layout, list.as_ptr()) };
         for i in 0..n {
             // The common case inline: a cached value (one load, one count, one store).
             if let Some(v) = token(r.b, &mut r.p) {
@@ -293,25 +290,7 @@ fn token(b: &[u8], p: &mut usize) -> Option<u64> {
     Some(v)
 }
 
-/// A fresh list's item array, for direct writes, on the interpreters whose list layout
-/// `crate::cpython` has proven (`None`: use PyList_SetItem).
-///
-/// # Safety
-/// `list` is a live, fresh list of `n` slots and the GIL is held; the slice is used before any
-/// Python code runs (which could resize the list).
-unsafe fn list_slots<'a>(layout: Layout, list: *mut ffi::PyObject, n: usize) -> Option<&'a mut [*mut ffi::PyObject]> {
-    if layout == Layout::Api || n == 0 {
-        return None;
-    }
-    // SAFETY: on these layouts a list's item pointer is at LIST_ITEMS (crate::cpython), and a
-    // fresh list of `n` slots has `n` NULL items there.
-    Some(unsafe {
-        let items = *((list as *const u8).add(LIST_ITEMS) as *const *mut *mut ffi::PyObject);
-        std::slice::from_raw_parts_mut(items, n)
-    })
-}
-
-/// Sets slot `i` of a fresh list (`items` from `list_slots`) to `obj`, a new reference taken over.
+/// Sets slot `i` of a fresh list (`items` from `cpython::fresh_list_slots`) to `obj`, a new reference taken over.
 #[inline(always)]
 fn set_item(list: &Bound<'_, PyAny>, items: Option<&mut [*mut ffi::PyObject]>, i: usize, obj: *mut ffi::PyObject) {
     match items {
