@@ -34,6 +34,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyNone};
 
 use crate::cpython;
+use crate::prefetch::prefetch;
 
 mod msgpack;
 mod plan;
@@ -60,18 +61,6 @@ const WIRE_TYPES: [&str; 4] = ["KVEventBatch", "BlockStored", "BlockRemoved", "A
 /// List items are read this many ahead of the walk (see `prefetch`).
 const PREFETCH_AHEAD: usize = 16;
 
-/// Asks for the cache line of `p`: a list's items are separate objects, so a walk over items
-/// not read lately waits on memory once per item; asked ahead, those waits overlap.
-#[inline(always)]
-fn prefetch(p: *mut ffi::PyObject) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint: it never faults, whatever the address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
-}
 
 /// Encode `batch` (normally a `KVEventBatch`) to the exact bytes msgspec's msgpack encoder writes.
 #[pyfunction]

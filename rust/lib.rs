@@ -14,6 +14,7 @@ mod index;
 mod natsproto;
 pub mod native;
 mod pool;
+mod prefetch;
 mod scan;
 mod view;
 mod wake;

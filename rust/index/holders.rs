@@ -5,6 +5,8 @@
 //! by more moves to a slab entry with one worker bitset per class, so a popular prefix costs a
 //! bit per worker and a query ANDs whole words of workers at a time.
 
+use crate::prefetch::prefetch;
+
 /// A holder: worker id in the high 24 bits, class id in the low 8.
 pub type Entry = u32;
 
@@ -415,18 +417,13 @@ impl Holders {
     /// word in `words` if `any` (for `word0_any`), else the entry.
     #[inline]
     pub fn prefetch(&self, slab: &Slab, any: bool) {
-        #[cfg(target_arch = "x86_64")]
         if self.a == MANY {
-            let p = if any {
-                slab.words.as_ptr().wrapping_add(self.b as usize) as *const i8
+            if any {
+                prefetch(slab.words.as_ptr().wrapping_add(self.b as usize));
             } else {
-                slab.many.as_ptr().wrapping_add(self.b as usize) as *const i8
-            };
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+                prefetch(slab.many.as_ptr().wrapping_add(self.b as usize));
+            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (slab, any);
     }
 
     /// `word0` for a filter that accepts every class: the slab's `words` rather than its

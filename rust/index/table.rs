@@ -11,6 +11,8 @@
 
 use std::mem::size_of;
 
+use crate::prefetch::prefetch;
+
 const EMPTY: u64 = 0;
 /// Grown past 3/4 full: linear probing's clusters stay short.
 const MAX_LOAD_NUM: usize = 3;
@@ -90,14 +92,9 @@ impl<V: Copy> Table<V> {
     /// Asks the CPU to bring `k`'s slot into cache: for a lookup a little later.
     #[inline]
     pub fn prefetch(&self, k: u64) {
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = self.slots.as_ptr().wrapping_add(self.home(k));
-            // SAFETY: a prefetch never faults, and the address is inside the slots.
-            unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+            prefetch(self.slots.as_ptr().wrapping_add(self.home(k)));
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = k;
     }
 
     /// The table for lookups split in two (`Probe`), None while it has no slots (when a key
@@ -249,18 +246,12 @@ impl<V: Copy> Table<V> {
     /// a remove's backward shift, goes on reading (the relay's view removes as much as it inserts).
     #[inline]
     pub fn prefetch_run(&self, k: u64) {
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = self.slots.as_ptr().wrapping_add(self.home(k)) as *const i8;
-            // SAFETY: a prefetch never faults, whatever the address (the second may be past the
-            // slots' end: no memory is read for it).
-            unsafe {
-                std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0);
-                std::arch::x86_64::_mm_prefetch(p.wrapping_add(64), std::arch::x86_64::_MM_HINT_T0);
-            }
+            // The second line may be past the slots' end: a hint, no memory is read for it.
+            let p = self.slots.as_ptr().wrapping_add(self.home(k)) as *const u8;
+            prefetch(p);
+            prefetch(p.wrapping_add(64));
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = k;
     }
 
     /// Every entry, key `EMPTY`'s too, in no particular order.
@@ -289,14 +280,7 @@ impl<'t, V: Copy> Probe<'t, V> {
 
     #[inline(always)]
     pub fn prefetch_at(&self, i: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let p = self.slots.as_ptr().wrapping_add(i);
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = i;
+        prefetch(self.slots.as_ptr().wrapping_add(i));
     }
 
     /// The value of `k`, `start` being `start(k)`.
