@@ -303,13 +303,17 @@ class _FastClient(Client):
         if (self._pending or out is None or not self.is_connected or self.is_draining_pubs or out.is_closing()
                 or out.get_write_buffer_size() or len(payload) > self._max_payload):  # fmt: skip
             return False
-        n = len(header_block)
-        size = len(payload)
-        out.write(b"".join((f"HPUB {subject} {n} {n + size}\r\n".encode(), header_block, payload, b"\r\n")))
+        out.write(self._hpub(subject, "", header_block, payload))
+        return True
+
+    def _hpub(self, subject: str, reply: str, header_block: bytes, payload: bytes) -> bytes:
+        """The HPUB command for one message, counted in nats-py's stats as its publish counts it."""
+        n, size = len(header_block), len(payload)
+        head = f"HPUB {subject} {reply} {n} {n + size}\r\n" if reply else f"HPUB {subject} {n} {n + size}\r\n"
         stats = self.stats
         stats["out_msgs"] += 1
         stats["out_bytes"] += size
-        return True
+        return b"".join((head.encode(), header_block, payload, b"\r\n"))
 
     async def publish_headed(self, subject: str, payload: bytes, header_block: bytes, reply: str = "") -> None:
         if not reply and self.publish_now(subject, payload, header_block):
@@ -325,13 +329,7 @@ class _FastClient(Client):
             raise _errors.OutboundBufferLimitError
         if size > self._max_payload:
             raise _errors.MaxPayloadError
-        n = len(header_block)
-        head = f"HPUB {subject} {reply} {n} {n + size}\r\n" if reply else f"HPUB {subject} {n} {n + size}\r\n"
-        cmd = b"".join((head.encode(), header_block, payload, b"\r\n"))
-        stats = self.stats
-        stats["out_msgs"] += 1
-        stats["out_bytes"] += size
-        await self._send_command(cmd)
+        await self._send_command(self._hpub(subject, reply, header_block, payload))
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 
