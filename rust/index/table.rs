@@ -71,18 +71,7 @@ impl<V: Copy> Table<V> {
         if self.slots.is_empty() {
             return None;
         }
-        let mask = self.mask();
-        let mut i = self.home(k);
-        loop {
-            let s = self.slots[i].key;
-            if s == k {
-                return Some(i);
-            }
-            if s == EMPTY {
-                return None;
-            }
-            i = (i + 1) & mask;
-        }
+        slot_of(&self.slots, self.mask(), self.home(k), k)
     }
 
     pub fn len(&self) -> usize {
@@ -272,6 +261,23 @@ pub struct Probe<'t, V: Copy> {
     empty_key: Option<&'t V>,
 }
 
+/// The slot holding `k` (not `EMPTY`), probing linearly from `start`; None at the first free
+/// slot. `slots` is not empty and below its load limit, so a free slot ends every probe.
+#[inline(always)]
+fn slot_of<V: Copy>(slots: &[Slot<V>], mask: usize, start: usize, k: u64) -> Option<usize> {
+    let mut i = start;
+    loop {
+        let key = slots[i].key;
+        if key == k {
+            return Some(i);
+        }
+        if key == EMPTY {
+            return None;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
 impl<'t, V: Copy> Probe<'t, V> {
     #[inline(always)]
     pub fn start(&self, k: u64) -> usize {
@@ -289,17 +295,7 @@ impl<'t, V: Copy> Probe<'t, V> {
         if k == EMPTY {
             return self.empty_key;
         }
-        let mut i = start;
-        loop {
-            let s = &self.slots[i & self.mask];
-            if s.key == k {
-                return Some(&s.val);
-            }
-            if s.key == EMPTY {
-                return None;
-            }
-            i += 1;
-        }
+        slot_of(self.slots, self.mask, start, k).map(|i| &self.slots[i].val)
     }
 }
 
