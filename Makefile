@@ -17,10 +17,13 @@ setup: $(BIN)/maturin
 demo: setup
 	$(BIN)/kvbridge demo
 
-# clippy (warnings are errors; the unsafe-code lints are set in rust/lib.rs and clippy.toml), then
+# rustfmt's check (the crate and bench/native), clippy (warnings are errors; the unsafe-code lints
+# are set in rust/lib.rs and clippy.toml), then
 # cargo test: the pure-Rust parts (pickle, CBOR, the pool's and the index's cores), linked against
 # the venv's Python.
 test: setup
+	cargo fmt --check
+	cd bench/native && cargo fmt --check
 	PYO3_PYTHON=$(abspath $(BIN))/python cargo clippy --quiet --all-targets -- -D warnings
 	PYO3_PYTHON=$(abspath $(BIN))/python cargo test --quiet
 	$(BIN)/python -m pytest -q -p no:cacheprovider

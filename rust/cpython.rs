@@ -78,7 +78,10 @@ pub unsafe fn small_int(layout: Layout, obj: *mut ffi::PyObject) -> (bool, u32) 
     let (small, has_digit) = match layout {
         Layout::SignedSize => ((word as usize) <= 1, word != 0),
         // Digit count <= 1, sign not negative; bit 2 (3.14's immortal small ints) is ignored.
-        Layout::TaggedValue => ((word as usize) < 16 && (word & 3) != 2, (word as usize) >> 3 != 0),
+        Layout::TaggedValue => (
+            (word as usize) < 16 && (word & 3) != 2,
+            (word as usize) >> 3 != 0,
+        ),
         Layout::Api => (false, false),
     };
     // Zero may have no digit allocated: read a static zero instead.
@@ -215,7 +218,11 @@ pub unsafe fn read_u32_prefix(
 /// # Safety
 /// As `read_u32_prefix`.
 #[inline(always)]
-unsafe fn read_small_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mut Vec<u32>) -> usize {
+unsafe fn read_small_ints(
+    layout: Layout,
+    items: &[*mut ffi::PyObject],
+    out: &mut Vec<u32>,
+) -> usize {
     const GROUP: usize = 8;
     // Read in place of an item that is not an int (whose memory may end before the fields
     // an int has): an object-sized zero, never a valid token, as `ok` records.
@@ -231,7 +238,11 @@ unsafe fn read_small_ints(layout: Layout, items: &[*mut ffi::PyObject], out: &mu
         for (j, &p) in group.iter().enumerate() {
             // SAFETY: `p` is a live object.
             let is_int = unsafe { ffi::Py_TYPE(p) } == long_type;
-            let int = if is_int { p } else { NOT_AN_INT.as_ptr() as *mut ffi::PyObject };
+            let int = if is_int {
+                p
+            } else {
+                NOT_AN_INT.as_ptr() as *mut ffi::PyObject
+            };
             // SAFETY: `int` is a live exact int or the zeroed stand-in, 32 bytes long.
             let (small, value) = unsafe { small_int(layout, int) };
             ok &= is_int & small;

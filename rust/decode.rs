@@ -54,7 +54,13 @@ const STORED_FIELDS: &[&[u8]] = &[
 ];
 /// `BlockStored`'s fields without a default.
 const STORED_REQUIRED: usize = 7;
-const REMOVED_FIELDS: &[&[u8]] = &[b"block_hashes", b"medium", b"group_idx", b"locality", b"ownership"];
+const REMOVED_FIELDS: &[&[u8]] = &[
+    b"block_hashes",
+    b"medium",
+    b"group_idx",
+    b"locality",
+    b"ownership",
+];
 const REMOVED_REQUIRED: usize = 2;
 
 /// `Ok(None)` from the decoder: not a shape it reads (msgspec decodes it instead).
@@ -109,7 +115,11 @@ impl BatchDecoder {
     }
 
     /// The batch in ``payload``, or ``None`` when it is not a shape this decoder reads.
-    fn decode<'py>(&self, py: Python<'py>, payload: &Bound<'py, PyBytes>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn decode<'py>(
+        &self,
+        py: Python<'py>,
+        payload: &Bound<'py, PyBytes>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let Ok(mut cache) = self.cache.try_lock() else {
             return Ok(None);
         };
@@ -131,13 +141,22 @@ impl BatchDecoder {
             None => py.None().into_bound(py),
         };
         let ts = ts.into_pyobject(py)?;
-        Ok(Some(call(py, &self.batch, &[ts.as_ptr(), events.as_ptr(), rank.as_ptr()])?))
+        Ok(Some(call(
+            py,
+            &self.batch,
+            &[ts.as_ptr(), events.as_ptr(), rank.as_ptr()],
+        )?))
     }
 }
 
 impl Cache {
     /// One event, or `None` when it is not one this decoder reads.
-    fn event<'py>(&mut self, py: Python<'py>, classes: &Classes, r: &mut Reader<'_>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn event<'py>(
+        &mut self,
+        py: Python<'py>,
+        classes: &Classes,
+        r: &mut Reader<'_>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let n = or_none!(r.map_len());
         if n == 0 || or_none!(r.raw_str()) != b"type" {
             return Ok(None);
@@ -194,7 +213,11 @@ impl Cache {
         &mut self,
         py: Python<'py>,
         r: &mut Reader<'_>,
-        read: impl FnOnce(&mut Self, Python<'py>, &mut Reader<'_>) -> PyResult<Option<Bound<'py, PyAny>>>,
+        read: impl FnOnce(
+            &mut Self,
+            Python<'py>,
+            &mut Reader<'_>,
+        ) -> PyResult<Option<Bound<'py, PyAny>>>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         if r.nil() {
             return Ok(Some(py.None().into_bound(py)));
@@ -202,7 +225,11 @@ impl Cache {
         read(self, py, r)
     }
 
-    fn hashes<'py>(&mut self, py: Python<'py>, r: &mut Reader<'_>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn hashes<'py>(
+        &mut self,
+        py: Python<'py>,
+        r: &mut Reader<'_>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let n = or_none!(r.bounded_array_len());
         let list = new_list(py, n)?;
         for i in 0..n {
@@ -214,11 +241,19 @@ impl Cache {
     }
 
     /// A list of ints, each below `TOKEN_CACHE` the decoder's shared int for its value.
-    fn token_ids<'py>(&mut self, py: Python<'py>, r: &mut Reader<'_>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn token_ids<'py>(
+        &mut self,
+        py: Python<'py>,
+        r: &mut Reader<'_>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let n = or_none!(r.bounded_array_len());
         let list = new_list(py, n)?;
         // The inline reference counts below read a 32-bit half as the low one.
-        let layout = if cfg!(target_endian = "little") { layout(py) } else { Layout::Api };
+        let layout = if cfg!(target_endian = "little") {
+            layout(py)
+        } else {
+            Layout::Api
+        };
         // SAFETY: `list` is a fresh list; no Python code runs while `items` is in use (creating
         // an int runs none).
         let mut items = unsafe { fresh_list_slots(layout, list.as_ptr()) };
@@ -259,7 +294,11 @@ impl Cache {
     }
 
     /// A str (UTF-8 checked, as msgspec does), short ones shared.
-    fn str<'py>(&mut self, py: Python<'py>, r: &mut Reader<'_>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn str<'py>(
+        &mut self,
+        py: Python<'py>,
+        r: &mut Reader<'_>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let s = or_none!(r.str());
         if let Some((_, o)) = self.strs.iter().find(|(k, _)| **k == *s) {
             return Ok(Some(o.clone_ref(py).into_bound(py).into_any()));
@@ -282,8 +321,14 @@ fn token(b: &[u8], p: &mut usize) -> Option<u64> {
     let (v, width) = match *b.get(at)? {
         m @ 0x00..=0x7f => (m as u64, 1),
         0xcc => (*b.get(at + 1)? as u64, 2),
-        0xcd => (u16::from_be_bytes(b.get(at + 1..at + 3)?.try_into().ok()?) as u64, 3),
-        0xce => (u32::from_be_bytes(b.get(at + 1..at + 5)?.try_into().ok()?) as u64, 5),
+        0xcd => (
+            u16::from_be_bytes(b.get(at + 1..at + 3)?.try_into().ok()?) as u64,
+            3,
+        ),
+        0xce => (
+            u32::from_be_bytes(b.get(at + 1..at + 5)?.try_into().ok()?) as u64,
+            5,
+        ),
         _ => return None,
     };
     *p = at + width;
@@ -292,7 +337,12 @@ fn token(b: &[u8], p: &mut usize) -> Option<u64> {
 
 /// Sets slot `i` of a fresh list (`items` from `cpython::fresh_list_slots`) to `obj`, a new reference taken over.
 #[inline(always)]
-fn set_item(list: &Bound<'_, PyAny>, items: Option<&mut [*mut ffi::PyObject]>, i: usize, obj: *mut ffi::PyObject) {
+fn set_item(
+    list: &Bound<'_, PyAny>,
+    items: Option<&mut [*mut ffi::PyObject]>,
+    i: usize,
+    obj: *mut ffi::PyObject,
+) {
     match items {
         Some(items) => items[i] = obj,
         // SAFETY: a fresh list with more than `i` slots; PyList_SetItem takes `obj` over.
@@ -339,11 +389,23 @@ extern "C" {
 }
 
 /// `cls(*args)` without an argument tuple (msgspec's Structs take vectorcalls): one per event.
-fn call<'py>(py: Python<'py>, cls: &Py<PyAny>, args: &[*mut ffi::PyObject]) -> PyResult<Bound<'py, PyAny>> {
+fn call<'py>(
+    py: Python<'py>,
+    cls: &Py<PyAny>,
+    args: &[*mut ffi::PyObject],
+) -> PyResult<Bound<'py, PyAny>> {
     // SAFETY: `cls` and every item of `args` are live objects (borrowed for the call), the GIL
     // is held; the result is a new reference or NULL with an exception set.
     unsafe {
-        Bound::from_owned_ptr_or_err(py, PyObject_Vectorcall(cls.as_ptr(), args.as_ptr(), args.len(), std::ptr::null_mut()))
+        Bound::from_owned_ptr_or_err(
+            py,
+            PyObject_Vectorcall(
+                cls.as_ptr(),
+                args.as_ptr(),
+                args.len(),
+                std::ptr::null_mut(),
+            ),
+        )
     }
 }
 

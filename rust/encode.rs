@@ -56,11 +56,15 @@ const KEEP_BUFFER_BYTES: usize = 8 << 20;
 /// The Struct types vLLM's wire format is made of, in `kvbridge.wire.events`: planned by every
 /// thread before its first walk, so that a batch never makes a walk start over.
 const WIRE_MODULE: &str = "kvbridge.wire.events";
-const WIRE_TYPES: [&str; 4] = ["KVEventBatch", "BlockStored", "BlockRemoved", "AllBlocksCleared"];
+const WIRE_TYPES: [&str; 4] = [
+    "KVEventBatch",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+];
 
 /// List items are read this many ahead of the walk (see `prefetch`).
 const PREFETCH_AHEAD: usize = 16;
-
 
 /// Encode `batch` (normally a `KVEventBatch`) to the exact bytes msgspec's msgpack encoder writes.
 #[pyfunction]
@@ -234,11 +238,12 @@ impl<'a> Encoder<'a, '_> {
             put_float(self.out, unsafe { ffi::PyFloat_AsDouble(obj) });
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyBool_Type) {
-            self.out.push(if obj == PyBool::new(self.py, true).as_ptr() {
-                0xc3
-            } else {
-                0xc2
-            });
+            self.out
+                .push(if obj == PyBool::new(self.py, true).as_ptr() {
+                    0xc3
+                } else {
+                    0xc2
+                });
             Ok(())
         } else if ty == addr_of_mut!(ffi::PyBytes_Type) {
             // SAFETY: see above; a bytes object's buffer holds `len` bytes for its lifetime,

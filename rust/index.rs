@@ -43,7 +43,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// `Index.find_matches` reads without a Python int per item; None for an absent field or nil.
 /// ValueError in msgspec's words (the service's error replies read the same either way).
 #[pyfunction]
-fn unpack_query_ints<'py>(raw: &Bound<'py, PyAny>, field: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+fn unpack_query_ints<'py>(
+    raw: &Bound<'py, PyAny>,
+    field: &str,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
     let py = raw.py();
     let buffer = Buffer::get(raw, pyo3::ffi::PyBUF_ND)?;
     let b: &[u8] = if buffer.len() == 0 {
@@ -57,9 +60,14 @@ fn unpack_query_ints<'py>(raw: &Bound<'py, PyAny>, field: &str) -> PyResult<Opti
         return Ok(None);
     }
     let tokens = field == "tokens";
-    let bad = |at: String, what: String| PyValueError::new_err(format!("Expected {what} - at `$.{field}{at}`"));
+    let bad = |at: String, what: String| {
+        PyValueError::new_err(format!("Expected {what} - at `$.{field}{at}`"))
+    };
     let Some(n) = r.array_len() else {
-        return Err(bad(String::new(), format!("`array | null`, got `{}`", msgpack_type(b[0]))));
+        return Err(bad(
+            String::new(),
+            format!("`array | null`, got `{}`", msgpack_type(b[0])),
+        ));
     };
     let mut out: Vec<u8> = Vec::with_capacity(n * if tokens { 4 } else { 8 });
     for i in 0..n {
@@ -68,17 +76,25 @@ fn unpack_query_ints<'py>(raw: &Bound<'py, PyAny>, field: &str) -> PyResult<Opti
             Some(Hash::U(v)) => v,
             Some(Hash::I(v)) if v >= 0 => v as u64,
             Some(_) => return Err(bad(format!("[{i}]"), "`int` >= 0".into())),
-            None => return Err(bad(format!("[{i}]"), format!("`int`, got `{}`", msgpack_type(marker)))),
+            None => {
+                return Err(bad(
+                    format!("[{i}]"),
+                    format!("`int`, got `{}`", msgpack_type(marker)),
+                ))
+            }
         };
         if tokens {
-            let t = u32::try_from(v).map_err(|_| bad(format!("[{i}]"), "`int` <= 4294967295".into()))?;
+            let t = u32::try_from(v)
+                .map_err(|_| bad(format!("[{i}]"), "`int` <= 4294967295".into()))?;
             out.extend_from_slice(&t.to_ne_bytes());
         } else {
             out.extend_from_slice(&v.to_ne_bytes());
         }
     }
     let view = PyMemoryView::from(PyBytes::new(py, &out).as_any())?;
-    Ok(Some(view.call_method1("cast", (if tokens { "I" } else { "Q" },))?))
+    Ok(Some(
+        view.call_method1("cast", (if tokens { "I" } else { "Q" },))?,
+    ))
 }
 
 /// msgspec's name for the type of the msgpack value starting with `marker`.
@@ -158,7 +174,11 @@ impl Index {
             .to_str()?;
         let format = match format.filter(|f| !f.is_none()) {
             None => None,
-            Some(f) => match f.cast::<PyString>().map_err(|_| type_error("format", "str", f))?.to_str()? {
+            Some(f) => match f
+                .cast::<PyString>()
+                .map_err(|_| type_error("format", "str", f))?
+                .to_str()?
+            {
                 "msgpack" => Some(Format::Msgpack),
                 "json" => Some(Format::Json),
                 other => {
@@ -173,7 +193,11 @@ impl Index {
             b.as_bytes()
         } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
             // Copied: another thread may change a mutable buffer while the GIL is released.
-            owned = data.py().get_type::<PyBytes>().call1((data,))?.cast_into::<PyBytes>()?;
+            owned = data
+                .py()
+                .get_type::<PyBytes>()
+                .call1((data,))?
+                .cast_into::<PyBytes>()?;
             owned.as_bytes()
         } else if data.is_instance(kv_event_batch(py)?)? {
             // Already decoded: its exact msgpack bytes take the same path as a payload.
@@ -230,9 +254,19 @@ impl Index {
     ) -> PyResult<Bound<'py, PyAny>> {
         let medium = opt_str("medium", medium)?;
         if by_medium && (lists || top_k.is_some()) {
-            return Err(PyValueError::new_err("by_medium answers per medium: not with lists or top_k"));
+            return Err(PyValueError::new_err(
+                "by_medium answers per medium: not with lists or top_k",
+            ));
         }
-        let keys = self.query_keys(py, QueryArgs { tokens, block_hashes, lora_name, extra_keys })?;
+        let keys = self.query_keys(
+            py,
+            QueryArgs {
+                tokens,
+                block_hashes,
+                lora_name,
+                extra_keys,
+            },
+        )?;
         let long = keys.len() >= DETACH_MIN_TOKENS / 16;
         let out = PyDict::new(py);
         if by_medium {
@@ -240,7 +274,14 @@ impl Index {
             let rows: Vec<Row> = self.read(py, long, |core| {
                 core.find_matches_by_medium(&keys, medium, remote)
                     .into_iter()
-                    .map(|(w, m, n)| (w, core.name(w).clone(), core.medium_name(m).map(str::to_string), n))
+                    .map(|(w, m, n)| {
+                        (
+                            w,
+                            core.name(w).clone(),
+                            core.medium_name(m).map(str::to_string),
+                            n,
+                        )
+                    })
                     .collect()
             });
             let mut cache = self.names.lock().unwrap_or_else(|e| e.into_inner());
@@ -356,7 +397,8 @@ impl Index {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let (blocks, workers) = self.read(py, false, |core| (core.len(), core.worker_names().len()));
+        let (blocks, workers) =
+            self.read(py, false, |core| (core.len(), core.worker_names().len()));
         format!(
             "Index(block_size={}, key='{}', blocks={blocks}, workers={workers})",
             self.block_size,
@@ -376,7 +418,12 @@ struct QueryArgs<'a, 'py> {
 impl Index {
     /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
     fn query_keys(&self, py: Python<'_>, q: QueryArgs<'_, '_>) -> PyResult<Vec<u64>> {
-        let QueryArgs { tokens, block_hashes, lora_name, extra_keys } = q;
+        let QueryArgs {
+            tokens,
+            block_hashes,
+            lora_name,
+            extra_keys,
+        } = q;
         let tokens = tokens.filter(|t| !t.is_none());
         let block_hashes = block_hashes.filter(|t| !t.is_none());
         let lora_name = opt_str("lora_name", lora_name)?;
@@ -424,14 +471,21 @@ impl Index {
         long: bool,
         query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
     ) -> Vec<(Bound<'py, PyString>, u32)> {
-        fn rows(core: &Core, query: impl FnOnce(&Core, &mut Vec<(u32, u32)>), cached: &[Option<NameCache>]) -> Vec<(u32, Option<Arc<str>>, u32)> {
+        fn rows(
+            core: &Core,
+            query: impl FnOnce(&Core, &mut Vec<(u32, u32)>),
+            cached: &[Option<NameCache>],
+        ) -> Vec<(u32, Option<Arc<str>>, u32)> {
             let mut found = Vec::new();
             query(core, &mut found);
             found
                 .into_iter()
                 .map(|(w, n)| {
                     let name = core.name(w);
-                    let known = cached.get(w as usize).and_then(Option::as_ref).is_some_and(|c| Arc::ptr_eq(&c.0, name));
+                    let known = cached
+                        .get(w as usize)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|c| Arc::ptr_eq(&c.0, name));
                     (w, (!known).then(|| name.clone()), n)
                 })
                 .collect()
@@ -456,7 +510,15 @@ impl Index {
         found
             .into_iter()
             .map(|(w, fresh, n)| match fresh {
-                None => (cache[w as usize].as_ref().expect("cached").1.bind(py).clone(), n),
+                None => (
+                    cache[w as usize]
+                        .as_ref()
+                        .expect("cached")
+                        .1
+                        .bind(py)
+                        .clone(),
+                    n,
+                ),
                 Some(name) => (name_obj(py, &mut cache, w, name), n),
             })
             .collect()
@@ -464,7 +526,12 @@ impl Index {
 
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
     /// otherwise with the GIL released (waiting for the lock included).
-    fn write<R: Send>(&self, py: Python<'_>, long: bool, f: impl FnOnce(&mut Core) -> R + Send) -> R {
+    fn write<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut Core) -> R + Send,
+    ) -> R {
         if !long {
             match self.core.try_write() {
                 Ok(mut g) => return f(&mut g),
@@ -518,7 +585,12 @@ impl Index {
 
 /// The Python str for worker `w`'s name, made once per worker (the Arc tells whether the id
 /// still names the same worker).
-fn name_obj<'py>(py: Python<'py>, cache: &mut Vec<Option<NameCache>>, w: u32, name: Arc<str>) -> Bound<'py, PyString> {
+fn name_obj<'py>(
+    py: Python<'py>,
+    cache: &mut Vec<Option<NameCache>>,
+    w: u32,
+    name: Arc<str>,
+) -> Bound<'py, PyString> {
     let w = w as usize;
     if cache.len() <= w {
         cache.resize_with(w + 1, || None);
@@ -577,7 +649,9 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if !is_seq && unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
         return hashes_from_buffer(obj, WANT);
     }
-    let iter = obj.try_iter().map_err(|_| type_error("block_hashes", WANT, obj))?;
+    let iter = obj
+        .try_iter()
+        .map_err(|_| type_error("block_hashes", WANT, obj))?;
     let mut out = Vec::new();
     for (i, item) in iter.enumerate() {
         let item = item?;
@@ -594,7 +668,11 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             };
             out.push(v);
         } else {
-            return Err(type_error(&format!("block_hashes[{i}]"), "int or bytes", &item));
+            return Err(type_error(
+                &format!("block_hashes[{i}]"),
+                "int or bytes",
+                &item,
+            ));
         }
     }
     Ok(out)
@@ -607,21 +685,40 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
         return Ok((0..n)
             .map(|i| {
                 // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
-                let v = unsafe { base.offset(i as isize * stride).cast::<u64>().read_unaligned() };
-                if layout.swap { v.swap_bytes() } else { v }
+                let v = unsafe {
+                    base.offset(i as isize * stride)
+                        .cast::<u64>()
+                        .read_unaligned()
+                };
+                if layout.swap {
+                    v.swap_bytes()
+                } else {
+                    v
+                }
             })
             .collect());
     }
     if buffer.itemsize() == 1 && stride == 1 && n % 8 == 0 {
-        // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
-        let bytes = if n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(base, n) } };
-        return Ok(bytes.chunks_exact(8).map(|c| u64::from_ne_bytes(c.try_into().unwrap())).collect());
+        let bytes = if n == 0 {
+            &[][..]
+        } else {
+            // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
+            unsafe { std::slice::from_raw_parts(base, n) }
+        };
+        return Ok(bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
+            .collect());
     }
     Err(PyTypeError::new_err(format!(
         "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
         buffer.format(),
         n * buffer.itemsize(),
-        if buffer.itemsize() == 1 { ", not a multiple of 8" } else { "" }
+        if buffer.itemsize() == 1 {
+            ", not a multiple of 8"
+        } else {
+            ""
+        }
     )))
 }
 
@@ -629,7 +726,11 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
 /// None, bool, int, str, bytes, and tuples or lists (both arrays) of these.
 fn keys_from_py(obj: &Bound<'_, PyAny>, n_blocks: usize) -> PyResult<Vec<Option<Value>>> {
     if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
-        return Err(type_error("extra_keys", "a list with one entry per full block", obj));
+        return Err(type_error(
+            "extra_keys",
+            "a list with one entry per full block",
+            obj,
+        ));
     }
     let len = obj.len()?;
     if len != n_blocks {
@@ -695,6 +796,10 @@ fn key_value(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Value
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Value::Tuple(items, 0))
     } else {
-        Err(type_error(path, "None, bool, int, str, bytes or a tuple of these", obj))
+        Err(type_error(
+            path,
+            "None, bool, int, str, bytes or a tuple of these",
+            obj,
+        ))
     }
 }

@@ -20,7 +20,11 @@ impl NativeIndex {
     /// `engine_keys`: keyed by the engines' block hashes (`key="engine"`); otherwise by the
     /// index's own chained xxh3 of the tokens (`key="tokens"`).
     pub fn new(block_size: usize, engine_keys: bool) -> NativeIndex {
-        let mode = if engine_keys { Mode::Engine } else { Mode::Tokens };
+        let mode = if engine_keys {
+            Mode::Engine
+        } else {
+            Mode::Tokens
+        };
         NativeIndex {
             core: Core::new(block_size, mode),
             scratch: Vec::new(),
@@ -49,7 +53,12 @@ impl NativeIndex {
 
     /// `find_matches` from token ids (full blocks only), hashed the way `key="tokens"` keys its
     /// blocks; `keys` is scratch space for the hashes.
-    pub fn find_matches_tokens(&self, tokens: &[u32], keys: &mut Vec<u64>, out: &mut Vec<(u32, u32)>) {
+    pub fn find_matches_tokens(
+        &self,
+        tokens: &[u32],
+        keys: &mut Vec<u64>,
+        out: &mut Vec<(u32, u32)>,
+    ) {
         self.hash_tokens(tokens, keys);
         self.core.find_matches(keys, None, false, out);
     }
@@ -91,7 +100,8 @@ mod tests {
 
     #[test]
     fn payloads_in_answers_out_in_both_key_modes() {
-        let payload = br#"[0, [{"type": "BlockStored", "block_hashes": [10, 11], "parent_block_hash": null,
+        let payload =
+            br#"[0, [{"type": "BlockStored", "block_hashes": [10, 11], "parent_block_hash": null,
             "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": null, "medium": "GPU"}]]"#;
         let mut engine = NativeIndex::new(2, true);
         let mut tokens = NativeIndex::new(2, false);

@@ -33,7 +33,9 @@ fn decimal(tok: &[u8]) -> Option<u64> {
     if tok.is_empty() || tok.len() > 18 {
         return None;
     }
-    tok.iter().try_fold(0u64, |n, &c| c.is_ascii_digit().then(|| n * 10 + (c - b'0') as u64))
+    tok.iter().try_fold(0u64, |n, &c| {
+        c.is_ascii_digit().then(|| n * 10 + (c - b'0') as u64)
+    })
 }
 
 /// What is at the head of the read buffer.
@@ -58,14 +60,22 @@ fn head(buf: &[u8]) -> Head {
     };
     let window = &buf[..buf.len().min(MAX_CONTROL_LINE)];
     let Some(eol) = window.windows(2).position(|w| w == b"\r\n") else {
-        return if window.len() < MAX_CONTROL_LINE { Head::Partial } else { Head::Other };
+        return if window.len() < MAX_CONTROL_LINE {
+            Head::Partial
+        } else {
+            Head::Other
+        };
     };
     match frame(buf, with_headers, eol) {
         // nats-py's HMSG pattern can run past the control line when the next bytes are digits
         // and a line end; a server's header block starts with its version line, so anything
         // else is left to nats-py to read its own way.
-        Some(Frame { headers: Some(h), .. }) if buf.len() < h.start + 5 => Head::Partial,
-        Some(Frame { headers: Some(h), .. }) if !buf[h.start..].starts_with(b"NATS/") => Head::Other,
+        Some(Frame {
+            headers: Some(h), ..
+        }) if buf.len() < h.start + 5 => Head::Partial,
+        Some(Frame {
+            headers: Some(h), ..
+        }) if !buf[h.start..].starts_with(b"NATS/") => Head::Other,
         Some(f) if f.len <= buf.len() => Head::Frame(f),
         Some(_) => Head::Partial,
         None => Head::Other,
@@ -107,7 +117,11 @@ fn frame(buf: &[u8], with_headers: bool, eol: usize) -> Option<Frame> {
     };
     let sid = decimal(&buf[sid.clone()])?;
     let total = decimal(&buf[sizes[sizes.len() - 1].clone()])? as usize;
-    let header_size = if with_headers { decimal(&buf[sizes[0].clone()])? as usize } else { 0 };
+    let header_size = if with_headers {
+        decimal(&buf[sizes[0].clone()])? as usize
+    } else {
+        0
+    };
     if header_size > total || (with_headers && header_size < VERSION_LINE + 2) {
         return None; // not what a server writes (an HMSG always has its version line)
     }
@@ -164,7 +178,9 @@ fn scan_nats_msgs<'py>(
         let bytes = unsafe { buf.as_bytes() };
         match bytes.get(at + r.start..at + r.end) {
             Some(b) => Ok(PyBytes::new(py, b)),
-            None => Err(pyo3::exceptions::PyRuntimeError::new_err("read buffer changed while it was being cut")),
+            None => Err(pyo3::exceptions::PyRuntimeError::new_err(
+                "read buffer changed while it was being cut",
+            )),
         }
     };
     let out = PyList::empty(py);
@@ -175,8 +191,13 @@ fn scan_nats_msgs<'py>(
         };
         let item = PyTuple::new(
             py,
-            [f.sid.into_pyobject(py)?.into_any(), copy(*at, &f.subject)?.into_any(), copy(*at, &f.reply)?.into_any(),
-             copy(*at, &f.payload)?.into_any(), headers],
+            [
+                f.sid.into_pyobject(py)?.into_any(),
+                copy(*at, &f.subject)?.into_any(),
+                copy(*at, &f.reply)?.into_any(),
+                copy(*at, &f.payload)?.into_any(),
+                headers,
+            ],
         )?;
         out.append(item)?;
     }
@@ -280,7 +301,12 @@ mod tests {
     fn pairs(b: &[u8]) -> Option<Vec<(String, String)>> {
         header_pairs(b).map(|v| {
             v.into_iter()
-                .map(|(k, v)| (String::from_utf8(k.to_vec()).unwrap(), String::from_utf8(v.to_vec()).unwrap()))
+                .map(|(k, v)| {
+                    (
+                        String::from_utf8(k.to_vec()).unwrap(),
+                        String::from_utf8(v.to_vec()).unwrap(),
+                    )
+                })
                 .collect()
         })
     }
@@ -292,22 +318,46 @@ mod tests {
             _ => None,
         };
         let f = frame(b"MSG a.b 7 5\r\nhello\r\nPING\r\n").unwrap();
-        assert_eq!((f.sid, f.subject, f.reply, f.headers, f.payload, f.len), (7, 4..7, 13..13, None, 13..18, 20));
+        assert_eq!(
+            (f.sid, f.subject, f.reply, f.headers, f.payload, f.len),
+            (7, 4..7, 13..13, None, 13..18, 20)
+        );
         let f = frame(b"MSG a 1 _INBOX.x 0\r\n\r\n").unwrap();
         assert_eq!((f.reply, f.payload, f.len), (8..16, 20..20, 22));
         let b = b"HMSG s 2 r 12 14\r\nNATS/1.0\r\n\r\nhi\r\n";
         let f = frame(b).unwrap();
-        assert_eq!((&b[f.headers.clone().unwrap()], &b[f.payload.clone()], f.len), (&b"NATS/1.0\r\n\r\n"[..], &b"hi"[..], b.len()));
+        assert_eq!(
+            (&b[f.headers.clone().unwrap()], &b[f.payload.clone()], f.len),
+            (&b"NATS/1.0\r\n\r\n"[..], &b"hi"[..], b.len())
+        );
         // Still arriving: wait. Other ops, and control lines that are not the server's form: left alone.
-        for b in [&b"MSG a 1 5\r\nhel"[..], b"MSG a 1 5", b"HMS", b"M", b"HMSG a 1 2 3\r", b"HMSG a 1 12 12\r\nNAT"] {
+        for b in [
+            &b"MSG a 1 5\r\nhel"[..],
+            b"MSG a 1 5",
+            b"HMS",
+            b"M",
+            b"HMSG a 1 2 3\r",
+            b"HMSG a 1 12 12\r\nNAT",
+        ] {
             assert_eq!(head(b), Head::Partial, "{:?}", String::from_utf8_lossy(b));
         }
         let long = [&b"MSG "[..], &[b'a'; MAX_CONTROL_LINE]].concat();
         assert_eq!(head(&long), Head::Other);
-        for b in [&b"PING\r\n"[..], b"MSGX", b"", b"MSG  a 1 5\r\nhello\r\n", b"MSG a\t1 5\r\nhello\r\n",
-                  b"MSG a x 5\r\nhello\r\n", b"MSG a 1\r\n", b"MSG a 1 r s 5\r\nhello\r\n", b"HMSG a 1 9 5\r\nhello\r\n",
-                  b"HMSG s 2 0 2\r\nhi\r\n", b"HMSG s 2 3 5\r\n1\r\nhi\r\n",
-                  b"MSG a 1 5 \r\nhello\r\n", b"msg a 1 5\r\nhello\r\n"] {
+        for b in [
+            &b"PING\r\n"[..],
+            b"MSGX",
+            b"",
+            b"MSG  a 1 5\r\nhello\r\n",
+            b"MSG a\t1 5\r\nhello\r\n",
+            b"MSG a x 5\r\nhello\r\n",
+            b"MSG a 1\r\n",
+            b"MSG a 1 r s 5\r\nhello\r\n",
+            b"HMSG a 1 9 5\r\nhello\r\n",
+            b"HMSG s 2 0 2\r\nhi\r\n",
+            b"HMSG s 2 3 5\r\n1\r\nhi\r\n",
+            b"MSG a 1 5 \r\nhello\r\n",
+            b"msg a 1 5\r\nhello\r\n",
+        ] {
             assert_eq!(head(b), Head::Other, "{:?}", String::from_utf8_lossy(b));
         }
     }
@@ -316,7 +366,14 @@ mod tests {
     fn plain_headers_and_the_odd_lines_nats_py_skips() {
         let got = pairs(b"NATS/1.0\r\nKv-Seq: 5\r\n  Kv-Epoch :\tab \r\nno colon\r\nbad key: x\r\n\x1cx: y\r\n:empty\r\n\r\n");
         let want = [("Kv-Seq", "5"), ("Kv-Epoch", "ab"), ("", "empty")];
-        assert_eq!(got, Some(want.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()));
+        assert_eq!(
+            got,
+            Some(
+                want.iter()
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .collect()
+            )
+        );
         assert_eq!(pairs(b"NATS/1.0\r\n"), Some(vec![]));
         assert_eq!(pairs(b"NATS/1.0 503\r\n\r\n"), None);
         assert_eq!(pairs(b"NATS/1.0\r\nK: \xc3\xa9\r\n\r\n"), None);

@@ -98,7 +98,9 @@ fn check_retention(
 
 /// The spec's `check_groups`, with its messages: (kind, window object, window) per group.
 #[allow(clippy::type_complexity)]
-fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyAny>, Option<usize>)>> {
+fn check_groups(
+    groups: &Bound<'_, PyAny>,
+) -> PyResult<Vec<(&'static str, Py<PyAny>, Option<usize>)>> {
     let bad = |msg: String| Err(PyValueError::new_err(msg));
     if !(groups.is_instance_of::<PyList>() || groups.is_instance_of::<PyTuple>()) {
         return bad(format!(
@@ -108,7 +110,9 @@ fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyA
     }
     let len = groups.len()?;
     if len == 0 || len > MAX_GROUPS {
-        return bad(format!("groups must hold 1 to {MAX_GROUPS} groups, got {len}"));
+        return bad(format!(
+            "groups must hold 1 to {MAX_GROUPS} groups, got {len}"
+        ));
     }
     let all_kinds = [&MAIN_KINDS[..], &WINDOW_KINDS[..]].concat().join(", ");
     let mut out = Vec::with_capacity(len);
@@ -116,7 +120,10 @@ fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyA
         let group = groups.get_item(i)?;
         let pair = group.is_instance_of::<PyList>() || group.is_instance_of::<PyTuple>();
         if !pair || group.len()? != 2 {
-            return bad(format!("groups[{i}] must be a (kind, window) pair, got {}", group.repr()?));
+            return bad(format!(
+                "groups[{i}] must be a (kind, window) pair, got {}",
+                group.repr()?
+            ));
         }
         let (kind, window) = (group.get_item(0)?, group.get_item(1)?);
         let name = kind.extract::<String>().ok();
@@ -125,7 +132,10 @@ fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyA
         let (kind_str, size) = match (main, win) {
             (Some(k), _) if window.is_none() => (*k, None),
             (Some(k), _) => {
-                return bad(format!("groups[{i}]: {k} takes no window (None), got {}", window.repr()?))
+                return bad(format!(
+                    "groups[{i}]: {k} takes no window (None), got {}",
+                    window.repr()?
+                ))
             }
             (_, Some(k)) => {
                 if !window.is_exact_instance_of::<PyInt>() || window.lt(1)? {
@@ -137,7 +147,12 @@ fn check_groups(groups: &Bound<'_, PyAny>) -> PyResult<Vec<(&'static str, Py<PyA
                 // Beyond usize no prompt reaches the window's end: the same as usize::MAX.
                 (*k, Some(window.extract::<usize>().unwrap_or(usize::MAX)))
             }
-            _ => return bad(format!("groups[{i}]: kind must be one of {all_kinds}, got {}", kind.repr()?)),
+            _ => {
+                return bad(format!(
+                    "groups[{i}]: kind must be one of {all_kinds}, got {}",
+                    kind.repr()?
+                ))
+            }
         };
         if i == 0 && size.is_some() {
             return bad(format!(
@@ -359,7 +374,10 @@ impl Manager {
         retention_interval: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // The spec checks the groups first too.
-        let groups = groups.filter(|g| !g.is_none()).map(check_groups).transpose()?;
+        let groups = groups
+            .filter(|g| !g.is_none())
+            .map(check_groups)
+            .transpose()?;
         let num_blocks = positive("num_blocks", num_blocks)?;
         let block_size = positive("block_size", block_size)?;
         if algo == "dynamo" {
@@ -387,7 +405,9 @@ impl Manager {
             true => py.None(),
             false => {
                 let pairs = group_fields.iter().map(|(k, w)| PyTuple::new(py, [k, w]));
-                PyTuple::new(py, pairs.collect::<PyResult<Vec<_>>>()?)?.into_any().unbind()
+                PyTuple::new(py, pairs.collect::<PyResult<Vec<_>>>()?)?
+                    .into_any()
+                    .unbind()
             }
         };
         Ok(Manager {
@@ -544,11 +564,27 @@ impl Manager {
             let tokens = &req.tail[..full * bs];
             let (parent, lora, range) = (req.last_hash, req.lora, full0..full0 + full);
             // Group 0 is a main group: it keeps every block.
-            core.cache(&req.blocks[range.clone()], hashes, tokens, parent, lora, 0, None);
+            core.cache(
+                &req.blocks[range.clone()],
+                hashes,
+                tokens,
+                parent,
+                lora,
+                0,
+                None,
+            );
             let mut mask = Vec::new();
             for (g, t) in (1..).zip(&req.others) {
                 let mask = self.retained(g, &req.boundaries, full0, full0 + full, &mut mask);
-                core.cache(&t.blocks[range.clone()], hashes, tokens, parent, lora, g, mask);
+                core.cache(
+                    &t.blocks[range.clone()],
+                    hashes,
+                    tokens,
+                    parent,
+                    lora,
+                    g,
+                    mask,
+                );
             }
             req.last_hash = hashes.last().copied();
             req.tail.drain(..full * bs);
@@ -629,7 +665,14 @@ impl Manager {
             let (mut chain, extras) = self.chain_for(py, st, lora_name, num_full)?;
             let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
             let full = &tokens[..num_full * self.block_size];
-            hash_into(py, &mut chain, full, per_block, &mut st.digests, &mut st.hashes);
+            hash_into(
+                py,
+                &mut chain,
+                full,
+                per_block,
+                &mut st.digests,
+                &mut st.hashes,
+            );
             Ok(self.hit(st, tokens.len()))
         });
         st.tokens = tokens;
@@ -733,7 +776,11 @@ impl Manager {
             n
         };
         let num_new = tokens.len().div_ceil(bs) - num_hit;
-        let hits = if others.is_empty() { &blocks[..] } else { &hits[..] };
+        let hits = if others.is_empty() {
+            &blocks[..]
+        } else {
+            &hits[..]
+        };
         // get_computed_blocks' shared_prefix_boundary: group 0 ran past the hit.
         let mut boundaries = Vec::new();
         if self.retention.is_some() {
@@ -772,7 +819,15 @@ impl Manager {
             for (g, table) in tables.enumerate() {
                 let new = &table[num_hit..num_full];
                 let mask = self.retained(g, &boundaries, num_hit, num_full, &mut mask);
-                st.core.cache(new, &hashes[num_hit..], cached_tokens, parent, lora, g, mask);
+                st.core.cache(
+                    new,
+                    &hashes[num_hit..],
+                    cached_tokens,
+                    parent,
+                    lora,
+                    g,
+                    mask,
+                );
             }
         }
         if let Some((_, per_block)) = extras.as_mut() {
@@ -892,7 +947,9 @@ impl Manager {
 /// what left the window by its tokens so far, last block first, and nulls it in the table.
 fn release_window(core: &mut Core, req: &mut Request) {
     for (i, t) in req.others.iter_mut().enumerate() {
-        let end = core.skipped_blocks(i + 1, req.num_tokens).min(t.blocks.len());
+        let end = core
+            .skipped_blocks(i + 1, req.num_tokens)
+            .min(t.blocks.len());
         if end > t.skipped {
             core.free_reversed(&t.blocks[t.skipped..end]);
             t.blocks[t.skipped..end].fill(NULL_BLOCK);
@@ -900,4 +957,3 @@ fn release_window(core: &mut Core, req: &mut Request) {
         }
     }
 }
-

@@ -56,12 +56,22 @@ struct Field {
 }
 
 const fn f(key: &'static [u8], ty: Ty, required: bool, slot: Option<Slot>) -> Field {
-    Field { key, ty, required, slot }
+    Field {
+        key,
+        ty,
+        required,
+        slot,
+    }
 }
 
 const STORED_FIELDS: &[Field] = &[
     f(b"\xacblock_hashes", Ty::Hashes, true, None),
-    f(b"\xb1parent_block_hash", Ty::OptHash, true, Some(Slot::Parent)),
+    f(
+        b"\xb1parent_block_hash",
+        Ty::OptHash,
+        true,
+        Some(Slot::Parent),
+    ),
     f(b"\xa9token_ids", Ty::Ints, true, None),
     f(b"\xaablock_size", Ty::Int, true, Some(Slot::BlockSize)),
     f(b"\xa7lora_id", Ty::OptInt, true, None),
@@ -69,8 +79,18 @@ const STORED_FIELDS: &[Field] = &[
     f(b"\xa9lora_name", Ty::OptStr, true, None),
     f(b"\xaaextra_keys", Ty::OptExtraKeys, false, None),
     f(b"\xa9group_idx", Ty::OptInt, false, Some(Slot::Group)),
-    f(b"\xb2kv_cache_spec_kind", Ty::OptStr, false, Some(Slot::Spec)),
-    f(b"\xbckv_cache_spec_sliding_window", Ty::OptInt, false, Some(Slot::Window)),
+    f(
+        b"\xb2kv_cache_spec_kind",
+        Ty::OptStr,
+        false,
+        Some(Slot::Spec),
+    ),
+    f(
+        b"\xbckv_cache_spec_sliding_window",
+        Ty::OptInt,
+        false,
+        Some(Slot::Window),
+    ),
     f(b"\xa8locality", Ty::OptStr, false, None),
     f(b"\xa9ownership", Ty::OptStr, false, None),
     f(b"\xaasession_id", Ty::OptStr, false, None),
@@ -385,7 +405,11 @@ impl<'a> Reader<'a> {
     /// After the events: the rank of a batch of `len` fields, or `None` when the batch does not end
     /// there (msgspec rejects trailing bytes: so do the readers).
     pub(crate) fn batch_tail(&mut self, len: usize) -> Option<Option<Hash>> {
-        let rank = if len == 3 && !self.nil() { Some(self.int()?) } else { None };
+        let rank = if len == 3 && !self.nil() {
+            Some(self.int()?)
+        } else {
+            None
+        };
         (self.p == self.b.len()).then_some(rank)
     }
 
@@ -394,7 +418,10 @@ impl<'a> Reader<'a> {
     /// took a memcmp call per field, 15 times per `BlockStored`.
     #[inline(always)]
     fn skip_key(&mut self, key: &[u8]) -> bool {
-        let hit = self.b.get(self.p..self.p + key.len()).is_some_and(|s| eq_bytes(s, key));
+        let hit = self
+            .b
+            .get(self.p..self.p + key.len())
+            .is_some_and(|s| eq_bytes(s, key));
         if hit {
             self.p += key.len();
         }
@@ -545,12 +572,18 @@ impl<'a> Template<'a> {
     /// and its hashes an array of one.
     pub(crate) fn of(b: &'a [u8], start: usize, end: usize, attrs: Attrs<'a>) -> Option<Self> {
         let at = attrs.hashes_at;
-        if at < start || b.get(at) != Some(&0x91) || attrs.spec.is_some() || attrs.window.is_some() {
+        if at < start || b.get(at) != Some(&0x91) || attrs.spec.is_some() || attrs.window.is_some()
+        {
             return None;
         }
         let mut r = Reader { b, p: at + 1 };
         r.hash()?;
-        (r.p <= end).then(|| Template { start, end, hash: at + 1 - start..r.p - start, attrs })
+        (r.p <= end).then(|| Template {
+            start,
+            end,
+            hash: at + 1 - start..r.p - start,
+            attrs,
+        })
     }
 }
 
@@ -766,7 +799,10 @@ mod tests {
 
     #[test]
     fn a_batch_tail_reads_the_rank_and_refuses_trailing_bytes() {
-        assert!(matches!(reader(&[0x07]).batch_tail(3), Some(Some(Hash::U(7)))));
+        assert!(matches!(
+            reader(&[0x07]).batch_tail(3),
+            Some(Some(Hash::U(7)))
+        ));
         assert!(matches!(reader(&[0xc0]).batch_tail(3), Some(None)));
         assert!(matches!(reader(&[]).batch_tail(2), Some(None)));
         assert!(reader(&[0x07]).batch_tail(2).is_none());

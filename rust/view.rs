@@ -105,7 +105,8 @@ impl Hasher for MixHasher {
         for chunk in bytes.chunks(8) {
             let mut w = [0u8; 8];
             w[..chunk.len()].copy_from_slice(chunk);
-            self.0 = (self.0.rotate_left(23) ^ u64::from_le_bytes(w)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            self.0 = (self.0.rotate_left(23) ^ u64::from_le_bytes(w))
+                .wrapping_mul(0x9e37_79b9_7f4a_7c15);
         }
     }
     fn write_u64(&mut self, x: u64) {
@@ -155,7 +156,11 @@ impl Entry {
     }
 
     fn with_more(self, more: bool) -> Entry {
-        Entry(if more { self.0 | MORE_BIT } else { self.0 & !MORE_BIT })
+        Entry(if more {
+            self.0 | MORE_BIT
+        } else {
+            self.0 & !MORE_BIT
+        })
     }
 }
 
@@ -347,7 +352,9 @@ impl View {
     }
 
     fn find(&self, medium: Option<&[u8]>, group: u8) -> Option<usize> {
-        self.groups.iter().position(|g| g.group == group && g.medium.as_deref().map(str::as_bytes) == medium)
+        self.groups
+            .iter()
+            .position(|g| g.group == group && g.medium.as_deref().map(str::as_bytes) == medium)
     }
 
     fn new_source(&mut self, raw: &[u8]) -> u32 {
@@ -480,7 +487,10 @@ impl View {
             // The last copy goes first, as the Python view popped it.
             let (src, _) = if entry.has_more() {
                 let key = Key::of(b, h);
-                let list = blocks.more.get_mut(&key).expect("a block with more copies has their list");
+                let list = blocks
+                    .more
+                    .get_mut(&key)
+                    .expect("a block with more copies has their list");
                 let c = list.pop().expect("a list of further copies is never empty");
                 let more = !list.is_empty();
                 if !more {
@@ -633,7 +643,12 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
             return None;
         }
         if kind == STORED {
-            windows |= a.spec.is_some_and(|s| KINDS.iter().position(|k| *k == s).is_some_and(|k| is_hybrid(k as u8)));
+            windows |= a.spec.is_some_and(|s| {
+                KINDS
+                    .iter()
+                    .position(|k| *k == s)
+                    .is_some_and(|k| is_hybrid(k as u8))
+            });
         }
         // A remove of the same `(medium, group)` as the event before (vLLM sends one block per
         // BlockRemoved): applied as one, the group found once for the run, not once per block.
@@ -781,7 +796,8 @@ impl ResidencyView {
     /// released): a thread reading a subscriber's views never finds one mid-change.
     fn apply_read(&mut self, py: Python<'_>, batch: &Bound<'_, ReadBatch>) -> (usize, usize) {
         let batch = batch.get();
-        self.view.apply_read(batch.payload.bind(py).as_bytes(), &batch.read)
+        self.view
+            .apply_read(batch.payload.bind(py).as_bytes(), &batch.read)
     }
 
     /// Forgets every block, kind and size, as an ``AllBlocksCleared`` does (the counters stay).
@@ -877,14 +893,21 @@ impl ResidencyView {
         let raws = PyDict::new(py);
         for g in &self.view.groups {
             let mut entries: Vec<(Key, Entry)> = g.blocks.iter().collect();
-            let seq = |src: u32| self.view.sources[src as usize].as_ref().expect("a copy's source is alive").seq;
+            let seq = |src: u32| {
+                self.view.sources[src as usize]
+                    .as_ref()
+                    .expect("a copy's source is alive")
+                    .seq
+            };
             entries.sort_unstable_by_key(|(_, e)| (seq(e.first().0), e.first().1));
             let blocks = PyList::empty(py);
             for (k, e) in entries {
                 let copies = PyList::empty(py);
                 for &(src, i) in std::iter::once(&e.first()).chain(g.blocks.more_of(&k, e)) {
                     if !raws.contains(src)? {
-                        let s = self.view.sources[src as usize].as_ref().expect("a copy's source is alive");
+                        let s = self.view.sources[src as usize]
+                            .as_ref()
+                            .expect("a copy's source is alive");
                         raws.set_item(src, PyBytes::new(py, &s.raw))?;
                     }
                     copies.append((src, i))?;
@@ -914,13 +937,20 @@ impl ResidencyView {
                 let h = &b.groups[at].blocks;
                 h.len() == g.blocks.len()
                     && g.blocks.iter().all(|(k, e)| {
-                        h.get(&k).is_some_and(|&f| b.groups[at].blocks.more_of(&k, f).len() == g.blocks.more_of(&k, e).len())
+                        h.get(&k).is_some_and(|&f| {
+                            b.groups[at].blocks.more_of(&k, f).len()
+                                == g.blocks.more_of(&k, e).len()
+                        })
                     })
             })
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!("ResidencyView(held={}, kinds={})", self.held(py)?.repr()?, self.kinds(py)?.repr()?))
+        Ok(format!(
+            "ResidencyView(held={}, kinds={})",
+            self.held(py)?.repr()?,
+            self.kinds(py)?.repr()?
+        ))
     }
 }
 
@@ -942,16 +972,29 @@ mod tests {
         }
     }
 
-    type Summary = (Vec<(u8, u64, u64)>, Vec<String>, usize, Option<(u8, u64, u64)>);
+    type Summary = (
+        Vec<(u8, u64, u64)>,
+        Vec<String>,
+        usize,
+        Option<(u8, u64, u64)>,
+    );
 
     fn summary(b: &[u8], templates: bool) -> Option<Summary> {
         let mut out = Read::default();
         read_into_with(b, &mut out, templates)?;
         let evs = out.evs.iter().map(|e| {
             let g = e.group.as_ref().map(hash_key);
-            format!("{} {:?} {:?} {:?} {:?} {:?} {}", e.kind, e.medium, e.spec, g, e.hashes, e.raw, e.n_events)
+            format!(
+                "{} {:?} {:?} {:?} {:?} {:?} {}",
+                e.kind, e.medium, e.spec, g, e.hashes, e.raw, e.n_events
+            )
         });
-        Some((out.hashes.iter().map(hash_key).collect(), evs.collect(), out.n_events, out.rank.as_ref().map(hash_key)))
+        Some((
+            out.hashes.iter().map(hash_key).collect(),
+            evs.collect(),
+            out.n_events,
+            out.rank.as_ref().map(hash_key),
+        ))
     }
 
     #[test]
@@ -1014,7 +1057,10 @@ mod tests {
                 None => refused += 1,
             }
         }
-        assert!(read > 500 && refused > 300 && like > 300, "{read} {refused} {like}");
+        assert!(
+            read > 500 && refused > 300 && like > 300,
+            "{read} {refused} {like}"
+        );
     }
 
     #[test]
@@ -1031,8 +1077,20 @@ mod tests {
                 &[0xc4, 7, 1, 2, 3, 4, 5, 6, 7],
                 &[0x07, 1, 2, 3, 4, 5, 6, 7, 8],
             ],
-            [&[0xce, 1, 2, 3, 4], &[0xd2, 0xff, 2, 3, 4], &[0xc4, 3, 1, 2, 3], &[0xca, 1, 2, 3, 4], &[0xcc, 1, 2, 3, 4]],
-            [&[0xcd, 1, 2], &[0xd1, 0xff, 2], &[0xc4, 1, 1], &[0xd1, 0, 2], &[0x07, 1, 2]],
+            [
+                &[0xce, 1, 2, 3, 4],
+                &[0xd2, 0xff, 2, 3, 4],
+                &[0xc4, 3, 1, 2, 3],
+                &[0xca, 1, 2, 3, 4],
+                &[0xcc, 1, 2, 3, 4],
+            ],
+            [
+                &[0xcd, 1, 2],
+                &[0xd1, 0xff, 2],
+                &[0xc4, 1, 1],
+                &[0xd1, 0, 2],
+                &[0x07, 1, 2],
+            ],
             [&[0x07], &[0xff], &[0xc0], &[0xc2], &[0x05]],
         ];
         let mut x = 0x1234_5678_9abc_def1u64;

@@ -33,7 +33,10 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use super::holders::{entry, medium_of, worker_of, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES, MAX_WORKERS};
+use super::holders::{
+    entry, medium_of, worker_of, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES,
+    MAX_WORKERS,
+};
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
 use crate::hash::algo::{Algo, Chain, Digest};
@@ -178,7 +181,10 @@ enum BadKind {
 
 /// A kind from vLLM's `KVCacheSpecKind` (v1/kv_cache_interface.py), as `parse::KINDS` numbers it.
 fn kind_of(code: u8, window: i64) -> Result<Kind, BadKind> {
-    let name = KINDS.get((code as usize).wrapping_sub(1)).copied().unwrap_or(b"");
+    let name = KINDS
+        .get((code as usize).wrapping_sub(1))
+        .copied()
+        .unwrap_or(b"");
     Ok(match name {
         b"full_attention" | b"mla_attention" | b"sink_full_attention" => Kind::Main,
         b"sliding_window" | b"sliding_window_mla" if window >= 1 => Kind::Window {
@@ -187,9 +193,10 @@ fn kind_of(code: u8, window: i64) -> Result<Kind, BadKind> {
         b"sliding_window" | b"sliding_window_mla" => return Err(BadKind::Window),
         // `MambaManager.find_longest_cache_hit`: the block at the hit point, a window of one.
         b"mamba" => Kind::Window { tokens: 1 },
-        b"chunked_local_attention" | b"encoder_only_attention" | b"cross_attention" | b"unknown" => {
-            Kind::Unscored
-        }
+        b"chunked_local_attention"
+        | b"encoder_only_attention"
+        | b"cross_attention"
+        | b"unknown" => Kind::Unscored,
         _ => return Err(BadKind::Kind),
     })
 }
@@ -244,7 +251,11 @@ fn scale_of(scales: &[u32], g: usize) -> u32 {
 /// index blocks. Saturates: an alignment past any prompt's length allows only the empty hit.
 fn alignment(scales: &[u32]) -> u64 {
     fn gcd(a: u64, b: u64) -> u64 {
-        if b == 0 { a } else { gcd(b, a % b) }
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
     }
     scales.iter().fold(1u64, |a, &s| {
         let s = u64::from(s.max(1));
@@ -289,7 +300,15 @@ enum Step {
 /// (every group's block ends there), every main group held all its blocks so far and each
 /// window group holds its last min(n / scale, blocks) blocks. `runs` counts group blocks.
 #[inline(never)] // rare (groups of larger blocks): kept out of the common walk's loop
-fn scaled_step(runs: &mut [usize], main: u64, windows: &[(u8, u32)], scales: &[u32], align: u64, n: usize, m: u64) -> Step {
+fn scaled_step(
+    runs: &mut [usize],
+    main: u64,
+    windows: &[(u8, u32)],
+    scales: &[u32],
+    align: u64,
+    n: usize,
+    m: u64,
+) -> Step {
     let ends = |g: usize| n.is_multiple_of(scale_of(scales, g) as usize);
     if Bits(main).any(|g| ends(g) && m >> g & 1 == 0) {
         return Step::Closed;
@@ -304,7 +323,11 @@ fn scaled_step(runs: &mut [usize], main: u64, windows: &[(u8, u32)], scales: &[u
         // At a multiple of `align` every group's block ends at n.
         ok &= *run >= (n / scale_of(scales, g) as usize).min(blocks as usize);
     }
-    if hit && ok { Step::Hit } else { Step::Open }
+    if hit && ok {
+        Step::Hit
+    } else {
+        Step::Open
+    }
 }
 
 /// The largest n <= masks.len() the window rule accepts (n = 0 always is).
@@ -325,7 +348,13 @@ pub struct LastClass<'a>(Option<(Option<&'a str>, u8, bool, u8)>);
 
 impl<'a> LastClass<'a> {
     #[inline(always)]
-    fn find(&mut self, core: &Core, medium: Option<&'a str>, group: u8, remote: bool) -> Option<u8> {
+    fn find(
+        &mut self,
+        core: &Core,
+        medium: Option<&'a str>,
+        group: u8,
+        remote: bool,
+    ) -> Option<u8> {
         if let Some((m, g, r, c)) = self.0 {
             let same_medium = match (m, medium) {
                 (Some(a), Some(b)) => eq_bytes(a.as_bytes(), b.as_bytes()),
@@ -441,7 +470,11 @@ impl Core {
     }
 
     pub fn worker_names(&self) -> Vec<Arc<str>> {
-        self.workers.iter().flatten().map(|w| w.name.clone()).collect()
+        self.workers
+            .iter()
+            .flatten()
+            .map(|w| w.name.clone())
+            .collect()
     }
 
     /// How often `name`'s cache was cleared since the index first heard of it.
@@ -451,7 +484,10 @@ impl Core {
     }
 
     pub fn name(&self, id: u32) -> &Arc<str> {
-        &self.workers[id as usize].as_ref().expect("live worker").name
+        &self.workers[id as usize]
+            .as_ref()
+            .expect("live worker")
+            .name
     }
 
     pub fn medium_name(&self, id: u8) -> Option<&str> {
@@ -466,7 +502,10 @@ impl Core {
             None => None,
             Some(name) => Some(self.find_medium(name)?),
         };
-        let none = Filter { all: false, mask: [0; 4] };
+        let none = Filter {
+            all: false,
+            mask: [0; 4],
+        };
         let (mut plain, mut any) = (none, none);
         let mut all = true;
         for (i, c) in self.classes.iter().enumerate() {
@@ -487,7 +526,13 @@ impl Core {
 
     /// Per worker with a hit: how many leading blocks of `keys` it would hit (see `filters` for
     /// `medium` and `remote`), as (worker id, count) in worker id order.
-    pub fn find_matches(&self, keys: &[u64], medium: Option<Option<&str>>, remote: bool, out: &mut Vec<(u32, u32)>) {
+    pub fn find_matches(
+        &self,
+        keys: &[u64],
+        medium: Option<Option<&str>>,
+        remote: bool,
+        out: &mut Vec<(u32, u32)>,
+    ) {
         out.clear();
         let Some((plain, any)) = self.filters(medium, remote) else {
             return;
@@ -512,7 +557,10 @@ impl Core {
         let mut out = Vec::new();
         let mut one = Vec::new();
         for (m, name) in self.media.iter().enumerate() {
-            if medium.is_some_and(|want| name.as_deref().is_none_or(|n| !eq_bytes(n.as_bytes(), want.as_bytes()))) {
+            if medium.is_some_and(|want| {
+                name.as_deref()
+                    .is_none_or(|n| !eq_bytes(n.as_bytes(), want.as_bytes()))
+            }) {
                 continue;
             }
             self.find_matches(keys, Some(name.as_deref()), remote, &mut one);
@@ -533,9 +581,21 @@ impl Core {
             let slab = &self.slab;
             let mut counts = [0u32; 64];
             let holding = if filter.all {
-                self.one_word(keys, plain_word(0), true, |h| h.word0_any(slab), &mut counts)
+                self.one_word(
+                    keys,
+                    plain_word(0),
+                    true,
+                    |h| h.word0_any(slab),
+                    &mut counts,
+                )
             } else {
-                self.one_word(keys, plain_word(0), false, |h| h.word0(slab, filter), &mut counts)
+                self.one_word(
+                    keys,
+                    plain_word(0),
+                    false,
+                    |h| h.word0(slab, filter),
+                    &mut counts,
+                )
             };
             // From a range, whose length is known: the answer is written with one check of its
             // room, where pushing checks it at each worker.
@@ -580,7 +640,14 @@ impl Core {
     /// counts go to `counts` by worker id (so the answer comes out in id order without a sort:
     /// a fifth of a query with tens of workers).
     #[inline(always)]
-    fn one_word(&self, keys: &[u64], plain: u64, any: bool, word: impl Fn(Holders) -> u64, counts: &mut [u32; 64]) -> u64 {
+    fn one_word(
+        &self,
+        keys: &[u64],
+        plain: u64,
+        any: bool,
+        word: impl Fn(Holders) -> u64,
+        counts: &mut [u32; 64],
+    ) -> u64 {
         let (mut holding, mut active) = (0u64, 0u64);
         self.walk(keys, any, |i, h| {
             let cur = word(h);
@@ -629,7 +696,10 @@ impl Core {
             start[j % AHEAD] = s;
         };
         let look = |j: usize, start: &[usize; AHEAD], held: &mut [Holders; AHEAD]| {
-            let h = t.get_from(start[j % AHEAD], keys[j]).copied().unwrap_or(Holders::ABSENT);
+            let h = t
+                .get_from(start[j % AHEAD], keys[j])
+                .copied()
+                .unwrap_or(Holders::ABSENT);
             h.prefetch(&self.slab, any);
             held[j % AHEAD] = h;
         };
@@ -691,7 +761,15 @@ impl Core {
                 let (main, windows) = (worker.main, &worker.windows[..]);
                 let groups = windows.iter().fold(main, |g, &(x, _)| g | 1 << x);
                 if groups != 0 {
-                    let walk = Walk { w, main, windows, groups, runs: n_runs, best: 0, open: true };
+                    let walk = Walk {
+                        w,
+                        main,
+                        windows,
+                        groups,
+                        runs: n_runs,
+                        best: 0,
+                        open: true,
+                    };
                     if worker.scales.iter().all(|&m| m <= 1) {
                         walks.push(walk);
                     } else {
@@ -709,7 +787,9 @@ impl Core {
         // The groups of `walk` that hold the block `held` describes, as bits by group.
         let mask = |held: &[u64], walk: &Walk| {
             let (word, bit) = (walk.w as usize / 64, walk.w % 64);
-            Bits(walk.groups).fold(0u64, |m, g| m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g))
+            Bits(walk.groups).fold(0u64, |m, g| {
+                m | (held.get(g * words + word).map_or(0, |x| x >> bit & 1) << g)
+            })
         };
         for (i, k) in keys.iter().enumerate() {
             if open == 0 {
@@ -806,13 +886,18 @@ impl Core {
         let mut last = LastClass::default();
         // A payload that names a window or mamba group makes its worker hybrid for the whole
         // payload: a snapshot lists group 0's chains before the window groups' events.
-        let windows = events.iter().any(|e| matches!(e, Event::Stored(s) if WINDOW_CODES.contains(&s.kind)));
+        let windows = events
+            .iter()
+            .any(|e| matches!(e, Event::Stored(s) if WINDOW_CODES.contains(&s.kind)));
         for ev in events.drain(..) {
             match ev {
                 Event::Stored(s) => self.stored(w, s, hashes, tokens, &mut last, windows),
-                Event::Removed { hashes: r, medium, group, remote } => {
-                    self.removed(w, &hashes[r], medium, group, remote, &mut last)
-                }
+                Event::Removed {
+                    hashes: r,
+                    medium,
+                    group,
+                    remote,
+                } => self.removed(w, &hashes[r], medium, group, remote, &mut last),
                 Event::Cleared => {
                     self.stats.cleared += 1;
                     self.clear_worker(w);
@@ -848,7 +933,9 @@ impl Core {
                     if let Some(p) = s.parent {
                         self.engine.prefetch(p);
                     }
-                    hashes[s.hashes.clone()].iter().for_each(|&e| self.engine.prefetch(e));
+                    hashes[s.hashes.clone()]
+                        .iter()
+                        .for_each(|&e| self.engine.prefetch(e));
                 }
                 Event::Removed { hashes: r, .. } => {
                     for e in &hashes[r.clone()] {
@@ -876,7 +963,8 @@ impl Core {
         while self.workers.last().is_some_and(Option::is_none) {
             self.workers.pop();
         }
-        self.free_ids.retain(|&id| (id as usize) < self.workers.len());
+        self.free_ids
+            .retain(|&id| (id as usize) < self.workers.len());
         if (w as usize) < self.workers.len() {
             self.free_ids.push(w);
         }
@@ -931,8 +1019,15 @@ impl Core {
     #[inline]
     fn find_class(&self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
         let medium = self.find_medium(medium)?;
-        let want = Class { medium, group, remote };
-        self.classes.iter().position(|c| *c == want).map(|i| i as u8)
+        let want = Class {
+            medium,
+            group,
+            remote,
+        };
+        self.classes
+            .iter()
+            .position(|c| *c == want)
+            .map(|i| i as u8)
     }
 
     fn class_id(&mut self, medium: Option<&str>, group: u8, remote: bool) -> Option<u8> {
@@ -949,7 +1044,11 @@ impl Core {
                 (self.media.len() - 1) as u8
             }
         };
-        self.classes.push(Class { medium, group, remote });
+        self.classes.push(Class {
+            medium,
+            group,
+            remote,
+        });
         self.class_group.push(group);
         Some((self.classes.len() - 1) as u8)
     }
@@ -1037,14 +1136,21 @@ impl Core {
         let keys = &hashes[s.hashes.clone()];
         // Engine mode parsed them without keeping them (`take_spare`): their count is all it reads.
         let n_tokens = s.tokens.len();
-        let tokens = if self.mode == Mode::Tokens { &tokens[s.tokens.clone()] } else { &[] };
+        let tokens = if self.mode == Mode::Tokens {
+            &tokens[s.tokens.clone()]
+        } else {
+            &[]
+        };
         let n = keys.len();
         let bs = self.block_size;
         if s.group == BAD_GROUP {
             self.stats.bad_groups += 1;
             return;
         }
-        let kind = match (s.kind != NO_KIND).then(|| kind_of(s.kind, s.window)).transpose() {
+        let kind = match (s.kind != NO_KIND)
+            .then(|| kind_of(s.kind, s.window))
+            .transpose()
+        {
             Ok(k) => k,
             Err(BadKind::Kind) => {
                 self.stats.unknown_kinds += 1;
@@ -1208,7 +1314,10 @@ impl Core {
         // In a worker with window (or mamba) groups those groups cut hits short, so vLLM often
         // recomputes a chain from block 0 that its main group still holds: a real second copy
         // that looks exactly like a re-announce. There every store is a copy.
-        let plain = !windows && self.workers[w as usize].as_ref().is_some_and(|x| x.windows.is_empty());
+        let plain = !windows
+            && self.workers[w as usize]
+                .as_ref()
+                .is_some_and(|x| x.windows.is_empty());
         // vLLM's kv_cache_report_mode="full" re-announces reused prefix blocks from block 0
         // (block_pool.py `emit_cached_block_events`) without storing anything: not a copy.
         let reannounce = plain && s.parent.is_none() && skipped == 0 && {
@@ -1222,7 +1331,8 @@ impl Core {
             match mode {
                 Mode::Engine => {
                     let (blocks, slab, slot, _) = self.parts(w, si);
-                    keys.iter().for_each(|&engine| add_copy(blocks, slab, slot, e, engine));
+                    keys.iter()
+                        .for_each(|&engine| add_copy(blocks, slab, slot, e, engine));
                 }
                 Mode::Tokens => {
                     for (&engine, &k) in resolved.as_deref().unwrap_or(keys).iter().zip(&digests) {
@@ -1242,7 +1352,16 @@ impl Core {
         let same = slots.iter().find(|s| s.class == c);
         same.into_iter()
             .chain(slots.iter().filter(|s| s.class != c))
-            .find_map(|s| held_as(&self.engine, &self.blocks, &self.slab, s, entry(w, s.class), p))
+            .find_map(|s| {
+                held_as(
+                    &self.engine,
+                    &self.blocks,
+                    &self.slab,
+                    s,
+                    entry(w, s.class),
+                    p,
+                )
+            })
             .map(|(k, _)| k)
     }
 
@@ -1297,7 +1416,14 @@ impl Core {
     /// Tokens mode: one physical copy of the block stored under `engine` in worker `w`'s slot
     /// `si` is gone; whether there was one.
     fn drop_copy_tokens(&mut self, w: u32, si: usize, engine: u64) -> bool {
-        let Core { blocks, slab, workers, engine: map, aliased, .. } = self;
+        let Core {
+            blocks,
+            slab,
+            workers,
+            engine: map,
+            aliased,
+            ..
+        } = self;
         let slot = &mut workers[w as usize].as_mut().expect("live worker").slots[si];
         if take_copy(slot, engine) {
             return true;
@@ -1338,7 +1464,8 @@ impl Core {
         let canonical = match self.engine.get(&engine) {
             Some(&c) => c == k,
             None => {
-                let free = !canonical_held(&self.blocks, &self.slab, &self.workers, self.aliased, k);
+                let free =
+                    !canonical_held(&self.blocks, &self.slab, &self.workers, self.aliased, k);
                 if free {
                     self.engine.insert(engine, k);
                 }
@@ -1380,7 +1507,10 @@ impl Core {
             slot.alias.remove(&engine);
         }
         let mut aliased = 0isize;
-        if let Some(d) = (!slot.dups.is_empty()).then(|| slot.dups.get_mut(&k)).flatten() {
+        if let Some(d) = (!slot.dups.is_empty())
+            .then(|| slot.dups.get_mut(&k))
+            .flatten()
+        {
             // Other hashes of the slot still stand for k.
             *d -= 1;
             if *d == 0 {
@@ -1432,7 +1562,8 @@ impl Core {
                 let (blocks, slab, slot, _) = self.parts(w, si);
                 let e = entry(w, slot.class);
                 for &engine in keys {
-                    let gone = take_copy(slot, engine) || drop_holder(blocks, slab, slot, e, engine) != Removed::NotHeld;
+                    let gone = take_copy(slot, engine)
+                        || drop_holder(blocks, slab, slot, e, engine) != Removed::NotHeld;
                     found += u64::from(gone);
                 }
             }
@@ -1448,9 +1579,18 @@ impl Core {
 
     /// The block map, the holder slab, worker `w`'s slot `si` and the engine-hash map,
     /// borrowed together.
-    fn parts(&mut self, w: u32, si: usize) -> (&mut Table<Holders>, &mut Slab, &mut Slot, &Table<u64>) {
+    fn parts(
+        &mut self,
+        w: u32,
+        si: usize,
+    ) -> (&mut Table<Holders>, &mut Slab, &mut Slot, &Table<u64>) {
         let worker = self.workers[w as usize].as_mut().expect("live worker");
-        (&mut self.blocks, &mut self.slab, &mut worker.slots[si], &self.engine)
+        (
+            &mut self.blocks,
+            &mut self.slab,
+            &mut worker.slots[si],
+            &self.engine,
+        )
     }
 
     /// Drops everything worker `w` holds, in every class, and what its groups were.
@@ -1475,7 +1615,11 @@ impl Core {
             worker.slots.clear();
             return;
         }
-        *aliased -= worker.slots.iter().map(|s| s.alias_only.len()).sum::<usize>();
+        *aliased -= worker
+            .slots
+            .iter()
+            .map(|s| s.alias_only.len())
+            .sum::<usize>();
         worker.slots.clear();
         // Only the blocks know who holds them: one pass over all of them.
         blocks.retain(|_, h| {
@@ -1504,7 +1648,9 @@ fn emit(out: &mut Vec<(u32, u32)>, word: usize, bits: u64, count: usize) {
 /// smaller blocks' keys, so such a store is placed through the engine hashes instead.
 fn extras_none(extras: &Option<Vec<Option<Value>>>, lora_name: Option<&str>) -> bool {
     // Rare (a LoRA or multimodal request on a group of larger blocks): the copy is cheap.
-    extras.as_ref().is_none_or(|e| strip_lora(e.clone(), lora_name).iter().all(Option::is_none))
+    extras
+        .as_ref()
+        .is_none_or(|e| strip_lora(e.clone(), lora_name).iter().all(Option::is_none))
 }
 
 /// vLLM repeats the LoRA name as the first extra key of every block of a LoRA request; the
@@ -1543,7 +1689,13 @@ fn remove_entry(blocks: &mut Table<Holders>, slab: &mut Slab, e: Entry, k: u64) 
 /// `slot` holds block `k` (once); whether it did not before. One probe of the table (most
 /// stores are of a block no one holds).
 #[inline]
-fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> bool {
+fn add_holder(
+    blocks: &mut Table<Holders>,
+    slab: &mut Slab,
+    slot: &mut Slot,
+    e: Entry,
+    k: u64,
+) -> bool {
     let (h, fresh) = blocks.get_or_insert(k, Holders::one(e));
     if !fresh {
         if h.contains(slab, e) {
@@ -1557,7 +1709,13 @@ fn add_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: 
 
 /// What `remove_entry` did; the slot's count follows.
 #[inline]
-fn drop_holder(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: Entry, k: u64) -> Removed {
+fn drop_holder(
+    blocks: &mut Table<Holders>,
+    slab: &mut Slab,
+    slot: &mut Slot,
+    e: Entry,
+    k: u64,
+) -> Removed {
     let r = remove_entry(blocks, slab, e, k);
     if r != Removed::NotHeld {
         slot.held -= 1;
@@ -1576,7 +1734,10 @@ fn add_copy(blocks: &mut Table<Holders>, slab: &mut Slab, slot: &mut Slot, e: En
 /// Takes one of the copies past the first `slot` holds of `engine`, if it has any.
 #[inline]
 fn take_copy(slot: &mut Slot, engine: u64) -> bool {
-    let Some(n) = (!slot.copies.is_empty()).then(|| slot.copies.get_mut(&engine)).flatten() else {
+    let Some(n) = (!slot.copies.is_empty())
+        .then(|| slot.copies.get_mut(&engine))
+        .flatten()
+    else {
         return false;
     };
     *n -= 1;
@@ -1590,8 +1751,18 @@ fn take_copy(slot: &mut Slot, engine: u64) -> bool {
 /// stands for, and whether as its block's canonical hash (through `map`, `Core::engine`)
 /// rather than as one of the slot's aliases. None when the slot does not hold it.
 #[inline]
-fn held_as(map: &Table<u64>, blocks: &Table<Holders>, slab: &Slab, slot: &Slot, e: Entry, engine: u64) -> Option<(u64, bool)> {
-    if let Some(&k) = (!slot.alias.is_empty()).then(|| slot.alias.get(&engine)).flatten() {
+fn held_as(
+    map: &Table<u64>,
+    blocks: &Table<Holders>,
+    slab: &Slab,
+    slot: &Slot,
+    e: Entry,
+    engine: u64,
+) -> Option<(u64, bool)> {
+    if let Some(&k) = (!slot.alias.is_empty())
+        .then(|| slot.alias.get(&engine))
+        .flatten()
+    {
         return Some((k, false));
     }
     let &k = map.get(&engine)?;
@@ -1602,7 +1773,13 @@ fn held_as(map: &Table<u64>, blocks: &Table<Holders>, slab: &Slab, slot: &Slot, 
 /// Tokens mode: whether some slot holds block `k` through its canonical hash, i.e. its holder
 /// set has a slot that does not list it in `alias_only` (`aliased`: how many such entries
 /// there are in all; while none, any holder does).
-fn canonical_held(blocks: &Table<Holders>, slab: &Slab, workers: &[Option<Worker>], aliased: usize, k: u64) -> bool {
+fn canonical_held(
+    blocks: &Table<Holders>,
+    slab: &Slab,
+    workers: &[Option<Worker>],
+    aliased: usize,
+    k: u64,
+) -> bool {
     let Some(h) = blocks.get(&k) else {
         return false;
     };
@@ -1621,7 +1798,13 @@ mod tests {
 
     fn apply_json(core: &mut Core, worker: &str, json: &str) -> usize {
         let mut scratch = Vec::new();
-        let batch = parse(json.as_bytes(), Format::Json, &mut scratch, core.take_spare()).expect("valid");
+        let batch = parse(
+            json.as_bytes(),
+            Format::Json,
+            &mut scratch,
+            core.take_spare(),
+        )
+        .expect("valid");
         core.apply(worker, batch)
     }
 
@@ -1648,9 +1831,19 @@ mod tests {
         let ev = stored(&[10, 11, 12], None, &[1, 2, 3, 4, 5, 6], "GPU");
         apply_json(&mut core, "a", &format!("[0, [{ev}]]"));
         apply_json(&mut core, "b", &format!("[0, [{ev}]]"));
-        assert_eq!(scores(&core, &[10, 11, 12]), vec![("a".into(), 3), ("b".into(), 3)]);
-        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [11, 99], "medium": "GPU"}]]"#);
-        assert_eq!(scores(&core, &[10, 11, 12]), vec![("a".into(), 1), ("b".into(), 3)]);
+        assert_eq!(
+            scores(&core, &[10, 11, 12]),
+            vec![("a".into(), 3), ("b".into(), 3)]
+        );
+        apply_json(
+            &mut core,
+            "a",
+            r#"[0, [{"type": "BlockRemoved", "block_hashes": [11, 99], "medium": "GPU"}]]"#,
+        );
+        assert_eq!(
+            scores(&core, &[10, 11, 12]),
+            vec![("a".into(), 1), ("b".into(), 3)]
+        );
         assert_eq!(scores(&core, &[12]), vec![("a".into(), 1), ("b".into(), 1)]);
         assert_eq!(core.stats.unknown_removes, 1);
         apply_json(&mut core, "b", r#"[0, [{"type": "AllBlocksCleared"}]]"#);
@@ -1662,9 +1855,21 @@ mod tests {
     fn tokens_mode_chains_through_the_workers_parent_and_keeps_duplicates() {
         let mut core = Core::new(2, Mode::Tokens);
         // Two workers, different engine hashes, same tokens: the same index blocks.
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")));
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[70], None, &[5, 6], "GPU")));
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[80], Some(70), &[7, 8], "CPU")));
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")),
+        );
+        apply_json(
+            &mut core,
+            "b",
+            &format!("[0, [{}]]", stored(&[70], None, &[5, 6], "GPU")),
+        );
+        apply_json(
+            &mut core,
+            "b",
+            &format!("[0, [{}]]", stored(&[80], Some(70), &[7, 8], "CPU")),
+        );
         assert_eq!(core.len(), 2);
         let mut chain = Chain::new(Algo::Xxh3, 2, 0, None, None, None);
         let mut d = Vec::new();
@@ -1672,13 +1877,29 @@ mod tests {
         let keys: Vec<u64> = d.iter().map(|x| x.event_hash()).collect();
         assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2)]);
         // A second engine hash for the same content: removing one keeps the block.
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[3], Some(1), &[7, 8], "GPU")));
-        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}]]"#);
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[3], Some(1), &[7, 8], "GPU")),
+        );
+        apply_json(
+            &mut core,
+            "a",
+            r#"[0, [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}]]"#,
+        );
         assert_eq!(scores(&core, &keys)[0], ("a".into(), 2));
-        apply_json(&mut core, "a", r#"[0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}]]"#);
+        apply_json(
+            &mut core,
+            "a",
+            r#"[0, [{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}]]"#,
+        );
         assert_eq!(scores(&core, &keys)[0], ("a".into(), 1));
         // Unknown parent: counted, skipped.
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[9], Some(12345), &[1, 1], "GPU")));
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[9], Some(12345), &[1, 1], "GPU")),
+        );
         assert_eq!(core.stats.unknown_parents, 1);
         core.remove_worker("b");
         assert_eq!(scores(&core, &keys), vec![("a".into(), 1)]);
@@ -1692,7 +1913,8 @@ mod tests {
     }
 
     fn remove(core: &mut Core, worker: &str, hashes: &[u64]) {
-        let ev = format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU"}}"#);
+        let ev =
+            format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU"}}"#);
         apply_json(core, worker, &format!("[0, [{ev}]]"));
     }
 
@@ -1720,16 +1942,37 @@ mod tests {
         remove(&mut core, "a", &[2]);
         assert_eq!(scores(&core, &keys), vec![("a".into(), 1), ("b".into(), 2)]);
         assert_eq!(core.engine.len(), 1, "no one holds hash 2 any more");
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[73], Some(72), &[9, 9], "GPU")));
-        assert_eq!(scores(&core, &keys_of(&[5, 6, 7, 8, 9, 9])), vec![("a".into(), 1), ("b".into(), 3)]);
+        apply_json(
+            &mut core,
+            "b",
+            &format!("[0, [{}]]", stored(&[73], Some(72), &[9, 9], "GPU")),
+        );
+        assert_eq!(
+            scores(&core, &keys_of(&[5, 6, 7, 8, 9, 9])),
+            vec![("a".into(), 1), ("b".into(), 3)]
+        );
         // Block 1 has no canonical hash now: the next worker to store it gives it one (c's),
         // which a later store of a's old hash for it does not disturb.
-        apply_json(&mut core, "c", &format!("[0, [{}]]", stored(&[1, 92], None, &[5, 6, 7, 8], "GPU")));
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "GPU")));
-        assert_eq!(scores(&core, &keys), vec![("a".into(), 2), ("b".into(), 2), ("c".into(), 2)]);
+        apply_json(
+            &mut core,
+            "c",
+            &format!("[0, [{}]]", stored(&[1, 92], None, &[5, 6, 7, 8], "GPU")),
+        );
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "GPU")),
+        );
+        assert_eq!(
+            scores(&core, &keys),
+            vec![("a".into(), 2), ("b".into(), 2), ("c".into(), 2)]
+        );
         remove(&mut core, "c", &[92]);
         remove(&mut core, "a", &[2]);
-        assert_eq!(scores(&core, &keys), vec![("a".into(), 1), ("b".into(), 2), ("c".into(), 1)]);
+        assert_eq!(
+            scores(&core, &keys),
+            vec![("a".into(), 1), ("b".into(), 2), ("c".into(), 1)]
+        );
         // Everything gone, nothing left behind.
         remove(&mut core, "a", &[1]);
         remove(&mut core, "b", &[71, 72, 73]);
@@ -1742,10 +1985,22 @@ mod tests {
     fn one_engine_hash_for_other_tokens_in_another_worker() {
         for clear in [false, true] {
             let mut core = Core::new(2, Mode::Tokens);
-            apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")));
-            apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[1], None, &[3, 4], "GPU")));
+            apply_json(
+                &mut core,
+                "a",
+                &format!("[0, [{}]]", stored(&[1, 2], None, &[5, 6, 7, 8], "GPU")),
+            );
+            apply_json(
+                &mut core,
+                "b",
+                &format!("[0, [{}]]", stored(&[1], None, &[3, 4], "GPU")),
+            );
             // b's parent 1 is its own block [3, 4], not a's [5, 6].
-            apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "CPU")));
+            apply_json(
+                &mut core,
+                "b",
+                &format!("[0, [{}]]", stored(&[2], Some(1), &[7, 8], "CPU")),
+            );
             let (ka, kb) = (keys_of(&[5, 6, 7, 8]), keys_of(&[3, 4, 7, 8]));
             assert_eq!(scores(&core, &ka), vec![("a".into(), 2)]);
             assert_eq!(scores(&core, &kb), vec![("b".into(), 2)]);
@@ -1771,7 +2026,14 @@ mod tests {
         }
     }
 
-    fn grouped(hashes: &[u64], parent: Option<u64>, tokens: &[u32], group: u8, kind: &str, window: i64) -> String {
+    fn grouped(
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        group: u8,
+        kind: &str,
+        window: i64,
+    ) -> String {
         let parent = parent.map_or("null".to_string(), |p| p.to_string());
         format!(
             r#"{{"type": "BlockStored", "block_hashes": {hashes:?}, "parent_block_hash": {parent},
@@ -1782,12 +2044,18 @@ mod tests {
     }
 
     fn removed(hashes: &[u64], group: u8) -> String {
-        format!(r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU", "group_idx": {group}}}"#)
+        format!(
+            r#"{{"type": "BlockRemoved", "block_hashes": {hashes:?}, "medium": "GPU", "group_idx": {group}}}"#
+        )
     }
 
     #[test]
     fn window_hit_is_the_largest_prefix_every_window_accepts() {
-        let g1 = |held: &[bool]| held.iter().map(|&h| 1 | (u64::from(h) << 1)).collect::<Vec<u64>>();
+        let g1 = |held: &[bool]| {
+            held.iter()
+                .map(|&h| 1 | (u64::from(h) << 1))
+                .collect::<Vec<u64>>()
+        };
         // One window group (bit 1) needing 2 blocks.
         assert_eq!(window_hit(&g1(&[true, true, true, true]), &[(1, 2)]), 4);
         assert_eq!(window_hit(&g1(&[false, false, true, true]), &[(1, 2)]), 4);
@@ -1804,26 +2072,83 @@ mod tests {
 
     #[test]
     fn kinds_decide_the_plan() {
-        let code = |name: &[u8]| KINDS.iter().position(|k| *k == name).map_or(u8::MAX, |i| i as u8 + 1);
-        assert_eq!(kind_of(code(b"sliding_window"), 5).ok(), Some(Kind::Window { tokens: 5 }));
-        assert_eq!(kind_of(code(b"mamba"), 0).ok(), Some(Kind::Window { tokens: 1 }));
-        assert_eq!(kind_of(code(b"sink_full_attention"), 0).ok(), Some(Kind::Main));
-        assert!(matches!(kind_of(code(b"sliding_window_mla"), 0), Err(BadKind::Window)));
-        assert!(matches!(kind_of(code(b"sliding_window"), -3), Err(BadKind::Window)));
+        let code = |name: &[u8]| {
+            KINDS
+                .iter()
+                .position(|k| *k == name)
+                .map_or(u8::MAX, |i| i as u8 + 1)
+        };
+        assert_eq!(
+            kind_of(code(b"sliding_window"), 5).ok(),
+            Some(Kind::Window { tokens: 5 })
+        );
+        assert_eq!(
+            kind_of(code(b"mamba"), 0).ok(),
+            Some(Kind::Window { tokens: 1 })
+        );
+        assert_eq!(
+            kind_of(code(b"sink_full_attention"), 0).ok(),
+            Some(Kind::Main)
+        );
+        assert!(matches!(
+            kind_of(code(b"sliding_window_mla"), 0),
+            Err(BadKind::Window)
+        ));
+        assert!(matches!(
+            kind_of(code(b"sliding_window"), -3),
+            Err(BadKind::Window)
+        ));
         assert!(matches!(kind_of(code(b"swa"), 4), Err(BadKind::Kind)));
         // cdiv(W - 1, group block size), at least 1.
-        assert_eq!((window_blocks(5, 2), window_blocks(1, 2), window_blocks(1, 16)), (2, 1, 1));
-        assert_eq!((window_blocks(9, 4), window_blocks(9, 8), window_blocks(17, 8)), (2, 1, 2));
-        assert!(is_plain(&[], &[]) && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced], &[1, 0]));
+        assert_eq!(
+            (
+                window_blocks(5, 2),
+                window_blocks(1, 2),
+                window_blocks(1, 16)
+            ),
+            (2, 1, 1)
+        );
+        assert_eq!(
+            (
+                window_blocks(9, 4),
+                window_blocks(9, 8),
+                window_blocks(17, 8)
+            ),
+            (2, 1, 2)
+        );
+        assert!(
+            is_plain(&[], &[])
+                && is_plain(&[Kind::Main, Kind::Unscored, Kind::Unannounced], &[1, 0])
+        );
         assert!(!is_plain(&[Kind::Main, Kind::Main], &[]) && !is_plain(&[Kind::Unscored], &[]));
-        assert!(!is_plain(&[Kind::Unannounced, Kind::Window { tokens: 1 }], &[]));
-        assert!(!is_plain(&[Kind::Main], &[2]), "a group of larger blocks is scored apart");
-        let (main, windows) = plan(&[Kind::Unannounced, Kind::Main, Kind::Window { tokens: 5 }], &[], 2);
+        assert!(!is_plain(
+            &[Kind::Unannounced, Kind::Window { tokens: 1 }],
+            &[]
+        ));
+        assert!(
+            !is_plain(&[Kind::Main], &[2]),
+            "a group of larger blocks is scored apart"
+        );
+        let (main, windows) = plan(
+            &[Kind::Unannounced, Kind::Main, Kind::Window { tokens: 5 }],
+            &[],
+            2,
+        );
         assert_eq!((main, windows), (0b11, vec![(2, 2)]));
         // The same window over blocks twice as large: one block.
-        assert_eq!(plan(&[Kind::Window { tokens: 5 }], &[2], 2), (0, vec![(0, 1)]));
-        assert_eq!((alignment(&[]), alignment(&[0, 2, 3]), alignment(&[4, 2])), (1, 6, 4));
-        assert_eq!(alignment(&[u32::MAX, u32::MAX - 1, u32::MAX - 2]), u64::MAX, "saturates");
+        assert_eq!(
+            plan(&[Kind::Window { tokens: 5 }], &[2], 2),
+            (0, vec![(0, 1)])
+        );
+        assert_eq!(
+            (alignment(&[]), alignment(&[0, 2, 3]), alignment(&[4, 2])),
+            (1, 6, 4)
+        );
+        assert_eq!(
+            alignment(&[u32::MAX, u32::MAX - 1, u32::MAX - 2]),
+            u64::MAX,
+            "saturates"
+        );
     }
 
     #[test]
@@ -1844,16 +2169,28 @@ mod tests {
             best
         };
         assert_eq!(walk(&[1, 3, 1, 3], &[(1, 1)], &[1, 2]), 4);
-        assert_eq!(walk(&[1, 3, 3, 1], &[(1, 1)], &[1, 2]), 2, "group 1's key at index 2 is no block end");
+        assert_eq!(
+            walk(&[1, 3, 3, 1], &[(1, 1)], &[1, 2]),
+            2,
+            "group 1's key at index 2 is no block end"
+        );
         assert_eq!(walk(&[1, 1, 1], &[(1, 1)], &[1, 2]), 0);
-        assert_eq!(walk(&[1, 3, 1], &[(1, 1)], &[1, 2]), 2, "3 is not a multiple of 2");
+        assert_eq!(
+            walk(&[1, 3, 1], &[(1, 1)], &[1, 2]),
+            2,
+            "3 is not a multiple of 2"
+        );
         // A main group at scale 2 (bits as group 0): misses between its block ends do not count.
         assert_eq!(walk(&[0, 1, 0, 1, 0, 0], &[], &[2]), 4);
         // Window of 2 blocks at scale 2, main at scale 3: align 6.
         let held = [1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3];
         assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 12);
         let held = [1, 1, 1, 3, 1, 3, 1, 1, 1, 3, 1, 3];
-        assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 12, "group 1 holds its blocks 4, 5 (keys 9, 11)");
+        assert_eq!(
+            walk(&held, &[(1, 2)], &[3, 2]),
+            12,
+            "group 1 holds its blocks 4, 5 (keys 9, 11)"
+        );
         let held = [1, 1, 1, 3, 1, 3, 1, 1, 1, 1, 1, 3];
         assert_eq!(walk(&held, &[(1, 2)], &[3, 2]), 6);
     }
@@ -1876,7 +2213,11 @@ mod tests {
                     d.iter().map(|x| x.event_hash()).collect()
                 }
             };
-            assert_eq!(scores(&core, &keys), vec![("plain".into(), 4), ("hybrid".into(), 3)], "{mode:?}");
+            assert_eq!(
+                scores(&core, &keys),
+                vec![("plain".into(), 4), ("hybrid".into(), 3)],
+                "{mode:?}"
+            );
             apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[1], 1)));
             assert_eq!(scores(&core, &keys)[1], ("hybrid".into(), 3));
             apply_json(&mut core, "hybrid", &format!("[0, [{}]]", removed(&[3], 1)));
@@ -1889,7 +2230,10 @@ mod tests {
     fn window_codes_name_the_window_kinds() {
         for c in WINDOW_CODES {
             let name = KINDS[c as usize - 1];
-            assert!(matches!(name, b"sliding_window" | b"sliding_window_mla" | b"mamba"), "{c}");
+            assert!(
+                matches!(name, b"sliding_window" | b"sliding_window_mla" | b"mamba"),
+                "{c}"
+            );
         }
     }
 
@@ -1900,10 +2244,18 @@ mod tests {
             let chain = stored(&[1, 2], None, &[1, 2, 3, 4], "GPU");
             apply_json(&mut core, "a", &format!("[0, [{chain}]]"));
             apply_json(&mut core, "a", &format!("[0, [{chain}]]")); // re-announced: no copy
-            apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[2], Some(1), &[3, 4], "GPU")));
+            apply_json(
+                &mut core,
+                "a",
+                &format!("[0, [{}]]", stored(&[2], Some(1), &[3, 4], "GPU")),
+            );
             let one = r#"{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}"#;
             apply_json(&mut core, "a", &format!("[0, [{one}]]"));
-            assert_eq!(core.len(), 2, "{mode:?}: the second copy of block 1 is held");
+            assert_eq!(
+                core.len(),
+                2,
+                "{mode:?}: the second copy of block 1 is held"
+            );
             apply_json(&mut core, "a", &format!("[0, [{one}]]"));
             assert_eq!(core.len(), 1, "{mode:?}");
             apply_json(&mut core, "a", &format!("[0, [{one}]]"));
@@ -1914,10 +2266,20 @@ mod tests {
     #[test]
     fn bad_groups_change_nothing() {
         let mut core = Core::new(2, Mode::Engine);
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[1], None, &[1, 2], "GPU")));
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[1], None, &[1, 2], "GPU")),
+        );
         for bad in ["-1", "64", "true", "1.5", "\"0\""] {
-            let ev = format!(r#"{{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": {bad}}}"#);
-            assert_eq!(apply_json(&mut core, "a", &format!("[0, [{ev}]]")), 1, "{bad}");
+            let ev = format!(
+                r#"{{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": {bad}}}"#
+            );
+            assert_eq!(
+                apply_json(&mut core, "a", &format!("[0, [{ev}]]")),
+                1,
+                "{bad}"
+            );
         }
         assert_eq!(core.stats.bad_groups, 5);
         assert_eq!(core.stats.malformed_payloads, 0);
@@ -1929,12 +2291,27 @@ mod tests {
     #[test]
     fn a_block_keyed_zero() {
         let mut core = Core::new(2, Mode::Engine);
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[0], None, &[1, 2], "GPU")));
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[0], None, &[1, 2], "GPU")),
+        );
         assert_eq!(scores(&core, &[0, 7]), vec![("a".into(), 1)]);
         assert_eq!(scores(&core, &[7, 0]), vec![]);
-        apply_json(&mut core, "a", &format!("[0, [{}]]", stored(&[7, 8], Some(0), &[3, 4, 5, 6], "GPU")));
-        apply_json(&mut core, "b", &format!("[0, [{}]]", stored(&[0, 7], None, &[1, 2, 3, 4], "GPU")));
-        assert_eq!(scores(&core, &[0, 7, 8, 9]), vec![("a".into(), 3), ("b".into(), 2)]);
+        apply_json(
+            &mut core,
+            "a",
+            &format!("[0, [{}]]", stored(&[7, 8], Some(0), &[3, 4, 5, 6], "GPU")),
+        );
+        apply_json(
+            &mut core,
+            "b",
+            &format!("[0, [{}]]", stored(&[0, 7], None, &[1, 2, 3, 4], "GPU")),
+        );
+        assert_eq!(
+            scores(&core, &[0, 7, 8, 9]),
+            vec![("a".into(), 3), ("b".into(), 2)]
+        );
         remove(&mut core, "a", &[0]);
         assert_eq!(scores(&core, &[0, 7, 8]), vec![("b".into(), 2)]);
     }
@@ -1946,7 +2323,11 @@ mod tests {
             let n = 1 + (w as usize % 3);
             let hashes: Vec<u64> = (0..n as u64).collect();
             let tokens: Vec<u32> = (0..2 * n as u32).collect();
-            apply_json(&mut core, &format!("w{w}"), &format!("[0, [{}]]", stored(&hashes, None, &tokens, "GPU")));
+            apply_json(
+                &mut core,
+                &format!("w{w}"),
+                &format!("[0, [{}]]", stored(&hashes, None, &tokens, "GPU")),
+            );
         }
         let mut out = Vec::new();
         core.find_matches(&[0, 1, 2], None, false, &mut out);

@@ -207,7 +207,11 @@ impl Many {
     /// Word 0 of the workers holding the block in a class `filter` accepts.
     #[inline]
     fn word0(&self, filter: &Filter) -> u64 {
-        let mut w = if filter.accepts(self.m0) { self.b0.w0 } else { 0 };
+        let mut w = if filter.accepts(self.m0) {
+            self.b0.w0
+        } else {
+            0
+        };
         for (m, b) in &self.others {
             if filter.accepts(*m) {
                 w |= b.w0;
@@ -433,7 +437,13 @@ impl Holders {
         if self.a == MANY {
             return slab.words[self.b as usize];
         }
-        let bit = |e: Entry| if e != NONE { 1u64 << (worker_of(e) & 63) } else { 0 };
+        let bit = |e: Entry| {
+            if e != NONE {
+                1u64 << (worker_of(e) & 63)
+            } else {
+                0
+            }
+        };
         bit(self.a) | bit(self.b)
     }
 
@@ -477,7 +487,14 @@ impl Holders {
     /// ids is `out[g * words..(g + 1) * words]` (`group_of[class]` names a class's group), over
     /// the classes `filter` accepts. One pass for all workers, where asking each would take one
     /// pass per worker.
-    pub fn groups_into(&self, slab: &Slab, filter: &Filter, group_of: &[u8], words: usize, out: &mut [u64]) {
+    pub fn groups_into(
+        &self,
+        slab: &Slab,
+        filter: &Filter,
+        group_of: &[u8],
+        words: usize,
+        out: &mut [u64],
+    ) {
         if self.a == MANY {
             for (m, b) in slab.many[self.b as usize].media() {
                 if filter.accepts(m) {
@@ -520,10 +537,16 @@ mod tests {
         want.sort();
         assert_eq!(sorted(&h, &slab), want);
         let mut out = vec![0u64; 4];
-        let mut odd_class = Filter { all: false, mask: [0; 4] };
+        let mut odd_class = Filter {
+            all: false,
+            mask: [0; 4],
+        };
         odd_class.set(1);
         h.workers_into(&slab, &odd_class, &mut out);
-        let got: Vec<u32> = (0..256).filter(|&w| out[w / 64] & (1 << (w % 64)) != 0).map(|w| w as u32).collect();
+        let got: Vec<u32> = (0..256)
+            .filter(|&w| out[w / 64] & (1 << (w % 64)) != 0)
+            .map(|w| w as u32)
+            .collect();
         let odd: Vec<u32> = (0..70).filter(|w| w % 2 == 1).map(|w| w * 3).collect();
         assert_eq!(got, odd);
         for &e in &es[..69] {
@@ -542,8 +565,14 @@ mod tests {
     fn one_word_reads_agree_with_workers_into() {
         let mut slab = Slab::default();
         let mut sets: Vec<Option<Holders>> = vec![None; 12];
-        let all = Filter { all: true, mask: [0; 4] };
-        let mut class1 = Filter { all: false, mask: [0; 4] };
+        let all = Filter {
+            all: true,
+            mask: [0; 4],
+        };
+        let mut class1 = Filter {
+            all: false,
+            mask: [0; 4],
+        };
         class1.set(1);
         let word = |h: &Holders, slab: &Slab, f: &Filter| {
             let mut out = vec![0u64; 2];
@@ -552,8 +581,14 @@ mod tests {
         };
         let mut x = 11u64;
         for _ in 0..20_000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            let (i, w, m) = ((x >> 33) as usize % sets.len(), (x >> 40) as u32 % 64, (x >> 50) as u8 % 3);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let (i, w, m) = (
+                (x >> 33) as usize % sets.len(),
+                (x >> 40) as u32 % 64,
+                (x >> 50) as u8 % 3,
+            );
             let e = entry(w, m);
             match &mut sets[i] {
                 None => sets[i] = Some(Holders::one(e)),

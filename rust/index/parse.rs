@@ -99,7 +99,13 @@ const KEEP_MAX_ITEMS: usize = 1 << 18;
 
 impl Spare {
     pub fn keep(&mut self, mut batch: Batch<'_>) {
-        if batch.hashes.capacity().max(batch.tokens.capacity()).max(batch.events.capacity()) > KEEP_MAX_ITEMS {
+        if batch
+            .hashes
+            .capacity()
+            .max(batch.tokens.capacity())
+            .max(batch.events.capacity())
+            > KEEP_MAX_ITEMS
+        {
             return;
         }
         batch.events.clear();
@@ -107,7 +113,8 @@ impl Spare {
         batch.tokens.clear();
         // SAFETY: the vector is empty, so it holds no borrow of the payload; the types differ
         // only in that lifetime (same layout).
-        self.events = unsafe { std::mem::transmute::<Vec<Event<'_>>, Vec<Event<'static>>>(batch.events) };
+        self.events =
+            unsafe { std::mem::transmute::<Vec<Event<'_>>, Vec<Event<'static>>>(batch.events) };
         self.hashes = batch.hashes;
         self.tokens = batch.tokens;
     }
@@ -127,7 +134,10 @@ pub enum Format {
 
 /// JSON when the first non-whitespace byte opens an array or object; msgpack otherwise.
 pub fn detect(b: &[u8]) -> Format {
-    match b.iter().find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r')) {
+    match b
+        .iter()
+        .find(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+    {
         Some(b'[') | Some(b'{') => Format::Json,
         _ => Format::Msgpack,
     }
@@ -135,7 +145,12 @@ pub fn detect(b: &[u8]) -> Format {
 
 /// `scratch` holds JSON transcoded to msgpack, which the batch's strings borrow from; the
 /// batch's vectors are `spare`'s.
-pub fn parse<'a>(b: &'a [u8], format: Format, scratch: &'a mut Vec<u8>, spare: Spare) -> Option<Batch<'a>> {
+pub fn parse<'a>(
+    b: &'a [u8],
+    format: Format,
+    scratch: &'a mut Vec<u8>,
+    spare: Spare,
+) -> Option<Batch<'a>> {
     match format {
         Format::Msgpack => Parser::new(b, false, spare).batch(),
         Format::Json => {
@@ -267,7 +282,9 @@ impl<'a> Parser<'a> {
             // their value.
             let (b, p) = (self.r.b, self.r.p);
             let field = match KEY_ORDER.get(next) {
-                Some(&(key, field)) if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) => {
+                Some(&(key, field))
+                    if b.get(p..p + key.len()).is_some_and(|k| eq_bytes(k, key)) =>
+                {
                     self.r.p += key.len();
                     next += 1;
                     field
@@ -360,7 +377,12 @@ impl<'a> Parser<'a> {
         }
         if matches!(self.r.peek()?, 0xa0..=0xbf | 0xd9..=0xdb) {
             let name = self.r.raw_str()?;
-            return Some(KINDS.iter().position(|k| eq_bytes(k, name)).map_or(UNKNOWN_KIND, |i| i as u8 + 1));
+            return Some(
+                KINDS
+                    .iter()
+                    .position(|k| eq_bytes(k, name))
+                    .map_or(UNKNOWN_KIND, |i| i as u8 + 1),
+            );
         }
         self.r.any(1)?;
         Some(UNKNOWN_KIND)
@@ -795,7 +817,10 @@ fn base64_reduced(s: &[u8]) -> Option<u64> {
     if !s.len().is_multiple_of(4) {
         return None;
     }
-    let body = s.strip_suffix(b"==").or_else(|| s.strip_suffix(b"=")).unwrap_or(s);
+    let body = s
+        .strip_suffix(b"==")
+        .or_else(|| s.strip_suffix(b"="))
+        .unwrap_or(s);
     let mut acc = 0u64;
     let (mut bits, mut buf) = (0u32, 0u32);
     for &c in body {
@@ -936,17 +961,37 @@ mod tests {
             }
             _ => panic!("not stored"),
         }
-        assert!(matches!(b.events[1], Event::Removed { medium: Some("CPU"), .. }));
+        assert!(matches!(
+            b.events[1],
+            Event::Removed {
+                medium: Some("CPU"),
+                ..
+            }
+        ));
         assert!(matches!(b.events[2], Event::Cleared));
     }
 
     #[test]
     fn rejects_garbage_and_trailing_bytes() {
         let mut scratch = Vec::new();
-        for bad in [&b"[1.0, [], 0] x"[..], b"{}", b"\x92\xcb", b"[1.0, [{\"type\": \"Nope\"}]]"] {
-            assert!(parse(bad, detect(bad), &mut scratch, Spare::default()).is_none(), "{bad:?}");
+        for bad in [
+            &b"[1.0, [], 0] x"[..],
+            b"{}",
+            b"\x92\xcb",
+            b"[1.0, [{\"type\": \"Nope\"}]]",
+        ] {
+            assert!(
+                parse(bad, detect(bad), &mut scratch, Spare::default()).is_none(),
+                "{bad:?}"
+            );
         }
-        assert!(parse(b"\x92\xcb\0\0\0\0\0\0\0\0\x90", Format::Msgpack, &mut scratch, Spare::default()).is_some());
+        assert!(parse(
+            b"\x92\xcb\0\0\0\0\0\0\0\0\x90",
+            Format::Msgpack,
+            &mut scratch,
+            Spare::default()
+        )
+        .is_some());
     }
 
     /// Token ids of every width and signedness a writer may use, at every distance from the
@@ -954,7 +999,20 @@ mod tests {
     /// reader agree.
     #[test]
     fn token_ids_decode_in_every_width() {
-        let values: [u64; 12] = [0, 1, 127, 128, 255, 256, 65535, 65536, 150_000, u32::MAX as u64, 1 << 32, 5];
+        let values: [u64; 12] = [
+            0,
+            1,
+            127,
+            128,
+            255,
+            256,
+            65535,
+            65536,
+            150_000,
+            u32::MAX as u64,
+            1 << 32,
+            5,
+        ];
         let mut seed = 0x9e37_79b9_u64;
         for case in 0..800 {
             // Up to 62 ids: the decoders' chunks of eight, the rest one by one.
@@ -967,7 +1025,9 @@ mod tests {
             let mut starts = Vec::new();
             for _ in 0..n {
                 starts.push(body.len());
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let v = values[(seed >> 33) as usize % values.len()];
                 // Mostly what msgspec writes; sometimes a wider or signed marker, or a negative.
                 match (seed >> 20) % odds {
@@ -980,8 +1040,12 @@ mod tests {
                     }
                     _ if v < 128 => body.push(v as u8),
                     _ if v < 256 => body.extend_from_slice(&[0xcc, v as u8]),
-                    _ if v < 65536 => body.extend_from_slice(&[&[0xcd][..], &(v as u16).to_be_bytes()].concat()),
-                    _ if v <= u32::MAX as u64 => body.extend_from_slice(&[&[0xce][..], &(v as u32).to_be_bytes()].concat()),
+                    _ if v < 65536 => {
+                        body.extend_from_slice(&[&[0xcd][..], &(v as u16).to_be_bytes()].concat())
+                    }
+                    _ if v <= u32::MAX as u64 => {
+                        body.extend_from_slice(&[&[0xce][..], &(v as u32).to_be_bytes()].concat())
+                    }
                     _ => body.extend_from_slice(&[&[0xcf][..], &v.to_be_bytes()].concat()),
                 }
                 want.push(u32::try_from(v).ok());
@@ -994,20 +1058,41 @@ mod tests {
             let got: Vec<u32> = p.out.tokens[range].to_vec();
             let expect: Vec<u32> = want.iter().map(|t| t.unwrap_or(0)).collect();
             assert_eq!(got, expect, "case {case}: {bytes:x?}");
-            assert_eq!(p.bad_tokens, want.iter().any(Option::is_none), "case {case}");
+            assert_eq!(
+                p.bad_tokens,
+                want.iter().any(Option::is_none),
+                "case {case}"
+            );
             // Counted only (key="engine"): the same checks and end, nothing kept.
-            let counting = Spare { count_tokens: true, ..Spare::default() };
+            let counting = Spare {
+                count_tokens: true,
+                ..Spare::default()
+            };
             let mut c = Parser::new(&bytes, false, counting);
             assert_eq!(c.tokens().map(|r| r.len()), Some(n), "case {case}");
-            assert_eq!((c.r.p, c.bad_tokens, c.out.tokens.len()), (bytes.len(), p.bad_tokens, 0), "case {case}");
+            assert_eq!(
+                (c.r.p, c.bad_tokens, c.out.tokens.len()),
+                (bytes.len(), p.bad_tokens, 0),
+                "case {case}"
+            );
             // Cut short, or with a marker no token id has (nil): malformed either way.
             let mut nil = bytes.clone();
             nil.insert(3 + starts.get(n / 2).unwrap_or(&0), 0xc0);
             nil[2] += 1;
-            for bad in [&bytes[..bytes.len() - usize::from(n > 0)], &nil[..]].into_iter().filter(|_| n > 0) {
+            for bad in [&bytes[..bytes.len() - usize::from(n > 0)], &nil[..]]
+                .into_iter()
+                .filter(|_| n > 0)
+            {
                 for count_tokens in [false, true] {
-                    let spare = Spare { count_tokens, ..Spare::default() };
-                    assert_eq!(Parser::new(bad, false, spare).tokens(), None, "case {case}, {count_tokens}");
+                    let spare = Spare {
+                        count_tokens,
+                        ..Spare::default()
+                    };
+                    assert_eq!(
+                        Parser::new(bad, false, spare).tokens(),
+                        None,
+                        "case {case}, {count_tokens}"
+                    );
                 }
             }
         }
@@ -1015,8 +1100,17 @@ mod tests {
 
     #[test]
     fn short_byte_strings_compare_exactly() {
-        let names: [&[u8]; 9] = [b"", b"a", b"GPU", b"type", b"medium", b"token_ids", b"block_hashes",
-            b"parent_block_hash", b"a_name_longer_than_twenty_four_bytes"];
+        let names: [&[u8]; 9] = [
+            b"",
+            b"a",
+            b"GPU",
+            b"type",
+            b"medium",
+            b"token_ids",
+            b"block_hashes",
+            b"parent_block_hash",
+            b"a_name_longer_than_twenty_four_bytes",
+        ];
         for a in names {
             for b in names {
                 assert_eq!(eq_bytes(a, b), a == b);
@@ -1034,7 +1128,11 @@ mod tests {
     /// each move (measured: ~5% more instructions per block event).
     #[test]
     fn an_event_stays_small() {
-        assert!(std::mem::size_of::<Event>() <= 128, "{}", std::mem::size_of::<Event>());
+        assert!(
+            std::mem::size_of::<Event>() <= 128,
+            "{}",
+            std::mem::size_of::<Event>()
+        );
     }
 
     #[test]

@@ -148,7 +148,10 @@ impl<V: Copy> Table<V> {
     #[inline(never)]
     fn grow(&mut self, v: V) {
         let cap = (self.slots.len() * 2).max(MIN_CAPACITY);
-        let old = std::mem::replace(&mut self.slots, vec![Slot { key: EMPTY, val: v }; cap].into_boxed_slice());
+        let old = std::mem::replace(
+            &mut self.slots,
+            vec![Slot { key: EMPTY, val: v }; cap].into_boxed_slice(),
+        );
         self.shift = 64 - cap.trailing_zeros();
         self.len = 0;
         for s in old.iter().filter(|s| s.key != EMPTY) {
@@ -245,7 +248,11 @@ impl<V: Copy> Table<V> {
 
     /// Every entry, key `EMPTY`'s too, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
-        let slots = self.slots.iter().filter(|s| s.key != EMPTY).map(|s| (s.key, &s.val));
+        let slots = self
+            .slots
+            .iter()
+            .filter(|s| s.key != EMPTY)
+            .map(|s| (s.key, &s.val));
         slots.chain(self.empty_key.iter().map(|v| (EMPTY, v)))
     }
 }
@@ -310,7 +317,9 @@ mod tests {
         let mut m: HashMap<u64, u32> = HashMap::new();
         let mut x = 7u64;
         for step in 0..200_000u32 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             // Few distinct keys (and key 0 among them): many collisions, removals, reinserts.
             let k = (x >> 33) % 5000;
             if x & (3 << 20) == 1 << 20 {

@@ -91,7 +91,14 @@ impl Record {
         self.events.is_empty()
     }
 
-    fn stored(&mut self, parent: Option<u64>, hashes: &[u64], tokens: &[u32], lora: u32, group: u8) {
+    fn stored(
+        &mut self,
+        parent: Option<u64>,
+        hashes: &[u64],
+        tokens: &[u32],
+        lora: u32,
+        group: u8,
+    ) {
         let h = self.hashes.len();
         let t = self.tokens.len();
         self.hashes.extend_from_slice(hashes);
@@ -136,7 +143,12 @@ pub struct Core {
 impl Core {
     /// `windows`: one entry per KV-cache group of a hybrid pool (None for a main group, the
     /// window in tokens for a window group); empty for the single-group pool.
-    pub fn new(num_blocks: usize, block_size: usize, events: bool, windows: Vec<Option<usize>>) -> Core {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        events: bool,
+        windows: Vec<Option<usize>>,
+    ) -> Core {
         let n = num_blocks;
         let hybrid = !windows.is_empty();
         let num_maps = windows.len().max(1);
@@ -270,7 +282,10 @@ impl Core {
     /// HybridKVCacheCoordinator.find_longest_cache_hit, in blocks (see the spec's docstring).
     pub fn longest_hit(&self, hashes: &[u64], max_blocks: usize) -> usize {
         let groups = 0..self.windows.len();
-        let mains: Vec<usize> = groups.clone().filter(|&g| self.windows[g].is_none()).collect();
+        let mains: Vec<usize> = groups
+            .clone()
+            .filter(|&g| self.windows[g].is_none())
+            .collect();
         let mut n = hashes
             .iter()
             .take(max_blocks)

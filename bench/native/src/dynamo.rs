@@ -44,7 +44,14 @@ fn event(w: &Workload, worker: u32, id: u64, ev: &Ev) -> RouterEvent {
         }),
         Ev::Cleared => KvCacheEventData::Cleared,
     };
-    RouterEvent::new(worker as u64, KvCacheEvent { event_id: id, data, dp_rank: 0 })
+    RouterEvent::new(
+        worker as u64,
+        KvCacheEvent {
+            event_id: id,
+            data,
+            dp_rank: 0,
+        },
+    )
 }
 
 /// The events of `steps`, numbered from `id` on.
@@ -60,7 +67,11 @@ fn events(w: &Workload, steps: &[Step], mut id: u64) -> Vec<RouterEvent> {
 }
 
 fn scores(o: OverlapScores) -> Scores {
-    let mut s: Scores = o.scores.into_iter().map(|(k, v)| (k.worker_id as u32, v)).collect();
+    let mut s: Scores = o
+        .scores
+        .into_iter()
+        .map(|(k, v)| (k.worker_id as u32, v))
+        .collect();
     s.sort_unstable();
     s
 }
@@ -73,11 +84,17 @@ fn find(f: impl FnOnce() -> OverlapScores) -> (u64, Scores) {
 pub fn builders(w: &Workload) -> Vec<(String, Builder<'_>)> {
     let mut out: Vec<(String, Builder)> = vec![
         ("Dynamo RadixTree".into(), Box::new(move |_| radix(w))),
-        (format!("Dynamo PositionalIndexer (jump {JUMP}, 1 writer)"), Box::new(move |_| positional(w))),
+        (
+            format!("Dynamo PositionalIndexer (jump {JUMP}, 1 writer)"),
+            Box::new(move |_| positional(w)),
+        ),
     ];
     for threads in [1, 2] {
         out.push((
-            format!("Dynamo ConcurrentRadixTreeCompressed ({threads} writer thread{})", if threads > 1 { "s" } else { "" }),
+            format!(
+                "Dynamo ConcurrentRadixTreeCompressed ({threads} writer thread{})",
+                if threads > 1 { "s" } else { "" }
+            ),
             Box::new(move |bytes| pooled(w, threads, bytes, ConcurrentRadixTreeCompressed::new)),
         ));
     }
@@ -122,7 +139,12 @@ fn radix(w: &Workload) -> Built<'_> {
                 "tokens in".into(),
                 Box::new(move |q| {
                     let tokens = w.queries[q].tokens.clone();
-                    find(|| t2.find_matches(compute_block_hash_for_seq(&tokens, bs, BlockHashOptions::default()), false))
+                    find(|| {
+                        t2.find_matches(
+                            compute_block_hash_for_seq(&tokens, bs, BlockHashOptions::default()),
+                            false,
+                        )
+                    })
                 }),
             ),
         ],
@@ -157,8 +179,15 @@ fn positional(w: &Workload) -> Built<'_> {
 
 /// A `SyncIndexer` behind ThreadPoolIndexer with `threads` writer threads: apply timed from
 /// the first enqueue to the flush that sees the last event applied.
-fn pooled<T: SyncIndexer>(w: &Workload, threads: usize, measure: bool, make: impl Fn() -> T) -> Built<'_> {
-    let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+fn pooled<T: SyncIndexer>(
+    w: &Workload,
+    threads: usize,
+    measure: bool,
+    make: impl Fn() -> T,
+) -> Built<'_> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
     let bs = w.block_size as u32;
     // Memory from a pass flushed every few steps: applied in one burst, the queues grow to the
     // whole stream, and their capacity stays allocated after.

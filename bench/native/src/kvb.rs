@@ -79,8 +79,14 @@ pub fn dump(w: &Workload, dir: &std::path::Path) -> std::io::Result<()> {
         q.extend_from_slice(&(v as u32).to_le_bytes());
     }
     for query in &w.queries {
-        query.seq.iter().for_each(|h| q.extend_from_slice(&h.to_le_bytes()));
-        query.tokens.iter().for_each(|t| q.extend_from_slice(&t.to_le_bytes()));
+        query
+            .seq
+            .iter()
+            .for_each(|h| q.extend_from_slice(&h.to_le_bytes()));
+        query
+            .tokens
+            .iter()
+            .for_each(|t| q.extend_from_slice(&t.to_le_bytes()));
         q.extend_from_slice(&(query.expect.len() as u32).to_le_bytes());
         for (wk, n) in &query.expect {
             q.extend_from_slice(&wk.to_le_bytes());
@@ -98,7 +104,14 @@ fn name(i: u32) -> String {
 fn scores(idx: &NativeIndex, found: Vec<(u32, u32)>) -> Scores {
     let mut s: Scores = found
         .into_iter()
-        .map(|(id, n)| (idx.worker_name(id)["worker-".len()..].parse().expect("worker-N"), n))
+        .map(|(id, n)| {
+            (
+                idx.worker_name(id)["worker-".len()..]
+                    .parse()
+                    .expect("worker-N"),
+                n,
+            )
+        })
         .collect();
     s.sort_unstable();
     s
@@ -118,7 +131,12 @@ pub fn builders(w: &Workload) -> Vec<(String, Builder<'_>)> {
 fn build(w: &Workload, engine: bool) -> Built<'_> {
     let names: Vec<String> = (0..w.workers).map(name).collect();
     let before = alloc::held();
-    let payloads: Vec<Vec<u8>> = w.steps.iter().enumerate().map(|(i, s)| payload(w, s, i as f64)).collect();
+    let payloads: Vec<Vec<u8>> = w
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| payload(w, s, i as f64))
+        .collect();
     let mut idx = NativeIndex::new(w.block_size, engine);
     let t = Instant::now();
     apply_all(&mut idx, w, &names, &payloads);
@@ -129,7 +147,10 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
     let mut queries: Vec<(String, Querier)> = Vec::new();
     if engine {
         let i = idx.clone();
-        queries.push(("engine hashes in".into(), Box::new(move |q| find(&i, &w.queries[q].seq.clone()))));
+        queries.push((
+            "engine hashes in".into(),
+            Box::new(move |q| find(&i, &w.queries[q].seq.clone())),
+        ));
     } else {
         let mut keys = Vec::new();
         let keyed: Vec<Vec<u64>> = w
@@ -141,7 +162,10 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
             })
             .collect();
         let i = idx.clone();
-        queries.push(("its keys in".into(), Box::new(move |q| find(&i, &keyed[q].clone()))));
+        queries.push((
+            "its keys in".into(),
+            Box::new(move |q| find(&i, &keyed[q].clone())),
+        ));
         let i = idx.clone();
         let mut keys = Vec::new();
         queries.push((

@@ -82,7 +82,11 @@ impl Row {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let cfg = if quick { workload::Config::quick() } else { workload::Config::full() };
+    let cfg = if quick {
+        workload::Config::quick()
+    } else {
+        workload::Config::full()
+    };
     // The machine is shared: each build is repeated (the fastest shown), and the query set runs
     // in rounds, each indexer in turn answering all of it, so a change in load falls on every
     // indexer alike. Not query by query in turn: each index would then answer from caches the
@@ -107,7 +111,11 @@ fn main() {
         w.entries_held,
         t.elapsed().as_secs_f64()
     );
-    let longest: usize = w.queries.iter().map(|q| q.expect.iter().map(|e| e.1).max().unwrap_or(0) as usize).sum();
+    let longest: usize = w
+        .queries
+        .iter()
+        .map(|q| q.expect.iter().map(|e| e.1).max().unwrap_or(0) as usize)
+        .sum();
     let holders: usize = w.queries.iter().map(|q| q.expect.len()).sum();
     eprintln!(
         "queries: longest match {:.1} blocks, {:.1} workers holding the first block (means)",
@@ -121,7 +129,10 @@ fn main() {
         return;
     }
     // --only WORD: just the indexers whose name has WORD (while working on one).
-    let only: Vec<String> = std::env::args().skip_while(|a| a != "--only").skip(1).collect();
+    let only: Vec<String> = std::env::args()
+        .skip_while(|a| a != "--only")
+        .skip(1)
+        .collect();
     let builders: Vec<(String, Builder)> = kvb::builders(&w)
         .into_iter()
         .chain(dynamo::builders(&w))
@@ -153,7 +164,12 @@ fn main() {
         }
     }
     // In row order: builders in order, each one's queries in order.
-    let mut queriers: Vec<Querier> = kept.into_iter().flatten().flat_map(|b| b.queries).map(|(_, q)| q).collect();
+    let mut queriers: Vec<Querier> = kept
+        .into_iter()
+        .flatten()
+        .flat_map(|b| b.queries)
+        .map(|(_, q)| q)
+        .collect();
     for round in 0..rounds {
         for (row, q) in rows.iter_mut().zip(queriers.iter_mut()) {
             let mut times = Vec::with_capacity(w.queries.len());
@@ -180,14 +196,23 @@ fn print_table(w: &Workload, rows: &[Row], reps: usize, rounds: usize) {
     println!("|---|---|---|---|---|");
     for r in rows {
         let (p50, p99) = r.percentiles();
-        let mem = r.bytes_per_entry.map_or("-".to_string(), |b| format!("{b:.0}"));
+        let mem = r
+            .bytes_per_entry
+            .map_or("-".to_string(), |b| format!("{b:.0}"));
         let agree = if r.disagree == 0 {
             format!("agree ({0}/{0})", w.queries.len())
         } else {
             format!("DISAGREE on {}", r.disagree)
         };
-        let apply = r.apply_best().map_or("-".to_string(), |a| format!("{:.2}", a / 1e6));
-        println!("| {} | {apply} | {:.2} / {:.2} | {mem} | {agree} |", r.name, p50 as f64 / 1e3, p99 as f64 / 1e3);
+        let apply = r
+            .apply_best()
+            .map_or("-".to_string(), |a| format!("{:.2}", a / 1e6));
+        println!(
+            "| {} | {apply} | {:.2} / {:.2} | {mem} | {agree} |",
+            r.name,
+            p50 as f64 / 1e3,
+            p99 as f64 / 1e3
+        );
     }
     ratios(rows);
     if rows.iter().any(|r| r.disagree > 0) {
@@ -198,12 +223,19 @@ fn print_table(w: &Workload, rows: &[Row], reps: usize, rounds: usize) {
 
 /// Each kvbridge row against the best Dynamo figure of each column.
 fn ratios(rows: &[Row]) {
-    let (ours, theirs): (Vec<&Row>, Vec<&Row>) = rows.iter().partition(|r| r.name.starts_with("kvbridge"));
+    let (ours, theirs): (Vec<&Row>, Vec<&Row>) =
+        rows.iter().partition(|r| r.name.starts_with("kvbridge"));
     let best = |f: &dyn Fn(&Row) -> Option<f64>, lower: bool| -> Option<(f64, String)> {
         theirs
             .iter()
             .filter_map(|r| f(r).map(|v| (v, r.name.clone())))
-            .min_by(|a, b| if lower { a.0.total_cmp(&b.0) } else { b.0.total_cmp(&a.0) })
+            .min_by(|a, b| {
+                if lower {
+                    a.0.total_cmp(&b.0)
+                } else {
+                    b.0.total_cmp(&a.0)
+                }
+            })
     };
     let apply = best(&|r| r.apply_best(), false);
     let p50 = best(&|r| Some(r.percentiles().0 as f64), true);

@@ -67,7 +67,10 @@ pub struct Node {
 }
 
 pub enum Ev {
-    Stored { parent: Option<u32>, blocks: Vec<u32> },
+    Stored {
+        parent: Option<u32>,
+        blocks: Vec<u32>,
+    },
     Removed(Vec<u32>),
     Cleared,
 }
@@ -192,7 +195,12 @@ impl Workload {
         for _ in 0..bs {
             self.tokens.push(rng.below(150_000) as u32);
         }
-        let local = compute_block_hash_for_seq(&self.tokens[start..], bs as u32, BlockHashOptions::default())[0].0;
+        let local = compute_block_hash_for_seq(
+            &self.tokens[start..],
+            bs as u32,
+            BlockHashOptions::default(),
+        )[0]
+        .0;
         let (seq, depth) = if parent == ROOT {
             (local, 0)
         } else {
@@ -202,7 +210,12 @@ impl Workload {
             b[8..].copy_from_slice(&local.to_le_bytes());
             (xxh3_64_with_seed(&b, 1337), p.depth + 1)
         };
-        self.nodes.push(Node { parent, depth, local, seq });
+        self.nodes.push(Node {
+            parent,
+            depth,
+            local,
+            seq,
+        });
         (self.nodes.len() - 1) as u32
     }
 
@@ -242,7 +255,11 @@ impl Workload {
         // System prompts, some sharing a preamble with another.
         let mut prompts: Vec<u32> = Vec::new();
         for _ in 0..cfg.system_prompts {
-            let base = if !prompts.is_empty() && rng.chance(0.3) { prompts[rng.below(prompts.len())] } else { ROOT };
+            let base = if !prompts.is_empty() && rng.chance(0.3) {
+                prompts[rng.below(prompts.len())]
+            } else {
+                ROOT
+            };
             let len = 4 + rng.below(40);
             let end = w.extend(&mut rng, base, len);
             prompts.push(end);
@@ -268,13 +285,20 @@ impl Workload {
                     n if n > 0 && rng.chance(0.5) => recent[n - 1 - rng.skewed(n.min(4096))],
                     _ => prompts[rng.skewed(prompts.len())],
                 };
-                let base = if w.nodes[base as usize].depth > 200 { prompts[rng.below(prompts.len())] } else { base };
+                let base = if w.nodes[base as usize].depth > 200 {
+                    prompts[rng.below(prompts.len())]
+                } else {
+                    base
+                };
                 let new = 2 + rng.below(40);
                 let end = w.extend(&mut rng, base, new);
                 recent.push(end);
                 let path = w.path(end);
                 let cache = &mut caches[worker as usize];
-                let k = path.iter().take_while(|n| cache.held.contains_key(n)).count();
+                let k = path
+                    .iter()
+                    .take_while(|n| cache.held.contains_key(n))
+                    .count();
                 for &n in &path[..k] {
                     cache.touch(n, now);
                 }
@@ -293,11 +317,17 @@ impl Workload {
                 let prefill = need - decode;
                 let mut parent = (k > 0).then(|| path[k - 1]);
                 if prefill > 0 {
-                    stores.push(Ev::Stored { parent, blocks: path[k..k + prefill].to_vec() });
+                    stores.push(Ev::Stored {
+                        parent,
+                        blocks: path[k..k + prefill].to_vec(),
+                    });
                     parent = Some(path[k + prefill - 1]);
                 }
                 for &n in &path[k + prefill..] {
-                    stores.push(Ev::Stored { parent, blocks: vec![n] });
+                    stores.push(Ev::Stored {
+                        parent,
+                        blocks: vec![n],
+                    });
                     parent = Some(n);
                 }
                 w.stored += need;
@@ -309,7 +339,10 @@ impl Workload {
             events.extend(stores);
             w.steps.push(Step { worker, events });
         }
-        let held: Vec<HashSet<u32>> = caches.iter().map(|c| c.held.keys().copied().collect()).collect();
+        let held: Vec<HashSet<u32>> = caches
+            .iter()
+            .map(|c| c.held.keys().copied().collect())
+            .collect();
         w.entries_held = held.iter().map(HashSet::len).sum();
         for _ in 0..cfg.queries {
             let end = match rng.below(20) {
@@ -326,7 +359,12 @@ impl Workload {
             let mut expect: Scores = held
                 .iter()
                 .enumerate()
-                .map(|(i, h)| (i as u32, path.iter().take_while(|n| h.contains(n)).count() as u32))
+                .map(|(i, h)| {
+                    (
+                        i as u32,
+                        path.iter().take_while(|n| h.contains(n)).count() as u32,
+                    )
+                })
                 .filter(|&(_, n)| n > 0)
                 .collect();
             expect.sort_unstable();
@@ -334,7 +372,10 @@ impl Workload {
             w.queries.push(Query {
                 local: path.iter().map(|&n| w.nodes[n as usize].local).collect(),
                 seq: path.iter().map(|&n| w.nodes[n as usize].seq).collect(),
-                tokens: path.iter().flat_map(|&n| w.tokens[n as usize * bs..][..bs].iter().copied()).collect(),
+                tokens: path
+                    .iter()
+                    .flat_map(|&n| w.tokens[n as usize * bs..][..bs].iter().copied())
+                    .collect(),
                 expect,
             });
         }
