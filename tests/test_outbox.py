@@ -33,6 +33,11 @@ CASES = [
      (2, 2, 2, 0)),
     ("unsent messages before a hole are let go, counted", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.skip()],
      (3, 3, 3, 2)),
+    ("forget lets go of sent messages up to a seq, no hole", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1),
+                                                                         ob.sent(0), ob.sent(1), ob.forget(0)], (1, 2, 2, 0)),
+    ("forget counts unsent messages it lets go, the cursor skips them",
+     lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.append(b"c", 1), ob.sent(0), ob.forget(1)], (2, 3, 2, 1)),
+    ("forget before the oldest held does nothing", lambda ob: [ob.append(b"a", 1), ob.forget(-1)], (0, 1, 0, 0)),
     ("a rewind sends again from there", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.sent(0), ob.sent(1),
                                                    ob.rewind(0)], (0, 2, 0, 0)),
     ("a rewind never goes before the oldest held", lambda ob: [ob.sent(ob.append(b"x" * 6, 1)) for _ in range(3)]
@@ -96,6 +101,10 @@ class OutboxMachine(RuleBasedStateMachine):
         assert self.ob.get(seq)[0] == self.messages[seq]
         assert self.ob.sent(seq) == (seq not in self.sent)  # first send: once per seq, re-sends are not
         self.sent.add(seq)
+
+    @rule(ahead=st.integers(-2, 6))
+    def forget(self, ahead: int) -> None:
+        self.ob.forget(self.ob.first + ahead)
 
     @rule(back=st.integers(0, 10))
     def rewind(self, back: int) -> None:

@@ -17,6 +17,8 @@ calls them (tests/test_framer.py checks every rule in a table, without a broker)
 * a single block larger than the server's ``max_payload`` can never be delivered: it becomes a
   frame with no payload, which :func:`number` turns into a seq hole (consumers resync by
   snapshot), counted (``oversize_dropped``), instead of a message that would fail forever;
+* a held message framed for a larger ``max_payload`` than the server's now (a reconnect to a server
+  that takes less) is decoded and framed again by these rules (``refit``);
 * a forwarded batch (``publish_batch`` with its bytes) goes as those bytes when they are msgpack
   and within ``max_payload``; otherwise it is encoded and cut like any other, and counted
   (``split_batches``) when its bytes were too large.
@@ -100,6 +102,16 @@ class Framer:
             except DecodeError as exc:
                 self._invalid(n_events, f"a payload handed over is not a batch: {exc}")
                 return []
+        return self.frame(batch.ts, batch.events, batch.data_parallel_rank)
+
+    def refit(self, payload: bytes, n_events: int) -> list[Frame]:
+        """A message framed for a larger ``max_payload`` (its bytes in this framer's format), framed
+        again within the current limit; bytes that do not decode are dropped as invalid."""
+        try:
+            batch = decode_batch(payload, self.format)
+        except DecodeError as exc:
+            self._invalid(n_events, f"a held message does not decode: {exc}")
+            return []
         return self.frame(batch.ts, batch.events, batch.data_parallel_rank)
 
     def snapshot(self, ts: float, events: list[Any]) -> list[bytes]:

@@ -8,9 +8,12 @@ touches its state):
   in bytes, contiguous from ``first``: replay serves from it, senders send from it;
 * the ring evicts its oldest messages to stay in bounds; a message evicted before it was sent is
   counted (``evicted_unsent``) and the cursor moves past it -- consumers see the hole and resync;
+* ``forget(seq)`` lets go of the oldest messages up to ``seq`` before the ring would (messages a
+  server will no longer take): replay answers that they are gone;
 * a hole (``skip``) takes a seq that no message carries. Nothing before it can be replayed
   usefully (a consumer behind a hole needs a snapshot anyway), so the ring restarts after it and
-  unsent messages before it are let go, counted;
+  unsent messages before it are let go, counted (``skip_unsent`` hands them back instead, to be
+  numbered again behind the hole);
 * the send cursor is the first seq not yet sent. ``sent(seq)`` moves it past a message that went
   out; ``rewind(seq)`` moves it back for a re-send (JetStream: whatever the stream has not
   acknowledged), never before ``first``;
@@ -51,12 +54,8 @@ class Outbox:
         self._entries.append((payload, n_events))
         self._bytes += len(payload)
         while self._bytes > self.max_bytes and len(self._entries) > 1:
-            old, _ = self._entries.popleft()
-            self._bytes -= len(old)
-            self._first += 1
-        if self._cursor < self._first:
-            self.evicted_unsent += self._first - self._cursor
-            self._cursor = self._first
+            self._evict_oldest()
+        self._cursor_past_evicted()
         return seq
 
     def skip(self) -> int:
@@ -67,6 +66,33 @@ class Outbox:
         self._bytes = 0
         self._first = self._cursor = hole + 1
         return hole
+
+    def forget(self, seq: int) -> None:
+        """Let go of the held messages up to ``seq`` (replay then answers that they are gone):
+        messages that can no longer be sent as they are (a server's smaller ``max_payload``).
+        Unsent ones among them are counted as evicted, as the ring's own evictions are."""
+        while self._entries and self._first <= seq:
+            self._evict_oldest()
+        self._cursor_past_evicted()
+
+    def _evict_oldest(self) -> None:
+        old, _ = self._entries.popleft()
+        self._bytes -= len(old)
+        self._first += 1
+
+    def _cursor_past_evicted(self) -> None:
+        if self._cursor < self._first:
+            self.evicted_unsent += self._first - self._cursor
+            self._cursor = self._first
+
+    def skip_unsent(self) -> tuple[int, list[tuple[bytes, int]]]:
+        """``skip()``, handing back the unsent messages it lets go, ``(payload, n_events)`` in seq
+        order, instead of counting them: the caller numbers them again behind the hole."""
+        unsent = list(self._entries)[self._cursor - self._first :]
+        evicted = self.evicted_unsent
+        hole = self.skip()
+        self.evicted_unsent = evicted
+        return hole, unsent
 
     # -- reading --------------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ Threading contract
 
 Delivery (docs/delivery.md): messages are kept, encoded, in a ring buffer bounded in
 bytes. They are sent in seq order while connected; while NATS is down they wait in the ring, and
-are sent after the reconnect unless the ring had to evict them. Consumers repair any hole through
-replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
+are sent after the reconnect unless the ring had to evict them (every connection's max_payload is
+read anew, and held messages it refuses are re-framed: ``_learn_max_payload``). Consumers repair
+any hole through replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
 ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
 
 JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
@@ -194,6 +195,7 @@ class KvEventPublisher:
         self._parked = False  # the sender is asleep until woken (on_wake may send for it)
         self._max_events = config.max_batch_events
         self._max_payload = 1 << 20
+        self._limit_known = False  # _max_payload is still the default, not a server's
         self._framer = Framer(config.encoding, max_events=config.max_batch_events, max_bytes=config.max_batch_bytes,
                               dp_rank=config.dp_rank, max_payload=self.max_payload, name=config.worker_id)  # fmt: skip
         self._content_type = CONTENT_TYPES[config.encoding]
@@ -210,7 +212,7 @@ class KvEventPublisher:
         self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
         self._counts = dict.fromkeys(
             ("messages", "events", "bytes", "publish_errors", "reconnects", "replays",
-             "replays_gone", "snapshots", "snapshot_errors", "heartbeats"),
+             "replays_gone", "snapshots", "snapshot_errors", "heartbeats", "max_payload_changes", "refitted"),
             0,
         )  # fmt: skip
         register("publisher", self)
@@ -340,8 +342,7 @@ class KvEventPublisher:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
-        self._max_payload = self._nc.max_payload
-        self._framer.limit(self.max_payload)
+        self._learn_max_payload()
         try:
             await self._check_worker_id_free()
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
@@ -454,6 +455,7 @@ class KvEventPublisher:
             refused=self._permissions.refused_publish(self.subjects.events),
             permission_errors=self._permissions.count,
             link_failures=self._nc.link_failures if self._nc is not None else 0,
+            max_payload=self.max_payload,
         )
         # A publish the server refused was counted as sent when nats-py took it.
         s["messages"] = max(0, s["messages"] - s["refused"])
@@ -684,11 +686,16 @@ class KvEventPublisher:
             self._sleeping = False
 
     async def _send_pending(self) -> int:
+        nc, outbox = self._nc, self._outbox
+        if nc.max_payload != self._max_payload:
+            self._learn_max_payload()
         if self._js is not None:
             return await self._js.send_pending()
-        nc, outbox = self._nc, self._outbox
         sent = 0
         while outbox.cursor < outbox.end and nc.is_connected:
+            if nc.max_payload != self._max_payload:  # reconnected while we awaited a send
+                self._learn_max_payload()
+                continue
             if await self._send(outbox.cursor) is None:
                 break
             sent += 1
@@ -721,6 +728,8 @@ class KvEventPublisher:
         """Send what is numbered and unsent without waiting (core mode, ``Client.publish_now``);
         False when something is left that needs the sender's way (``_send``)."""
         nc, outbox, subject = self._nc, self._outbox, self.subjects.events
+        if nc.max_payload != self._max_payload:  # a reconnect not yet learnt: the sender's to handle
+            return False
         while outbox.cursor < outbox.end:
             seq = outbox.cursor
             payload, n_events = outbox.get(seq)
@@ -736,12 +745,64 @@ class KvEventPublisher:
 
     async def _on_reconnected(self) -> None:
         self._counts["reconnects"] += 1
+        self._learn_max_payload()
         # Messages the dead broker swallowed leave a hole only a later message reveals.
         self._drain()
         self._emit(time.time(), [])
         if self._js is not None:
             self._js.on_reconnected()
         self._wake.set()  # type: ignore[union-attr]
+
+    def _learn_max_payload(self) -> None:
+        """Take the server's max_payload from the INFO of the connection just made (at start and
+        on every reconnect: another server, or the same one restarted with another config, may
+        take less than the last). Held messages the new limit refuses are fitted to it
+        (``_refit``): sent as they are, each would be refused every time it was tried, and
+        nothing after it would go out. The sender checks this before sending, too: nats-py sets
+        the new limit before it calls ``_on_reconnected``, and the sender may run in between."""
+        server = self._nc.max_payload
+        known, self._limit_known = self._limit_known, True
+        if server == self._max_payload:
+            return
+        before = self.max_payload
+        self._max_payload = server
+        self._framer.limit(self.max_payload)
+        if known:  # at start, the server's limit is news to nobody
+            self._counts["max_payload_changes"] += 1
+            log.warning("kvbridge publisher %s: the server's max_payload is now %d bytes (was %d)",
+                        self.config.worker_id, server, before + _HEADER_ROOM)  # fmt: skip
+        if self.max_payload < before:
+            self._refit()
+
+    def _refit(self) -> None:
+        """Held messages over the (smaller) limit: those sent already are let go, so a replay asking
+        for them is told they are gone and the requester takes a snapshot; if any unsent one is
+        over, every unsent message leaves a seq hole and goes out again behind it, re-framed
+        within the limit. New seqs, not the old ones: a replay or a snapshot's seq may already
+        have shown the old framing to consumers. They see the hole and resync by snapshot, which
+        is consistent with the messages behind it (numbered before any later snapshot's cut)."""
+        outbox, limit = self._outbox, self.max_payload
+        over = [seq for seq, payload in outbox.held(outbox.first, outbox.last_seq) if len(payload) > limit]
+        if not over:
+            return
+        if over[-1] < outbox.cursor:
+            outbox.forget(over[-1])
+            log.warning("kvbridge publisher %s: %d sent message(s) over the new max_payload (%d) can no longer "
+                        "be replayed: requests for them are answered as gone", self.config.worker_id, len(over),
+                        limit)  # fmt: skip
+            return
+        hole, unsent = outbox.skip_unsent()
+        refitted = 0
+        for payload, n_events in unsent:
+            if len(payload) <= limit:
+                outbox.append(payload, n_events)
+            else:
+                refitted += 1
+                self._number(self._framer.refit(payload, n_events))
+        self._counts["refitted"] += refitted
+        log.warning("kvbridge publisher %s: held messages over the new max_payload (%d): seq %d left as a hole "
+                    "(consumers resync), the %d unsent message(s) numbered again behind it, %d of them re-framed",
+                    self.config.worker_id, limit, hole, len(unsent), refitted)  # fmt: skip
 
     # -- loop side: replay and snapshot ----------------------------------------------------------------
 
