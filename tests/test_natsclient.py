@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.protocol.parser import Parser as NatsParser
 
 from bridge_support import wait_until
-from kvbridge import BlockStored, Config, KvEventPublisher, KvEventSubscriber, _native
+from kvbridge import BlockStored, Config, KvEventPublisher, KvEventSubscriber, _native, decode_batch
 from kvbridge.bus import natsclient
 from kvbridge.bus.natsclient import Client, Parser
 from kvbridge.tools.server import NatsServer
@@ -86,14 +86,40 @@ async def test_headers_arrive_through_a_real_server():
             await nc.close()
 
 
-def test_the_publishers_header_block_is_the_one_nats_py_builds():
-    pub = KvEventPublisher(Config(model="m", worker_id="w-1"))
+@pytest.mark.parametrize("encoding, heartbeat_s, beat", [("msgpack", 1.0, "1"), ("json", 0.25, "0.25")])
+def test_the_publishers_header_block_is_the_one_nats_py_builds(encoding, heartbeat_s, beat):
+    pub = KvEventPublisher(Config(model="m", worker_id="w-1", encoding=encoding, heartbeat_s=heartbeat_s))
     for seq in (0, 9, 10, 123_456_789_012):
-        headers = pub._headers(seq)
+        headers = {"Kv-Seq": str(seq), "Kv-Epoch": pub.epoch, "Nats-Msg-Id": f"w-1:{pub.epoch}:{seq}",
+                   "Content-Type": f"application/{encoding}", "Kv-Heartbeat": beat}  # fmt: skip
         # nats-py's _send_publish: the version line, "key: value" lines in dict order, a blank line.
         want = b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n"
         assert pub._header_block(seq) == want
         assert _native.parse_nats_headers(want) == headers
+
+
+async def test_a_replayed_message_carries_the_headers_it_went_live_with(nats_server):
+    cfg = Config(servers=nats_server.url, subject_prefix="rph", model="m", worker_id="w")
+    nc = NatsClient()
+    await nc.connect(nats_server.url)
+    pub = await KvEventPublisher(cfg).start()
+    try:
+        live = await nc.subscribe(pub.subjects.events)
+        await nc.flush()
+        pub.publish([BlockStored([1], None, [1, 2], 2, None, "GPU", None)])
+        first = await live.next_msg(timeout=10)
+        while not decode_batch(first.data).events:  # past the heartbeats
+            first = await live.next_msg(timeout=10)
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        seq = first.headers["Kv-Seq"]
+        await nc.publish(pub.subjects.replay, f'{{"from": {seq}, "to": {seq}}}'.encode(), reply=inbox)
+        replayed = await replies.next_msg(timeout=10)
+        assert (replayed.headers, replayed.data) == (first.headers, first.data)
+        assert (await replies.next_msg(timeout=10)).headers["Kv-Reply"] == "end"
+    finally:
+        await pub.close()
+        await nc.close()
 
 
 async def test_publish_headed_writes_at_once_only_with_nothing_queued_ahead():

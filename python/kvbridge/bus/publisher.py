@@ -199,14 +199,13 @@ class KvEventPublisher:
         self._framer = Framer(config.encoding, max_events=config.max_batch_events, max_bytes=config.max_batch_bytes,
                               dp_rank=config.dp_rank, max_payload=self.max_payload, name=config.worker_id)  # fmt: skip
         self._content_type = CONTENT_TYPES[config.encoding]
-        self._msg_id_prefix = f"{config.worker_id}:{self.epoch}:"
-        self._heartbeat_hdr = f"{config.heartbeat_s:g}"
-        # _headers() as the block on the wire, all but the seq made once (kvbridge.bus.natsclient:
-        # nats-py would check and encode five headers per message).
+        # An event message's headers (live and replayed: _header_block) as the block on the wire,
+        # all but the seq made once (kvbridge.bus.natsclient: nats-py would check and encode five
+        # headers per message).
         self._block_parts = (
             f"NATS/1.0\r\n{HDR_SEQ}: ".encode(),
-            f"\r\n{HDR_EPOCH}: {self.epoch}\r\n{HDR_MSG_ID}: {self._msg_id_prefix}".encode(),
-            f"\r\n{HDR_CONTENT_TYPE}: {self._content_type}\r\n{HDR_HEARTBEAT}: {self._heartbeat_hdr}\r\n\r\n".encode(),
+            f"\r\n{HDR_EPOCH}: {self.epoch}\r\n{HDR_MSG_ID}: {config.worker_id}:{self.epoch}:".encode(),
+            f"\r\n{HDR_CONTENT_TYPE}: {self._content_type}\r\n{HDR_HEARTBEAT}: {config.heartbeat_s:g}\r\n\r\n".encode(),
         )
         self._idle_ticks = 0
         self._permissions = Permissions(f"publisher {config.model}/{config.worker_id}")
@@ -435,7 +434,7 @@ class KvEventPublisher:
     @property
     def max_payload(self) -> int:
         """The largest payload one message may carry: the server's max_payload less room for
-        our headers (known once started; 1 MiB, the server default, before)."""
+        our headers (read at start and on every reconnect; 1 MiB, the server default, before)."""
         return self._max_payload - _HEADER_ROOM
 
     @property
@@ -530,18 +529,9 @@ class KvEventPublisher:
         """Leave a hole in the seq (see kvbridge.bus.outbox: the ring restarts after it)."""
         self._outbox.skip()
 
-    def _headers(self, seq: int) -> dict[str, str]:
-        s = str(seq)
-        return {
-            HDR_SEQ: s,
-            HDR_EPOCH: self.epoch,
-            HDR_MSG_ID: self._msg_id_prefix + s,
-            HDR_CONTENT_TYPE: self._content_type,
-            HDR_HEARTBEAT: self._heartbeat_hdr,
-        }
-
     def _header_block(self, seq: int) -> bytes:
-        """``_headers(seq)`` as its block (same keys, values and order)."""
+        """Message ``seq``'s header block: ``Kv-Seq``, ``Kv-Epoch``, ``Nats-Msg-Id``
+        (``<worker>:<epoch>:<seq>``), ``Content-Type``, ``Kv-Heartbeat``, in that order."""
         head, mid, tail = self._block_parts
         s = b"%d" % seq
         return b"".join((head, s, mid, s, tail))
@@ -806,9 +796,13 @@ class KvEventPublisher:
 
     # -- loop side: replay and snapshot ----------------------------------------------------------------
 
-    async def _reply(self, inbox: str, payload: bytes, headers: dict[str, str]) -> bool:
+    async def _reply(self, inbox: str, payload: bytes, headers: dict[str, str] | bytes) -> bool:
+        """``headers``: a dict, or a held message's header block (a replay sends it as it went live)."""
         try:
-            await self._nc.publish(inbox, payload, headers=headers)
+            if isinstance(headers, bytes):
+                await self._nc.publish_headed(inbox, payload, headers)
+            else:
+                await self._nc.publish(inbox, payload, headers=headers)
             return True
         except NatsError:
             return False  # the requester times out and asks again
@@ -841,7 +835,7 @@ class KvEventPublisher:
             return
         batch = outbox.held(start, end)  # copied out: the ring can move while we await the sends
         for seq, payload in batch:
-            if not await self._reply(msg.reply, payload, self._headers(seq)):
+            if not await self._reply(msg.reply, payload, self._header_block(seq)):
                 return
         await self._reply(msg.reply, b"", {HDR_REPLY: REPLY_END, HDR_EPOCH: self.epoch, HDR_SEQ: str(last)})
 
