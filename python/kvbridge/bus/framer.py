@@ -17,11 +17,11 @@ calls them (tests/test_framer.py checks every rule in a table, without a broker)
 * a single block larger than the server's ``max_payload`` can never be delivered: it becomes a
   frame with no payload, which :func:`number` turns into a seq hole (consumers resync by
   snapshot), counted (``oversize_dropped``), instead of a message that would fail forever;
-* a held message framed for a larger ``max_payload`` than the server's now (a reconnect to a server
-  that takes less) is decoded and framed again by these rules (``refit``);
 * a forwarded batch (``publish_batch`` with its bytes) goes as those bytes when they are msgpack
   and within ``max_payload``; otherwise it is encoded and cut like any other, and counted
-  (``split_batches``) when its bytes were too large.
+  (``split_batches``) when its bytes were too large;
+* a held message framed for a larger ``max_payload`` than the server's now (a reconnect to a server
+  that takes less) is decoded and framed again by these rules (``refit``).
 """
 
 from __future__ import annotations
