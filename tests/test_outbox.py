@@ -33,11 +33,13 @@ CASES = [
      (2, 2, 2, 0)),
     ("unsent messages before a hole are let go, counted", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.skip()],
      (3, 3, 3, 2)),
-    ("forget lets go of sent messages up to a seq, no hole", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1),
-                                                                         ob.sent(0), ob.sent(1), ob.forget(0)], (1, 2, 2, 0)),
+    ("forget lets go of sent messages up to a seq, no hole",
+     lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.sent(0), ob.sent(1), ob.forget(0)], (1, 2, 2, 0)),
     ("forget counts unsent messages it lets go, the cursor skips them",
      lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.append(b"c", 1), ob.sent(0), ob.forget(1)], (2, 3, 2, 1)),
     ("forget before the oldest held does nothing", lambda ob: [ob.append(b"a", 1), ob.forget(-1)], (0, 1, 0, 0)),
+    ("skip_unsent is a hole that counts nothing let go (the caller has the unsent)",
+     lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.sent(0), ob.skip_unsent()], (3, 3, 3, 0)),
     ("a rewind sends again from there", lambda ob: [ob.append(b"a", 1), ob.append(b"b", 1), ob.sent(0), ob.sent(1),
                                                    ob.rewind(0)], (0, 2, 0, 0)),
     ("a rewind never goes before the oldest held", lambda ob: [ob.sent(ob.append(b"x" * 6, 1)) for _ in range(3)]
@@ -68,6 +70,15 @@ def test_a_seq_is_sent_for_the_first_time_once():
     assert ob.never_sent == 3 and ob.sent(4) is True and ob.never_sent == 5
 
 
+def test_skip_unsent_hands_back_the_unsent_in_seq_order():
+    ob = Outbox(max_bytes=100)
+    for payload in (b"a", b"bb", b"ccc"):
+        ob.append(payload, len(payload))
+    ob.sent(0)
+    assert ob.skip_unsent() == (3, [(b"bb", 2), (b"ccc", 3)])
+    assert ob.append(b"bb", 2) == 4 and ob.unsent == 1  # numbered again behind the hole
+
+
 class OutboxMachine(RuleBasedStateMachine):
     """Against a plain model: every seq is given once, the ring is a suffix of what was
     appended since the last hole, within its bound (or one message), the cursor is in it, and
@@ -80,10 +91,13 @@ class OutboxMachine(RuleBasedStateMachine):
         self.holes: set[int] = set()
         self.next = 0
         self.sent: set[int] = set()
+        self.renumbered: set[int] = set()  # handed back by skip_unsent: not let go
 
     @rule(size=st.integers(0, 40))
     def append(self, size: int) -> None:
-        payload = bytes([self.next % 256]) * size
+        self.append_payload(bytes([self.next % 256]) * size)
+
+    def append_payload(self, payload: bytes) -> None:
         assert self.ob.append(payload, 1) == self.next
         self.messages[self.next] = payload
         self.next += 1
@@ -101,6 +115,18 @@ class OutboxMachine(RuleBasedStateMachine):
         assert self.ob.get(seq)[0] == self.messages[seq]
         assert self.ob.sent(seq) == (seq not in self.sent)  # first send: once per seq, re-sends are not
         self.sent.add(seq)
+
+    @rule()
+    def skip_unsent(self) -> None:
+        cursor, evicted = self.ob.cursor, self.ob.evicted_unsent
+        hole, unsent = self.ob.skip_unsent()
+        assert hole == self.next and unsent == [(self.messages[s], 1) for s in range(cursor, hole)]
+        assert self.ob.evicted_unsent == evicted
+        self.holes.add(hole)
+        self.renumbered.update(range(cursor, hole))
+        self.next += 1
+        for payload, _ in unsent:  # numbered again behind the hole, as the publisher does
+            self.append_payload(payload)
 
     @rule(ahead=st.integers(-2, 6))
     def forget(self, ahead: int) -> None:
@@ -124,8 +150,9 @@ class OutboxMachine(RuleBasedStateMachine):
         assert not any(h in range(ob.first, ob.end) for h in self.holes)
         assert ob.nbytes == sum(len(p) for _, p in held)
         assert ob.nbytes <= ob.max_bytes or len(ob) == 1
-        # Everything below the oldest held that was neither sent nor a hole was counted as let go.
-        gone_unsent = {s for s in self.messages if s < ob.first and s not in self.sent}
+        # Everything below the oldest held that was neither sent nor a hole nor numbered again was
+        # counted as let go.
+        gone_unsent = {s for s in self.messages if s < ob.first and s not in self.sent | self.renumbered}
         assert ob.evicted_unsent >= len(gone_unsent)
 
 

@@ -24,8 +24,8 @@ Delivery (docs/delivery.md): messages are kept, encoded, in a ring buffer bounde
 bytes. They are sent in seq order while connected; while NATS is down they wait in the ring, and
 are sent after the reconnect unless the ring had to evict them (every connection's max_payload is
 read anew, and held messages it refuses are re-framed: ``_learn_max_payload``). Consumers repair
-any hole through replay (served from the ring) or a snapshot. An idle publisher sends an empty batch every
-``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
+any hole through replay (served from the ring) or a snapshot. An idle publisher sends an empty
+batch every ``heartbeat_s`` (and one right after a reconnect) so that a lost tail shows as a hole.
 
 JetStream mode (``jetstream=True``) sends the same ring messages with acks and re-sends what the
 stream has not acknowledged; see :mod:`kvbridge.bus.jetstream`. Its hooks here are marked ``_js``.
