@@ -168,6 +168,12 @@ impl Entry {
 /// a view of tens of thousands of blocks misses the cache on nearly every one.
 const AHEAD: usize = 8;
 
+/// The view removes a block for about every one it stores (an engine's pool is full): at the
+/// index's 3/4 a remove's backward shift and a store's probe each walk ~6 slots of a cluster,
+/// at 1/2 ~2. Up to twice the index's 16 bytes a slot per block held (a relay holds one
+/// engine's blocks).
+const VIEW_MAX_LOAD_PCT: usize = 50;
+
 /// An int hash as the table's key: what `Key::of` makes a `Key::N`.
 #[inline]
 fn u64_key(h: Hash) -> Option<u64> {
@@ -182,11 +188,11 @@ fn u64_key(h: Hash) -> Option<u64> {
 /// open-addressing table (rust/index/table.rs), where a key's slot follows from the key alone:
 /// the slots of a batch's next blocks are prefetched while one is applied (with hashbrown, which
 /// this used, each lookup waited for its miss: ~100 ns of the relay's ~300 per block event).
-/// A slot is 16 bytes, the key and a packed `Entry`: four to a cache line.
-/// Negative and bytes hashes, rare, in a hashbrown map beside it.
+/// A slot is 16 bytes, the key and a packed `Entry`: four to a cache line. Kept at most half
+/// full (`VIEW_MAX_LOAD_PCT`). Negative and bytes hashes, rare, in a hashbrown map beside it.
 #[derive(Default)]
 struct Blocks {
-    table: Table<Entry>,
+    table: Table<Entry, VIEW_MAX_LOAD_PCT>,
     rare: HashMap<Key, Entry, Mix>,
     /// The further copies of blocks with more than one, oldest first (rare).
     more: HashMap<Key, Vec<Copy_>, Mix>,
