@@ -631,16 +631,38 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
     evs.reserve(n_events);
     let mut windows = false;
     let mut tmpl: Option<Template> = None;
+    // Whether the template's group is one a run of removes may be merged under (as checked below).
+    let mut tmpl_runs = false;
+    // Whether the last event read was the template's own or one like it: `evs`' last entry then
+    // ends with its hash.
+    let mut after_tmpl = false;
     for _ in 0..n_events {
         let (h0, p0) = (hashes.len(), r.p);
         // vLLM's one-block removes differ in their hash alone: one such read in full is the
         // template the next are compared with, bytes against bytes, not read field by field.
         let (kind, a) = match tmpl.as_ref().and_then(|t| r.like(t, hashes)) {
-            Some(a) => (REMOVED, a),
+            Some(a) => {
+                // After the template's own event or another like it, this one has their medium
+                // and group (the same bytes): the merge's checks below would pass, or fail, as
+                // they did for the one before.
+                if after_tmpl && tmpl_runs {
+                    let last = evs.last_mut().expect("the event before was pushed");
+                    last.hashes.end = hashes.len();
+                    last.n_events += 1;
+                    continue;
+                }
+                after_tmpl = true;
+                (REMOVED, a)
+            }
             None => {
                 let (kind, a) = r.event(hashes)?;
+                after_tmpl = false;
                 if templates && kind == REMOVED && hashes.len() - h0 == 1 {
-                    tmpl = Template::of(b, p0, r.p, a).or(tmpl);
+                    if let Some(t) = Template::of(b, p0, r.p, a) {
+                        tmpl_runs = group_runs(a.group);
+                        after_tmpl = true;
+                        tmpl = Some(t);
+                    }
                 }
                 (kind, a)
             }
@@ -664,8 +686,7 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
                 && last.kind == REMOVED
                 && last.hashes.end == h0
                 && last.group.map(|g| int_of(Some(g))) == a.group.map(|g| int_of(Some(g)))
-                && int_of(a.group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
-                && (a.group.is_none() || int_of(a.group).is_some())
+                && group_runs(a.group)
                 && last.medium.clone().map(|m| &b[m]) == a.medium
         }) {
             last.hashes.end = hashes.len();
@@ -690,6 +711,14 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
     out.n_events = n_events;
     out.windows = windows;
     Some(())
+}
+
+/// Whether removes of `group` may be applied as one run: a valid group (a bad one is counted per
+/// event).
+#[inline]
+fn group_runs(group: Option<Hash>) -> bool {
+    int_of(group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
+        && (group.is_none() || int_of(group).is_some())
 }
 
 /// Reads a whole payload, with the GIL released for a large one.
