@@ -315,7 +315,17 @@ mod tests {
 
     #[test]
     fn agrees_with_a_hashmap_through_inserts_and_removes() {
-        let mut t: Table<u32> = Table::default();
+        agrees_with_a_hashmap::<DEFAULT_MAX_LOAD_PCT>();
+    }
+
+    /// The relay view's load (rust/view.rs): the table grows at other sizes, the same answers.
+    #[test]
+    fn agrees_with_a_hashmap_at_half_load() {
+        agrees_with_a_hashmap::<50>();
+    }
+
+    fn agrees_with_a_hashmap<const L: usize>() {
+        let mut t: Table<u32, L> = Table::default();
         let mut m: HashMap<u64, u32> = HashMap::new();
         let mut x = 7u64;
         for step in 0..200_000u32 {
@@ -354,6 +364,13 @@ mod tests {
             }
         }
         assert_eq!(t.len(), m.len());
+        // Grown by its own load limit: never fuller than it.
+        assert!(
+            t.len * 100 <= t.slots.len() * L,
+            "{} in {}",
+            t.len,
+            t.slots.len()
+        );
         let p = t.probe().expect("slots");
         for k in 0..5000u64 {
             assert_eq!(t.get(&k), m.get(&k));
