@@ -168,6 +168,12 @@ impl Entry {
 /// a view of tens of thousands of blocks misses the cache on nearly every one.
 const AHEAD: usize = 8;
 
+/// The view removes a block for about every one it stores (an engine's pool is full): at the
+/// index's 3/4 a remove's backward shift and a store's probe each walk ~6 slots of a cluster,
+/// at 1/2 ~2. Up to twice the index's 16 bytes a slot per block held (a relay holds one
+/// engine's blocks).
+const VIEW_MAX_LOAD_PCT: usize = 50;
+
 /// An int hash as the table's key: what `Key::of` makes a `Key::N`.
 #[inline]
 fn u64_key(h: Hash) -> Option<u64> {
@@ -182,11 +188,11 @@ fn u64_key(h: Hash) -> Option<u64> {
 /// open-addressing table (rust/index/table.rs), where a key's slot follows from the key alone:
 /// the slots of a batch's next blocks are prefetched while one is applied (with hashbrown, which
 /// this used, each lookup waited for its miss: ~100 ns of the relay's ~300 per block event).
-/// A slot is 16 bytes, the key and a packed `Entry`: four to a cache line.
-/// Negative and bytes hashes, rare, in a hashbrown map beside it.
+/// A slot is 16 bytes, the key and a packed `Entry`: four to a cache line. Kept at most half
+/// full (`VIEW_MAX_LOAD_PCT`). Negative and bytes hashes, rare, in a hashbrown map beside it.
 #[derive(Default)]
 struct Blocks {
-    table: Table<Entry>,
+    table: Table<Entry, VIEW_MAX_LOAD_PCT>,
     rare: HashMap<Key, Entry, Mix>,
     /// The further copies of blocks with more than one, oldest first (rare).
     more: HashMap<Key, Vec<Copy_>, Mix>,
@@ -625,16 +631,38 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
     evs.reserve(n_events);
     let mut windows = false;
     let mut tmpl: Option<Template> = None;
+    // Whether the template's group is one a run of removes may be merged under (as checked below).
+    let mut tmpl_runs = false;
+    // Whether the last event read was the template's own or one like it: `evs`' last entry then
+    // ends with its hash.
+    let mut after_tmpl = false;
     for _ in 0..n_events {
         let (h0, p0) = (hashes.len(), r.p);
         // vLLM's one-block removes differ in their hash alone: one such read in full is the
         // template the next are compared with, bytes against bytes, not read field by field.
         let (kind, a) = match tmpl.as_ref().and_then(|t| r.like(t, hashes)) {
-            Some(a) => (REMOVED, a),
+            Some(a) => {
+                // After the template's own event or another like it, this one has their medium
+                // and group (the same bytes): the merge's checks below would pass, or fail, as
+                // they did for the one before.
+                if after_tmpl && tmpl_runs {
+                    let last = evs.last_mut().expect("the event before was pushed");
+                    last.hashes.end = hashes.len();
+                    last.n_events += 1;
+                    continue;
+                }
+                after_tmpl = true;
+                (REMOVED, a)
+            }
             None => {
                 let (kind, a) = r.event(hashes)?;
+                after_tmpl = false;
                 if templates && kind == REMOVED && hashes.len() - h0 == 1 {
-                    tmpl = Template::of(b, p0, r.p, a).or(tmpl);
+                    if let Some(t) = Template::of(b, p0, r.p, a) {
+                        tmpl_runs = group_runs(a.group);
+                        after_tmpl = true;
+                        tmpl = Some(t);
+                    }
                 }
                 (kind, a)
             }
@@ -658,8 +686,7 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
                 && last.kind == REMOVED
                 && last.hashes.end == h0
                 && last.group.map(|g| int_of(Some(g))) == a.group.map(|g| int_of(Some(g)))
-                && int_of(a.group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
-                && (a.group.is_none() || int_of(a.group).is_some())
+                && group_runs(a.group)
                 && last.medium.clone().map(|m| &b[m]) == a.medium
         }) {
             last.hashes.end = hashes.len();
@@ -684,6 +711,14 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
     out.n_events = n_events;
     out.windows = windows;
     Some(())
+}
+
+/// Whether removes of `group` may be applied as one run: a valid group (a bad one is counted per
+/// event).
+#[inline]
+fn group_runs(group: Option<Hash>) -> bool {
+    int_of(group).is_none_or(|g| (0..MAX_GROUPS).contains(&g))
+        && (group.is_none() || int_of(group).is_some())
 }
 
 /// Reads a whole payload, with the GIL released for a large one.

@@ -80,6 +80,8 @@ _END_SEQ = 0xFFFF_FFFF_FFFF_FFFF  # (-1).to_bytes(8, "big", signed=True), vLLM's
 _RCVHWM = 100_000
 # Frames taken without yielding to the loop while the engine's are queued (see Relay._run).
 _BURST = 8
+# A plain int: pyzmq's flag enums cost an enum operation per use.
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
@@ -265,6 +267,8 @@ class Relay:
         self._publisher: KvEventPublisher | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        # The same socket without asyncio's wrapper, for frames already queued (see _run).
+        self._sub_now: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
         self._reading = False  # awaiting a frame: the only point where close() may cancel the loop
         self._stopping = False
@@ -313,6 +317,7 @@ class Relay:
                 raise ConfigError(f"relay endpoint {self.endpoint!r}: {exc}") from None
             raise
         self._ctx, self._sub = ctx, sub
+        self._sub_now = zmq.Socket.shadow(sub.underlying)  # owns nothing: closing is sub's
         self._task = asyncio.create_task(self._run(), name=f"kvbridge-relay-{self.config.worker_id}")
         log.info("relaying %s (replay: %s) to %s", self.endpoint, self.replay_endpoint, self.publisher.subjects.events)
         return self
@@ -357,16 +362,19 @@ class Relay:
     # -- frames in --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        sub = self._sub
-        assert sub is not None
+        sub, now = self._sub, self._sub_now
+        assert sub is not None and now is not None
+        # A frame already queued is taken as it is, from the socket itself: waiting for one
+        # registers with the poller (and, with the idle probe on, starts a timer), which costs a
+        # busy relay more than the frame's own handling, and even pyzmq's asyncio receive of a
+        # queued frame makes and awaits a future for it. No receive through ``sub`` is pending
+        # here (``_next_frames`` awaits its own to the end or cancels it), so none is bypassed.
+        recv_now, on_frames = now.recv_multipart, self._on_frames
         burst = 0
         try:
             while not self._stopping:
                 try:
-                    # A frame already queued is taken as it is: waiting for one registers with the
-                    # poller (and, with the idle probe on, starts a timer), which costs a busy relay
-                    # more than the frame's own handling.
-                    frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                    frames = recv_now(_NOBLOCK)
                 except zmq.Again:
                     burst = 0
                     got = await self._next_frames(sub)
@@ -379,7 +387,7 @@ class Relay:
                     if burst == _BURST:
                         burst = 0
                         await asyncio.sleep(0)  # the publisher sends from this loop: let it between bursts
-                await self._on_frames(frames)
+                await on_frames(frames)
         except asyncio.CancelledError:
             raise
         except Exception:
