@@ -97,6 +97,25 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process (Linux), by thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _report_threads(before: dict[str, float], n_steps: int) -> None:
+    """KVB_BENCH_THREADS=1 (diagnostic): CPU per step of each thread over the measured window."""
+    after = _thread_cpu()
+    for tid, cpu in sorted(after.items()):
+        name = "main" if tid == str(os.getpid()) else tid
+        print(f"  thread {name}: {(cpu - before.get(tid, 0.0)) * 1e6 / n_steps:.0f} µs/step", file=sys.stderr)
+
+
 def _kvbridge_main(url: str, steps: list, rate: float, out, records: bool = False) -> None:
     from kvbridge.bus.publisher import BackgroundPublisher
     from kvbridge.config import Config
@@ -107,11 +126,14 @@ def _kvbridge_main(url: str, steps: list, rate: float, out, records: bool = Fals
         assert [len(r) for r in recs] == [len(e) for e in steps], "the workload is not the same"
     pub = BackgroundPublisher(Config(servers=url, model="bench", worker_id="engine")).start()
     publish = pub.publish
+    threads0 = _thread_cpu() if os.environ.get("KVB_BENCH_THREADS") else {}
     c0, t0 = _cpu(), time.perf_counter()
     if records:
         _paced(recs, rate, publish)
     else:
         _paced(steps, rate, lambda events: publish(KVEventBatch(time.time(), events)))
+    if threads0:  # before close() ends the loop's thread
+        _report_threads(threads0, len(steps))
     pub.close()  # returns once every handed-over batch is sent
     out.put((_cpu() - c0, time.perf_counter() - t0, pub.stats["events"]))
 

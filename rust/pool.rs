@@ -53,6 +53,13 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_records, m)?)
 }
 
+/// `encode_records` keeps its buffer between calls up to this size.
+const KEEP_BUFFER_BYTES: usize = 8 << 20;
+
+thread_local! {
+    static OUT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// A manager's drained events kept as its record (`KVCacheManager.take_record`): no Python
 /// object per event, hash or token id until `events()` asks for them, and written as msgpack
 /// from the record itself by `encode_records`.
@@ -106,22 +113,31 @@ fn encode_records<'py>(
         // About what the bytes will take: 3 bytes a token id, 9 a hash, ~100 per event.
         size += 3 * r.rec.tokens.len() + 9 * r.rec.hashes.len() + 100 * r.rec.events.len();
     }
-    let mut out = Vec::with_capacity(size + 16);
-    out.push(0x93);
-    put_float(&mut out, ts);
-    put_array_header(&mut out, n_events)?;
-    for r in &recs {
-        let r = r.get();
-        let medium = r.wire.as_ref().and_then(|m| m.as_deref());
-        if !wire::put_events(&mut out, &r.rec, r.block_size, medium) {
-            return Ok(None);
+    // Written into this thread's buffer, which stays warm between calls (a fresh one would be
+    // new pages for every batch), then copied once into the bytes.
+    OUT.with_borrow_mut(|out| {
+        out.clear();
+        out.reserve(size + 16);
+        out.push(0x93);
+        put_float(out, ts);
+        put_array_header(out, n_events)?;
+        for r in &recs {
+            let r = r.get();
+            let medium = r.wire.as_ref().and_then(|m| m.as_deref());
+            if !wire::put_events(out, &r.rec, r.block_size, medium) {
+                return Ok(None);
+            }
         }
-    }
-    match data_parallel_rank {
-        Some(rank) => put_int(&mut out, rank),
-        None => out.push(0xc0),
-    }
-    Ok(Some(PyBytes::new(py, &out)))
+        match data_parallel_rank {
+            Some(rank) => put_int(out, rank),
+            None => out.push(0xc0),
+        }
+        let bytes = PyBytes::new(py, out);
+        if out.capacity() > KEEP_BUFFER_BYTES {
+            *out = Vec::new();
+        }
+        Ok(Some(bytes))
+    })
 }
 
 struct Request {
