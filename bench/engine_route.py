@@ -227,7 +227,8 @@ def main() -> None:
         if args.only:
             for i in range(args.runs):
                 x = run_route(args.only, server.url, steps, args.rate)
-                print(f"{args.only}: {x['cpu_us']:.3f} µs/ev, {x['blocks_s'] / 1e6:.2f} M/s, delivered {x['delivered']}")
+                print(f"{args.only}: {x['cpu_us']:.3f} µs/ev, {x['blocks_s'] / 1e6:.2f} M/s, "
+                      f"delivered {x['delivered']}")  # fmt: skip
             return
         for i in range(args.runs):
             r = {}

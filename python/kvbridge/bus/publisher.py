@@ -336,7 +336,8 @@ class KvEventPublisher:
             manager = self._manager
             # A native pool hands over its record: its events are written from it, never made
             # into Python objects (kvbridge.bus.framer).
-            events = manager.take_record() if manager.__class__.take_events is _NATIVE_TAKE_EVENTS else manager.take_events()
+            native = manager.__class__.take_events is _NATIVE_TAKE_EVENTS
+            events = manager.take_record() if native else manager.take_events()
             if len(events):
                 self.publish(events)
         return len(events)
@@ -539,7 +540,9 @@ class KvEventPublisher:
             self._skip_seq()
         return self._outbox.last_seq if at_cut is None else at_cut
 
-    def _emit(self, ts: float, events: list[Any], rank: int | None = None, records: list[EventRecord] | None = None) -> None:
+    def _emit(
+        self, ts: float, events: list[Any], rank: int | None = None, records: list[EventRecord] | None = None
+    ) -> None:
         """Frame ``events``, or ``records`` if any (kvbridge.bus.framer), and number the frames
         into the ring."""
         if records:
