@@ -36,7 +36,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyNone};
 use crate::cpython;
 use crate::prefetch::prefetch;
 
-mod msgpack;
+pub(crate) mod msgpack;
 mod plan;
 
 use msgpack::{

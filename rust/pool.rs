@@ -17,6 +17,7 @@
 
 mod core;
 mod events;
+mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -24,9 +25,10 @@ use std::sync::{Mutex, MutexGuard};
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
-use pyo3::types::{PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use crate::cpython::{self, Layout};
+use crate::encode::msgpack::{put_array_header, put_float, put_int};
 use crate::hash::algo::{Algo, Chain, Digest};
 use crate::hash::args::new_chain;
 use crate::hash::tokens;
@@ -46,7 +48,96 @@ const MAX_GROUPS: usize = 64;
 const NULL_BLOCK: u32 = u32::MAX;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<Manager>()
+    m.add_class::<Manager>()?;
+    m.add_class::<EventRecord>()?;
+    m.add_function(wrap_pyfunction!(encode_records, m)?)
+}
+
+/// `encode_records` keeps its buffer between calls up to this size.
+const KEEP_BUFFER_BYTES: usize = 8 << 20;
+
+thread_local! {
+    static OUT: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A manager's drained events kept as its record (`KVCacheManager.take_record`): no Python
+/// object per event, hash or token id until `events()` asks for them, and written as msgpack
+/// from the record itself by `encode_records`.
+#[pyclass(module = "kvbridge._native", name = "EventRecord", frozen)]
+pub struct EventRecord {
+    rec: Record,
+    manager: Py<Manager>,
+    /// The medium as its events carry it; None for a pool whose events `wire` leaves to
+    /// msgspec (a hybrid pool's carry group fields).
+    wire: Option<Option<Vec<u8>>>,
+    block_size: usize,
+    #[pyo3(get)]
+    n_blocks: usize,
+}
+
+#[pymethods]
+impl EventRecord {
+    fn __len__(&self) -> usize {
+        self.rec.events.len()
+    }
+
+    /// The events as `take_events()` would have returned them (new objects on each call).
+    fn events(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
+        self.manager.get().build(py, &self.rec)
+    }
+}
+
+/// The msgpack bytes of ``KVEventBatch(ts, [events of each record, in order], rank)``, exactly
+/// what `encode_batch` writes for the records' `events()`; None when they hold an event the
+/// native writer leaves to msgspec (a LoRA's, a hybrid pool's): the caller then encodes the
+/// events.
+#[pyfunction]
+#[pyo3(signature = (records, ts, data_parallel_rank))]
+fn encode_records<'py>(
+    py: Python<'py>,
+    records: &Bound<'py, PyList>,
+    ts: f64,
+    data_parallel_rank: Option<i64>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let mut recs = Vec::with_capacity(records.len());
+    for item in records.iter() {
+        recs.push(item.cast_into::<EventRecord>()?);
+    }
+    let (mut n_events, mut size) = (0, 0);
+    for r in &recs {
+        let r = r.get();
+        if r.wire.is_none() {
+            return Ok(None);
+        }
+        n_events += r.rec.events.len();
+        // About what the bytes will take: 3 bytes a token id, 9 a hash, ~100 per event.
+        size += 3 * r.rec.tokens.len() + 9 * r.rec.hashes.len() + 100 * r.rec.events.len();
+    }
+    // Written into this thread's buffer, which stays warm between calls (a fresh one would be
+    // new pages for every batch), then copied once into the bytes.
+    OUT.with_borrow_mut(|out| {
+        out.clear();
+        out.reserve(size + 16);
+        out.push(0x93);
+        put_float(out, ts);
+        put_array_header(out, n_events)?;
+        for r in &recs {
+            let r = r.get();
+            let medium = r.wire.as_ref().and_then(|m| m.as_deref());
+            if !wire::put_events(out, &r.rec, r.block_size, medium) {
+                return Ok(None);
+            }
+        }
+        match data_parallel_rank {
+            Some(rank) => put_int(out, rank),
+            None => out.push(0xc0),
+        }
+        let bytes = PyBytes::new(py, out);
+        if out.capacity() > KEEP_BUFFER_BYTES {
+            *out = Vec::new();
+        }
+        Ok(Some(bytes))
+    })
 }
 
 struct Request {
@@ -617,6 +708,29 @@ impl Manager {
     fn take_events(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
         let rec = lock(&self.state, py)?.core.take_record();
         self.build(py, &rec)
+    }
+
+    /// Drain the recorded events, in order, as an `EventRecord` (``events()`` gives what
+    /// ``take_events()`` would have).
+    fn take_record(slf: &Bound<'_, Self>) -> PyResult<EventRecord> {
+        let py = slf.py();
+        let this = slf.get();
+        let rec = lock(&this.state, py)?.core.take_record();
+        let wire = match this.group_fields.is_empty() {
+            true => Some(
+                this.medium
+                    .extract::<Option<String>>(py)?
+                    .map(String::into_bytes),
+            ),
+            false => None,
+        };
+        Ok(EventRecord {
+            n_blocks: wire::n_blocks(&rec),
+            rec,
+            manager: slf.clone().unbind(),
+            wire,
+            block_size: this.block_size,
+        })
     }
 
     /// Every cached block as BlockStored events, parents before children.

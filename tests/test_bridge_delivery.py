@@ -205,3 +205,62 @@ async def test_on_update_is_chosen_before_start(nats_server):
     given.on_update = other = Recorder()  # one callback for another: nats-py's callback path takes both
     assert given.on_update is other
     await given.close()
+
+
+async def test_a_native_pools_records_go_out_as_the_bytes_of_its_events(nats_server, monkeypatch):
+    """step() hands a native pool's record over (take_record), written as msgpack from it: each
+    message is the bytes encode_batch writes for the events take_events would have given, in
+    order, seq without a hole, mixed with list hand-offs and records left to msgspec (a LoRA's:
+    coalesced with others, the whole message goes msgspec's way)."""
+    import kvbridge.bus.framer as framer
+    from kvbridge import KVCacheManager
+
+    written = []  # what the native writer returned: bytes, or None (left to msgspec)
+
+    def counted(*args):
+        written.append(encode_records(*args))
+        return written[-1]
+
+    encode_records = framer.encode_records
+    monkeypatch.setattr(framer, "encode_records", counted)
+    nc = await nats.connect(nats_server.url)
+    got: list[tuple[int, bytes]] = []
+
+    async def on_msg(msg) -> None:
+        got.append((int(msg.headers["Kv-Seq"]), msg.data))  # heartbeats too: they take seqs
+
+    pub = await KvEventPublisher(cfg(nats_server, "records")).start()
+    await nc.subscribe(pub.subjects.events, cb=on_msg)
+    await nc.flush()
+    live, twin = KVCacheManager(64, 4), KVCacheManager(64, 4)  # driven alike; twin's events are the expectation
+    pub.attach(live)
+    expected: list = []
+    rnd = random.Random(11)
+    for step in range(200):
+        prompt = [rnd.randrange(1000) for _ in range(rnd.randint(4, 40))]
+        lora = "ada" if step % 7 == 3 else None
+        for m in (live, twin):
+            if m.allocate(step, prompt, lora_name=lora) is not None and step >= 3:
+                m.free(step - 3)
+        with pub.lock:
+            pub.step()
+        expected += twin.take_events()
+        if step % 10 == 5:
+            extra = [BlockStored([10**6 + step], None, [1, 2, 3, 4], 4, None, "GPU", None)]
+            pub.publish(extra)
+            expected += extra
+        if step % 4:
+            await asyncio.sleep(0.002)  # most steps go alone; every fourth coalesces with the next
+    await wait_until(lambda: sum(len(msgspec.msgpack.decode(p)[1]) for _, p in got) >= len(expected), 20, "all sent")
+    seqs = [s for s, _ in got]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    events = []
+    for _, payload in got:
+        batch = msgspec.msgpack.decode(payload, type=KVEventBatch)
+        assert payload == encode_batch(batch)  # the bytes are the encoder's for what they hold
+        events += batch.events
+    assert events == expected
+    assert pub.stats["invalid_events"] == 0 and pub.stats["events"] == len(expected)
+    assert None in written and sum(w is not None for w in written) > 50  # both ways were taken
+    await close_all(pub)
+    await nc.close()

@@ -176,3 +176,62 @@ def test_the_server_limit_caps_max_bytes_once_known():
     assert (framer.max_payload, framer.max_bytes) == (4 << 20, 4 << 20)  # not the default's cap
     framer.limit(1000)
     assert (framer.max_payload, framer.max_bytes) == (1000, 1000)
+
+
+def _records() -> list[Any]:
+    """Three records of a native pool: two small stores, then a removal-heavy one."""
+    from kvbridge import KVCacheManager
+
+    m = KVCacheManager(6, BS)
+    out = []
+    m.allocate("a", list(range(3 * BS)))
+    out.append(m.take_record())
+    m.free("a")
+    m.allocate("b", list(range(100, 100 + 5 * BS)))  # evicts a's blocks
+    out.append(m.take_record())
+    m.free("b")
+    m.allocate("c", list(range(200, 200 + 2 * BS)))
+    out.append(m.take_record())
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_records_are_framed_whole_within_the_limits_or_as_their_events(fmt):
+    recs = _records()
+    events = [ev for r in recs for ev in r.events()]
+    assert [len(r) for r in recs] == [1, 2, 2]
+
+    def run(max_events: int, max_bytes: int, records: list[Any]) -> tuple[list[Frame], list[Frame]]:
+        a = Framer(fmt, max_events=max_events, max_bytes=max_bytes, dp_rank=DP_RANK)  # type: ignore[arg-type]
+        b = Framer(fmt, max_events=max_events, max_bytes=max_bytes, dp_rank=DP_RANK)  # type: ignore[arg-type]
+        return a.records(TS, records), b.frame(TS, [ev for r in records for ev in r.events()])
+
+    # All within the limits: one message, the bytes encode_batch writes (JSON: as frame() makes it).
+    got, as_events = run(1000, 1 << 20, recs)
+    assert got == as_events == [Frame(encode_batch(KVEventBatch(TS, events, DP_RANK), fmt), 5)]
+    # Too many bytes or events for one message: cut between records, in order, each cut the bytes
+    # of its records' events (msgpack); JSON goes the events' way.
+    whole = len(encode_batch(KVEventBatch(TS, events, DP_RANK), fmt))
+    for max_events, max_bytes in ((1000, whole - 1), (4, 1 << 20)):
+        got, as_events = run(max_events, max_bytes, recs)
+        if fmt == "json":
+            assert got == as_events
+            continue
+        assert [f.n_events for f in got] == [1, 4]  # halves: [first], [second, third]
+        assert all(f.payload is not None and len(f.payload) <= max_bytes for f in got)
+        assert [ev for f in got for ev in decode_batch(f.payload).events] == events  # type: ignore[arg-type]
+    # One record over the limits by itself: its events are cut as frame() cuts them.
+    one = len(encode_batch(KVEventBatch(TS, recs[1].events(), DP_RANK), fmt))
+    for max_events, max_bytes in ((1000, one - 1), (1, 1 << 20)):
+        got, as_events = run(max_events, max_bytes, recs[1:2])
+        assert got == as_events and len(got) == 2
+
+
+def test_a_record_the_native_writer_leaves_goes_as_its_events():
+    from kvbridge import KVCacheManager
+
+    m = KVCacheManager(6, BS)
+    m.allocate("a", list(range(3 * BS)), lora_name="ada")
+    rec = m.take_record()
+    framer = Framer(max_events=1000, max_bytes=1 << 20, dp_rank=DP_RANK)
+    assert framer.records(TS, [rec]) == [Frame(encode_batch(KVEventBatch(TS, rec.events(), DP_RANK)), 1)]

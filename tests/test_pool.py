@@ -1144,3 +1144,70 @@ def test_hybrid_snapshot_from_another_thread_while_the_engine_mutates(Manager):
         stop.set()
         t.join()
     assert not errors and steps and len(views) == 100
+
+
+# --- take_record: the events kept native, written as msgpack from the record -----------------------
+
+
+def _workload(m, rnd, steps):
+    """Allocate/append/free at random; yields after every step (for the caller to take its events)."""
+    running = []
+    for step in range(steps):
+        for _ in range(rnd.randint(0, 2)):
+            lora = rnd.choice([None, None, "ada"]) if m.groups is None else None
+            if m.allocate(step * 10 + len(running), [rnd.randrange(1 << 17) for _ in range(rnd.randint(1, 40))],
+                          lora_name=lora) is not None:  # fmt: skip
+                running.append(step * 10 + len(running))
+        for r in list(running):
+            if rnd.random() < 0.3 or not m.append(r, [rnd.randrange(1 << 17) for _ in range(rnd.randint(1, 6))]):
+                m.free(r)
+                running.remove(r)
+        if step % 17 == 16 and not running:
+            m.reset()
+        yield
+
+
+@pytest.mark.parametrize("medium", ["GPU", None, "a-medium-name-over-31-bytes-long-for-str8"])
+@pytest.mark.parametrize("groups", [None, HYBRID])
+def test_a_record_is_what_take_events_gives_and_encodes_to_the_same_bytes(medium, groups):
+    import random
+
+    from kvbridge._native import EventRecord, encode_records
+
+    # Two managers driven alike: one drained by take_events, the other by take_record.
+    a = NativeKVCacheManager(24, 2, medium=medium, groups=groups)
+    b = NativeKVCacheManager(24, 2, medium=medium, groups=groups)
+    written = left = 0
+    for _ in zip(_workload(a, random.Random(5), 300), _workload(b, random.Random(5), 300)):
+        events, rec = a.take_events(), b.take_record()
+        assert isinstance(rec, EventRecord) and len(rec) == len(events)
+        assert rec.events() == events and rec.events() == events  # a record can be read again
+        assert rec.n_blocks == sum(len(getattr(e, "block_hashes", ())) for e in events)
+        for rank in (None, 0, 5, -1, 1 << 40):
+            payload = encode_records([rec], 12.5, rank)
+            if payload is None:  # a LoRA's or a hybrid pool's events: left to the caller, never other bytes
+                left += 1
+                assert groups is not None or any(getattr(e, "lora_name", None) for e in events)
+            else:
+                written += 1
+                assert payload == encode_batch(KVEventBatch(12.5, events, rank))
+    assert b.take_record().events() == [] and len(b.take_record()) == 0
+    assert left > 0 and (written > 0) == (groups is None)
+
+
+def test_records_encode_together_as_one_batch_of_their_events():
+    from kvbridge._native import encode_records
+
+    m = NativeKVCacheManager(4, 2)
+    m.allocate("a", [1, 2, 3, 4, 5])
+    first = m.take_record()
+    m.free("a")
+    m.allocate("b", [9, 8, 7, 6, 5, 4, 3])  # evicts a's cached blocks
+    second = m.take_record()
+    assert m.reset() is False
+    events = first.events() + second.events()
+    assert any(isinstance(e, BlockRemoved) for e in events)
+    assert encode_records([first, second], 3.0, None) == encode_batch(KVEventBatch(3.0, events))
+    assert encode_records([], 3.0, 2) == encode_batch(KVEventBatch(3.0, [], 2))
+    with pytest.raises(TypeError):
+        encode_records([first, events[0]], 3.0, None)  # type: ignore[list-item]

@@ -22,6 +22,8 @@ __all__ = [
     "timerfd_new",
     "timerfd_every",
     "KVCacheManager",
+    "EventRecord",
+    "encode_records",
     "Index",
     "parse_nats_headers",
     "scan_nats_msgs",
@@ -245,6 +247,8 @@ class KVCacheManager:
     def free(self, request_id: Hashable) -> None: ...
     def reset(self) -> bool: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
+    def take_record(self) -> EventRecord:
+        """take_events() kept native: no Python object per event until EventRecord.events()."""
     def snapshot(self) -> list[BlockStored]: ...
     def get_block_ids(self, request_id: Hashable) -> list[int]: ...
     def get_group_block_ids(self, request_id: Hashable) -> list[list[int | None]]: ...
@@ -260,6 +264,21 @@ class KVCacheManager:
     def free_block_ids(self) -> list[int]: ...
     def block_states(self) -> list[tuple[int, int | None]]:
         """(ref_cnt, block_hash or None) per block id."""
+
+@final
+class EventRecord:
+    """A KVCacheManager's drained events as it recorded them (``take_record()``)."""
+
+    @property
+    def n_blocks(self) -> int:
+        """Block events: the hashes its BlockStored and BlockRemoved events carry."""
+    def __len__(self) -> int: ...
+    def events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """What take_events() would have returned (new objects on each call)."""
+
+def encode_records(records: list[EventRecord], ts: float, data_parallel_rank: int | None) -> bytes | None:
+    """encode_batch(KVEventBatch(ts, [each record's events...], data_parallel_rank)) written from
+    the records; None when they hold an event left to msgspec (a LoRA's, a hybrid pool's)."""
 
 # --- the global KV index (rust/index.rs; exported as kvbridge.Index) ------------------------------
 

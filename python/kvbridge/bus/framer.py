@@ -17,6 +17,10 @@ calls them (tests/test_framer.py checks every rule in a table, without a broker)
 * a single block larger than the server's ``max_payload`` can never be delivered: it becomes a
   frame with no payload, which :func:`number` turns into a seq hole (consumers resync by
   snapshot), counted (``oversize_dropped``), instead of a message that would fail forever;
+* a native pool's records (``KVCacheManager.take_record``) are written as msgpack from the
+  records (``_native.encode_records``, the bytes ``encode_batch`` writes for their events) when
+  they fit ``max_bytes`` (else in halves, records whole); a record over it alone, one
+  ``encode_records`` leaves to msgspec, or JSON: its events are built and framed as above;
 * a forwarded batch (``publish_batch`` with its bytes) goes as those bytes when they are msgpack
   and within ``max_payload``; otherwise it is encoded and cut like any other, and counted
   (``split_batches``) when its bytes were too large;
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
+from kvbridge._native import EventRecord, encode_records
 from kvbridge.bus.outbox import Outbox
 from kvbridge.metrics import tally
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, KVEventBatch
@@ -87,6 +92,20 @@ class Framer:
                 return []
             events = valid
         return [self._carriable(payload, n) for payload, n in self.encode(ts, events, rank)]
+
+    def records(self, ts: float, records: list[EventRecord], rank: int | None = None) -> list[Frame]:
+        """The messages for the records' events, in order, as ``frame`` would make of them but
+        each message whole records (module doc). ``rank`` None is the configured ``dp_rank``."""
+        if rank is None:
+            rank = self.dp_rank
+        payload = encode_records(records, ts, rank) if self.format == "msgpack" else None
+        n_events = sum(map(len, records))
+        if payload is not None and len(payload) <= self.max_bytes and n_events <= self.max_events:
+            return [Frame(payload, n_events)]
+        if payload is not None and len(records) > 1:
+            half = len(records) // 2
+            return self.records(ts, records[:half], rank) + self.records(ts, records[half:], rank)
+        return self.frame(ts, [ev for rec in records for ev in rec.events()], rank)
 
     def forwarded(self, batch: KVEventBatch | None, payload: bytes | None, n_events: int = 0) -> list[Frame]:
         """A batch handed over to go as a message of its own, as ``payload`` when that can go as it

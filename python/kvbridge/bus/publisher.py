@@ -46,7 +46,7 @@ from typing import Any, Sequence
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from kvbridge._native import eventfd_signal, timerfd_every, timerfd_new
+from kvbridge._native import EventRecord, KVCacheManager, eventfd_signal, timerfd_every, timerfd_new
 from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
@@ -97,7 +97,10 @@ _HEADER_ROOM = 1024
 # At start, how long another publisher serving our worker id has to answer the probe.
 _PROBE_TIMEOUT_S = 0.5
 
-_EXPECTED = "a KVEventBatch or a list of events (BlockStored, BlockRemoved, AllBlocksCleared)"
+_EXPECTED = "a KVEventBatch, an EventRecord or a list of events (BlockStored, BlockRemoved, AllBlocksCleared)"
+# step() takes a pool's record instead of its events when take_events is the native one's (a
+# subclass that overrides it is asked for its events).
+_NATIVE_TAKE_EVENTS = KVCacheManager.take_events
 
 
 def _check_events(events: Any, what: str) -> None:
@@ -218,11 +221,12 @@ class KvEventPublisher:
 
     # -- engine side (any thread) -------------------------------------------------------------------
 
-    def publish(self, batch_or_events: KVEventBatch | Sequence[Any]) -> None:
-        """Hand a batch (or a list of events) to the publisher. Never blocks; see the module doc.
+    def publish(self, batch_or_events: KVEventBatch | Sequence[Any] | EventRecord) -> None:
+        """Hand a batch (or a list of events, or a native ``KVCacheManager``'s ``take_record()``)
+        to the publisher. Never blocks; see the module doc.
 
-        Raises TypeError, before anything is queued, for anything but a ``KVEventBatch`` or a
-        list/tuple of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
+        Raises TypeError, before anything is queued, for anything but a ``KVEventBatch``, an
+        ``EventRecord`` or a list/tuple of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``."""
         cls = batch_or_events.__class__
         if cls is KVEventBatch:
             events = batch_or_events.events  # type: ignore[union-attr]
@@ -232,6 +236,8 @@ class KvEventPublisher:
             item = (batch_or_events.ts, events)  # type: ignore[union-attr]
         elif cls is list or cls is tuple:
             _check_events(batch_or_events, "publish(): events")
+            item = (time.time(), batch_or_events)  # type: ignore[assignment]
+        elif cls is EventRecord:  # a native pool's events, never made into Python objects here
             item = (time.time(), batch_or_events)  # type: ignore[assignment]
         else:
             raise TypeError(f"publish() takes {_EXPECTED}, got {cls.__name__}")
@@ -328,8 +334,12 @@ class KvEventPublisher:
     def step(self) -> int:
         """Publish the attached pool's new events (under ``self.lock``); returns how many."""
         with self.lock:
-            events = self._manager.take_events()
-            if events:
+            manager = self._manager
+            # A native pool hands over its record: its events are written from it, never made
+            # into Python objects (kvbridge.bus.framer).
+            native = manager.__class__.take_events is _NATIVE_TAKE_EVENTS
+            events = manager.take_record() if native else manager.take_events()
+            if len(events):
                 self.publish(events)
         return len(events)
 
@@ -473,14 +483,18 @@ class KvEventPublisher:
         max_events = self._max_events
         ts = 0.0
         pending: list[Any] = []
+        # Consecutive native pool records, framed from the records (never with `pending`: a list
+        # hand-off after them makes them events, a record after a list is made events).
+        records: list[EventRecord] = []
+        n_records = 0
         popleft = q.popleft
         for _ in range(len(q)):  # only what is there now: engines may keep appending
             if self._dropped_batches != self._dropped_seen:
                 # Engine hand-offs were dropped ahead of what follows: put the hole right here so
                 # consumers resync. (A cut still queued is behind the drops: its seq lands after.)
-                if pending:
-                    self._emit(ts, pending)
-                    pending = []
+                if pending or records:
+                    self._emit(ts, pending, records=records)
+                    pending, records, n_records = [], [], 0
                 self._dropped_seen = self._dropped_batches
                 self._skip_seq()
             try:
@@ -488,9 +502,9 @@ class KvEventPublisher:
             except IndexError:  # dropped under us
                 break
             if item.__class__ is not tuple:  # a marker, or a batch that stays a message of its own
-                if pending:
-                    self._emit(ts, pending)
-                    pending = []
+                if pending or records:
+                    self._emit(ts, pending, records=records)
+                    pending, records, n_records = [], [], 0
                 if item is _CUT:
                     at_cut = self._outbox.last_seq
                 elif item is _HOLE:
@@ -498,22 +512,44 @@ class KvEventPublisher:
                 else:
                     self._emit_own(item)
                 continue
+            events = item[1]
+            if events.__class__ is EventRecord and not pending:
+                if records and n_records + len(events) > max_events:  # a message is whole records
+                    self._emit(ts, pending, records=records)
+                    records, n_records = [], 0
+                if not records:
+                    ts = item[0]
+                records.append(events)
+                n_records += len(events)
+                if n_records >= max_events:
+                    self._emit(ts, pending, records=records)
+                    records, n_records = [], 0
+                continue
+            if records:  # a list after records: one run of events, as if all were lists
+                pending = [ev for rec in records for ev in rec.events()]
+                records, n_records = [], 0
             if not pending:
                 ts = item[0]
-            pending.extend(item[1])
+            pending.extend(events.events() if events.__class__ is EventRecord else events)
             if len(pending) >= max_events:
                 self._emit(ts, pending)
                 pending = []
-        if pending:
-            self._emit(ts, pending)
+        if pending or records:
+            self._emit(ts, pending, records=records)
         if self._dropped_batches != self._dropped_seen:
             self._dropped_seen = self._dropped_batches
             self._skip_seq()
         return self._outbox.last_seq if at_cut is None else at_cut
 
-    def _emit(self, ts: float, events: list[Any], rank: int | None = None) -> None:
-        """Frame ``events`` (kvbridge.bus.framer) and number the frames into the ring."""
-        self._number(self._framer.frame(ts, events, rank))
+    def _emit(
+        self, ts: float, events: list[Any], rank: int | None = None, records: list[EventRecord] | None = None
+    ) -> None:
+        """Frame ``events``, or ``records`` if any (kvbridge.bus.framer), and number the frames
+        into the ring."""
+        if records:
+            self._number(self._framer.records(ts, records, rank))
+        else:
+            self._number(self._framer.frame(ts, events, rank))
 
     def _emit_own(self, own: _Own) -> None:
         """A publish_batch() / publish_payload() hand-off: its own message, the given bytes when they

@@ -170,7 +170,9 @@ class NativeKVCacheManager(_NativeManager):
     lora_id=None)``, ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``,
     ``get_block_ids``, ``get_group_block_ids``, ``hit_blocks(token_ids, *, lora_name=None)``,
     ``num_tokens``, ``in``, ``len``, ``groups``, ``retention_interval``; ``.pool`` for the pool's
-    queries.
+    queries. ``take_record()`` drains the events as ``take_events()`` does but keeps them native
+    (an ``EventRecord``: ``events()`` builds them); the publisher's ``step()`` and ``publish()``
+    take it and write it as msgpack without making an event object.
     """
 
     __slots__ = ()
