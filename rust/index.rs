@@ -11,6 +11,7 @@
 pub(crate) mod core;
 mod holders;
 pub(crate) mod parse;
+pub(crate) mod pipeline;
 pub(crate) mod table;
 
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
@@ -21,7 +22,8 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
 
 use self::core::{Core, Mode};
-use self::parse::{detect, parse, reduce_bytes, Format};
+use self::parse::{detect, reduce_bytes, Format};
+use self::pipeline::{apply_many, apply_one};
 use crate::hash::algo::{Algo, Chain};
 use crate::hash::buffer::Buffer;
 use crate::hash::tokens;
@@ -172,57 +174,55 @@ impl Index {
             .cast::<PyString>()
             .map_err(|_| type_error("worker", "str", worker))?
             .to_str()?;
-        let format = match format.filter(|f| !f.is_none()) {
-            None => None,
-            Some(f) => match f
-                .cast::<PyString>()
-                .map_err(|_| type_error("format", "str", f))?
-                .to_str()?
-            {
-                "msgpack" => Some(Format::Msgpack),
-                "json" => Some(Format::Json),
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "format must be 'msgpack', 'json' or None, got '{other}'"
-                    )))
-                }
-            },
-        };
-        let owned;
-        let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
-            b.as_bytes()
-        } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
-            // Copied: another thread may change a mutable buffer while the GIL is released.
-            owned = data
-                .py()
-                .get_type::<PyBytes>()
-                .call1((data,))?
-                .cast_into::<PyBytes>()?;
-            owned.as_bytes()
-        } else if data.is_instance(kv_event_batch(py)?)? {
-            // Already decoded: its exact msgpack bytes take the same path as a payload.
-            owned = encode_batch(py)?.call1((data,))?.cast_into::<PyBytes>()?;
-            owned.as_bytes()
-        } else {
-            return Err(type_error(
-                "data",
-                "bytes, bytearray, memoryview or a KVEventBatch",
-                data,
-            ));
-        };
+        let format = format_arg(format)?;
+        let owned = payload_bytes(py, data)?;
+        let bytes = owned.as_bytes();
         let format = format.unwrap_or_else(|| detect(bytes));
         let long = bytes.len() >= DETACH_MIN_BYTES;
         Ok(self.write(py, long, |core| {
-            let mut scratch = Vec::new();
-            let n = match parse(bytes, format, &mut scratch, core.take_spare()) {
-                Some(batch) => core.apply(worker, batch),
-                None => {
-                    core.malformed();
-                    0
-                }
-            };
-            n
+            apply_one(core, worker, bytes, format, &mut Vec::new())
         }))
+    }
+
+    /// `apply` of each `(worker, data)` of `messages` in order (a router draining a backlog,
+    /// the index service's batch of received messages): the same index, counters and return
+    /// values as one call each, from 64 KiB of payloads read on a second thread while this one
+    /// applies those before. Returns each payload's number of events. The index is locked for
+    /// the whole call (queries wait; the GIL is released).
+    #[pyo3(signature = (messages, format = None))]
+    fn apply_many(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        format: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<usize>> {
+        let format = format_arg(format)?;
+        let mut held = Vec::new();
+        for m in messages.try_iter()? {
+            let m = m?;
+            let pair = m
+                .cast::<PyTuple>()
+                .ok()
+                .filter(|t| t.len() == 2)
+                .ok_or_else(|| type_error("messages' items", "(worker, data) tuples", &m))?;
+            let worker = pair.get_item(0)?;
+            let worker = match worker.cast::<PyString>() {
+                Ok(w) => w.clone(),
+                Err(_) => return Err(type_error("worker", "str", &worker)),
+            };
+            held.push((worker, payload_bytes(py, &pair.get_item(1)?)?));
+        }
+        let mut items = Vec::with_capacity(held.len());
+        let mut bytes = 0;
+        for (worker, data) in &held {
+            items.push((worker.to_str()?, data.as_bytes()));
+            bytes += data.as_bytes().len();
+        }
+        let mut counts = Vec::with_capacity(items.len());
+        self.write(py, bytes >= DETACH_MIN_BYTES, |core| {
+            apply_many(core, &items, format, &mut counts)
+        });
+        Ok(counts)
     }
 
     /// `{worker: leading blocks held}` for every worker holding at least the first block of
@@ -602,6 +602,49 @@ fn name_obj<'py>(
             cache[w] = Some((name, s.clone().unbind()));
             s
         }
+    }
+}
+
+/// `format=`: "msgpack", "json" or None (detected per payload).
+fn format_arg(format: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Format>> {
+    let Some(f) = format.filter(|f| !f.is_none()) else {
+        return Ok(None);
+    };
+    match f
+        .cast::<PyString>()
+        .map_err(|_| type_error("format", "str", f))?
+        .to_str()?
+    {
+        "msgpack" => Ok(Some(Format::Msgpack)),
+        "json" => Ok(Some(Format::Json)),
+        other => Err(PyValueError::new_err(format!(
+            "format must be 'msgpack', 'json' or None, got '{other}'"
+        ))),
+    }
+}
+
+/// A payload's bytes: bytes as they are, a copy of a bytearray or memoryview (another thread
+/// may change a mutable buffer while the GIL is released), a KVEventBatch's exact msgpack.
+fn payload_bytes<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        Ok(b.clone())
+    } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
+        py.get_type::<PyBytes>()
+            .call1((data,))?
+            .cast_into::<PyBytes>()
+            .map_err(Into::into)
+    } else if data.is_instance(kv_event_batch(py)?)? {
+        // Already decoded: its exact msgpack bytes take the same path as a payload.
+        encode_batch(py)?
+            .call1((data,))?
+            .cast_into::<PyBytes>()
+            .map_err(Into::into)
+    } else {
+        Err(type_error(
+            "data",
+            "bytes, bytearray, memoryview or a KVEventBatch",
+            data,
+        ))
     }
 }
 

@@ -9,6 +9,7 @@ from block 0 that the slot already holds whole is vLLM's re-announce, not a copy
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -352,6 +353,112 @@ def test_engine_index_equals_the_model(ops):
                     assert idx.find_matches(block_hashes=keys) == ref.find_matches(keys)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations(), st.sampled_from(["tokens", "engine"]), st.booleans())
+def test_apply_many_builds_the_index_apply_builds(ops, key, two_threads):
+    """The same operations, each run of applies as one apply_many call: the same counts, stats
+    and answers as apply one by one. A 64 KiB malformed payload (counted on both sides) leads
+    each call with `two_threads`: from 64 KiB the payloads are read on a second thread."""
+    one, many = Index(BS, key), Index(BS, key)
+    pad = [("pad", b"\xc1" * (64 << 10))] if two_threads else []
+    pending: list[tuple[str, object]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        msgs = pad + pending
+        assert many.apply_many(msgs) == [one.apply(w, d) for w, d in msgs]
+        pending.clear()
+
+    for op, worker, batch, how in ops:
+        name = f"worker-{worker}"
+        if op == "apply":
+            if how == "batch":
+                pending.append((name, batch))
+            elif how == "malformed":
+                pending.append((name, encode_batch(batch)[:-1]))
+            else:
+                payload = encode_batch(batch, "msgpack" if how == "detect" else how)
+                pending.append((name, payload if how != "json" else bytearray(payload)))
+            continue
+        flush()
+        for idx in (one, many):
+            if op == "remove_worker":
+                idx.remove_worker(name)
+            else:
+                idx.clear()
+    flush()
+    assert many.stats == one.stats
+    assert (many.workers, len(many)) == (one.workers, len(one))
+    if key == "tokens":
+        for tokens, lora_name, extra in QUERIES:
+            query_extra = None if extra is None else [strip_lora(e, lora_name) for e in extra]
+            want = one.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra)
+            assert many.find_matches(tokens, lora_name=lora_name, extra_keys=query_extra) == want
+    else:
+        for d in range(len(DOCS)):
+            for lora, form, w in itertools.product((0, 1), (0, 1), range(3)):
+                keys = [engine_key(engine_hash(w, d, b, lora, form)) for b in range(len(DOCS[d]) // BS)]
+                assert many.find_matches(block_hashes=keys) == one.find_matches(block_hashes=keys)
+
+
+def test_apply_many_two_threads_on_a_long_stream():
+    """Thousands of payloads (megabytes: the two-thread path, many chunks), stores with
+    parents, removals, clears and malformed payloads in between: the same index as apply."""
+    rng = random.Random(7)
+    msgs: list[tuple[str, bytes]] = []
+    # Per worker: its chain's blocks, (engine hash, token ids).
+    chains: dict[str, list[tuple[int, list[int]]]] = {}
+    for i in range(4000):
+        w = f"w{rng.randrange(8)}"
+        chain = chains.setdefault(w, [])
+        if rng.random() < 0.02:
+            msgs.append((w, b"\xc1" * rng.randrange(1, 50)))
+            continue
+        evs: list[object] = []
+        if chain and rng.random() < 0.3:
+            evs.append(BlockRemoved(block_hashes=[chain.pop()[0]], medium="GPU"))
+        if rng.random() < 0.01:
+            evs.append(AllBlocksCleared())
+            chain.clear()
+        doc, start = rng.randrange(4), len(chain)
+        blocks = [
+            (doc * 10_000 + b + 1, [(doc * 31 + t) % 97 for t in range(b * BS, (b + 1) * BS)])
+            for b in range(start, start + rng.randrange(1, 6))
+        ]
+        evs.append(
+            BlockStored(
+                block_hashes=[h for h, _ in blocks],
+                parent_block_hash=chain[-1][0] if chain else None,
+                token_ids=[t for _, ts in blocks for t in ts],
+                block_size=BS,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        )
+        chain.extend(blocks)
+        msgs.append((w, encode_batch(KVEventBatch(ts=float(i), events=evs))))
+    assert sum(len(d) for _, d in msgs) > 256 << 10
+    for key in ("tokens", "engine"):
+        one, many = Index(BS, key), Index(BS, key)
+        want = [one.apply(w, d) for w, d in msgs]
+        assert many.apply_many(iter(msgs)) == want
+        assert many.stats == one.stats and one.stats["malformed_payloads"] > 0
+        assert (many.workers, len(many)) == (one.workers, len(one))
+        hits = 0
+        for chain in chains.values():
+            for cut in range(0, len(chain) + 1, 3):
+                if key == "engine":
+                    q = {"block_hashes": [h for h, _ in chain[:cut]]}
+                else:
+                    q = {"tokens": [t for _, ts in chain[:cut] for t in ts]}
+                got = many.find_matches(**q)
+                assert got == one.find_matches(**q)
+                hits += bool(got)
+        assert hits > 0
+
+
 def test_the_same_stream_from_bytes_json_and_batches_gives_the_same_state():
     rng = random.Random(5)
     idxs = [Index(4) for _ in range(3)]
@@ -556,6 +663,11 @@ def test_wrong_argument_types_raise_naming_the_argument():
         (lambda: idx.apply("w", [1, 2]), TypeError, "data must be bytes"),
         (lambda: idx.apply("w", payload, 1), TypeError, "format must be str"),
         (lambda: idx.apply("w", payload, "xml"), ValueError, "format must be 'msgpack', 'json' or None"),
+        (lambda: idx.apply_many([("w", payload, 1)]), TypeError, r"items must be \(worker, data\) tuples"),
+        (lambda: idx.apply_many([(5, payload)]), TypeError, "worker must be str"),
+        (lambda: idx.apply_many([("w", "text")]), TypeError, "data must be bytes"),
+        (lambda: idx.apply_many(5), TypeError, "not iterable"),
+        (lambda: idx.apply_many([], "xml"), ValueError, "format must be 'msgpack', 'json' or None"),
         (lambda: Index(0), ValueError, "block_size"),
         (lambda: Index("16"), TypeError, "block_size"),
         (lambda: Index(16, key="hash"), ValueError, "key must be 'tokens' or 'engine'"),

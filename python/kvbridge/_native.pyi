@@ -317,6 +317,15 @@ class Index:
     ) -> int:
         """Applies one payload (msgpack or JSON; None = JSON if it starts with '[' or '{') or a
         decoded batch; returns its number of events, 0 if it is not a batch (counted)."""
+    def apply_many(
+        self,
+        messages: Iterable[tuple[str, bytes | bytearray | memoryview | KVEventBatch]],
+        format: Literal["msgpack", "json"] | None = None,
+    ) -> list[int]:
+        """``apply`` of each ``(worker, data)`` in order (a backlog of messages, a batch received
+        at once): the same index, counters and return values as one call each. From 64 KiB of
+        payloads they are read on a second thread while this one applies those before; the
+        index is locked (and the GIL released) for the whole call."""
     @overload
     def find_matches(
         self,

@@ -152,7 +152,7 @@ pub fn parse<'a>(
     spare: Spare,
 ) -> Option<Batch<'a>> {
     match format {
-        Format::Msgpack => Parser::new(b, false, spare).batch(),
+        Format::Msgpack => parse_msgpack(b, spare),
         Format::Json => {
             scratch.clear();
             json_to_msgpack(b, scratch)?;
@@ -160,6 +160,12 @@ pub fn parse<'a>(
             Parser::new(bytes, true, spare).batch()
         }
     }
+}
+
+/// `parse` of a msgpack payload, which borrows nothing but the payload (the pipeline's parser
+/// thread keeps no scratch for batches it hands over).
+pub fn parse_msgpack(b: &[u8], spare: Spare) -> Option<Batch<'_>> {
+    Parser::new(b, false, spare).batch()
 }
 
 struct Parser<'a> {
@@ -837,7 +843,7 @@ fn base64_reduced(s: &[u8]) -> Option<u64> {
 // --- JSON -> msgpack ---------------------------------------------------------------------------
 
 /// Writes the msgpack form of one JSON document to `out`; `None` if it is not JSON.
-fn json_to_msgpack(b: &[u8], out: &mut Vec<u8>) -> Option<()> {
+pub(crate) fn json_to_msgpack(b: &[u8], out: &mut Vec<u8>) -> Option<()> {
     let mut de = serde_json::Deserializer::from_slice(b);
     Transcode { out }.deserialize(&mut de).ok()?;
     de.end().ok()

@@ -118,17 +118,23 @@ fn scores(idx: &NativeIndex, found: Vec<(u32, u32)>) -> Scores {
 }
 
 pub fn builders(w: &Workload) -> Vec<(String, Builder<'_>)> {
-    [true, false]
-        .into_iter()
-        .map(|engine| {
-            let name = format!("kvbridge key={}", if engine { "engine" } else { "tokens" });
-            let b: Builder = Box::new(move |_| build(w, engine));
-            (name, b)
-        })
-        .collect()
+    let mut out: Vec<(String, Builder)> = Vec::new();
+    for engine in [true, false] {
+        let key = if engine { "engine" } else { "tokens" };
+        for threads in [1, 2] {
+            let name = match threads {
+                1 => format!("kvbridge key={key}"),
+                _ => format!("kvbridge key={key}, 2 threads (parse, apply)"),
+            };
+            out.push((name, Box::new(move |_| build(w, engine, threads))));
+        }
+    }
+    out
 }
 
-fn build(w: &Workload, engine: bool) -> Built<'_> {
+/// `threads`: 1, `NativeIndex::apply` payload by payload; 2, `NativeIndex::apply_many` (the
+/// payloads read on a second thread while the caller's applies those before).
+fn build(w: &Workload, engine: bool, threads: usize) -> Built<'_> {
     let names: Vec<String> = (0..w.workers).map(name).collect();
     let before = alloc::held();
     let payloads: Vec<Vec<u8>> = w
@@ -137,15 +143,48 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
         .enumerate()
         .map(|(i, s)| payload(w, s, i as f64))
         .collect();
+    let items: Vec<(&str, &[u8])> = w
+        .steps
+        .iter()
+        .zip(&payloads)
+        .map(|(s, p)| (names[s.worker as usize].as_str(), p.as_slice()))
+        .collect();
     let mut idx = NativeIndex::new(w.block_size, engine);
     let t = Instant::now();
-    apply_all(&mut idx, w, &names, &payloads);
+    if threads == 1 {
+        apply_all(&mut idx, &items);
+    } else {
+        apply_two_threads(&mut idx, &items);
+    }
     let secs = t.elapsed().as_secs_f64();
+    drop(items);
     drop(payloads);
     let bytes = alloc::held() - before;
     let idx = Rc::new(idx);
     let mut queries: Vec<(String, Querier)> = Vec::new();
-    if engine {
+    if threads == 2 {
+        // The same index as one thread builds (rust/native.rs tests it): one query row, so
+        // that its scores are checked too.
+        let i = idx.clone();
+        let keyed: Vec<Vec<u64>> = if engine {
+            w.queries.iter().map(|q| q.seq.clone()).collect()
+        } else {
+            let mut keys = Vec::new();
+            w.queries
+                .iter()
+                .map(|q| {
+                    idx.hash_tokens(&q.tokens, &mut keys);
+                    keys.clone()
+                })
+                .collect()
+        };
+        let label = if engine {
+            "engine hashes in"
+        } else {
+            "its keys in"
+        };
+        queries.push((label.into(), Box::new(move |q| find(&i, &keyed[q].clone()))));
+    } else if engine {
         let i = idx.clone();
         queries.push((
             "engine hashes in".into(),
@@ -192,10 +231,18 @@ fn build(w: &Workload, engine: bool) -> Built<'_> {
 /// (`valgrind --tool=callgrind --toggle-collect='*apply_all*' ...`): instruction counts, where
 /// the wall time of a shared machine moves too much to compare two builds.
 #[inline(never)]
-fn apply_all(idx: &mut NativeIndex, w: &Workload, names: &[String], payloads: &[Vec<u8>]) {
-    for (s, p) in w.steps.iter().zip(payloads) {
-        idx.apply(&names[s.worker as usize], p);
+fn apply_all(idx: &mut NativeIndex, items: &[(&str, &[u8])]) {
+    for &(worker, p) in items {
+        idx.apply(worker, p);
     }
+}
+
+/// As `apply_all`, for callgrind (`--toggle-collect='*apply_two_threads*'
+/// --toggle-collect='*parse_ahead*'`: the parser thread's instructions are outside this call).
+#[inline(never)]
+fn apply_two_threads(idx: &mut NativeIndex, items: &[(&str, &[u8])]) {
+    let mut counts = Vec::with_capacity(items.len());
+    idx.apply_many(items, &mut counts);
 }
 
 fn find(idx: &NativeIndex, keys: &[u64]) -> (u64, Scores) {
