@@ -22,6 +22,8 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyS
 
 use self::core::{Core, Mode};
 use self::parse::{detect, parse, reduce_bytes, Format};
+use crate::cpython;
+use crate::decode::{incref, new_list, set_item};
 use crate::hash::algo::{Algo, Chain};
 use crate::hash::buffer::Buffer;
 use crate::hash::tokens;
@@ -268,8 +270,8 @@ impl Index {
             },
         )?;
         let long = keys.len() >= DETACH_MIN_TOKENS / 16;
-        let out = PyDict::new(py);
         if by_medium {
+            let out = PyDict::new(py);
             type Row = (u32, Arc<str>, Option<String>, u32);
             let rows: Vec<Row> = self.read(py, long, |core| {
                 core.find_matches_by_medium(&keys, medium, remote)
@@ -299,19 +301,17 @@ impl Index {
             }
             return Ok(out.into_any());
         }
-        let rows = self.named(py, long, |core, found| {
+        let (found, names) = self.named(py, long, |core, found| {
             core.find_matches(&keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
-                found.sort_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
-                found.truncate(k);
+                keep_top(found, k);
             }
         });
         if lists {
-            let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
-            let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
-            return Ok((names, counts).into_pyobject(py)?.into_any());
+            return lists_answer(py, &found, names);
         }
-        for (name, n) in rows {
+        let out = PyDict::new(py);
+        for (name, &(_, n)) in names.into_iter().zip(&found) {
             out.set_item(name, n)?;
         }
         Ok(out.into_any())
@@ -460,35 +460,41 @@ impl Index {
     }
 
     /// Runs `query` (which fills (worker id, count) pairs) under the read lock, and pairs each
-    /// count with the worker's name as a Python str: the cached one when the id still names the
-    /// same worker, made and cached otherwise. When the state's lock is free at once (a short
-    /// query), the name cache is locked first and compared with the workers' names under the
-    /// state's lock, so no name is cloned per worker; otherwise (the read may wait with the GIL
-    /// released, and nothing may then hold the cache) the names are cloned and compared after.
+    /// count with the worker's name as a Python str (the second Vec, in the same order): the
+    /// cached one when the id still names the same worker, made and cached otherwise. When the
+    /// state's lock is free at once (a short query), the name cache is locked first and compared
+    /// with the workers' names under the state's lock, so no name is cloned per worker;
+    /// otherwise (the read may wait with the GIL released, and nothing may then hold the cache)
+    /// the names are cloned and compared after.
     fn named<'py>(
         &self,
         py: Python<'py>,
         long: bool,
         query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
-    ) -> Vec<(Bound<'py, PyString>, u32)> {
+    ) -> (Vec<(u32, u32)>, Vec<Bound<'py, PyString>>) {
+        /// The pairs, and the names the cache lacks by position in them (usually none, so
+        /// nothing is allocated for them).
+        type Rows = (Vec<(u32, u32)>, Vec<(usize, Arc<str>)>);
         fn rows(
             core: &Core,
             query: impl FnOnce(&Core, &mut Vec<(u32, u32)>),
             cached: &[Option<NameCache>],
-        ) -> Vec<(u32, Option<Arc<str>>, u32)> {
+        ) -> Rows {
             let mut found = Vec::new();
             query(core, &mut found);
-            found
-                .into_iter()
-                .map(|(w, n)| {
+            let misses = found
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &(w, _))| {
                     let name = core.name(w);
                     let known = cached
                         .get(w as usize)
                         .and_then(Option::as_ref)
                         .is_some_and(|c| Arc::ptr_eq(&c.0, name));
-                    (w, (!known).then(|| name.clone()), n)
+                    (!known).then(|| (i, name.clone()))
                 })
-                .collect()
+                .collect();
+            (found, misses)
         }
         let lock_names = || self.names.lock().unwrap_or_else(|e| e.into_inner());
         let mut cache = lock_names();
@@ -498,30 +504,30 @@ impl Index {
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(TryLockError::WouldBlock) => None,
         };
-        let found = match free {
+        let (found, misses) = match free {
             Some(core) => rows(&core, query, &cache),
             None => {
                 drop(cache);
-                let found = self.read(py, long, |core| rows(core, query, &[]));
+                let rows = self.read(py, long, |core| rows(core, query, &[]));
                 cache = lock_names();
-                found
+                rows
             }
         };
-        found
-            .into_iter()
-            .map(|(w, fresh, n)| match fresh {
-                None => (
-                    cache[w as usize]
-                        .as_ref()
-                        .expect("cached")
-                        .1
-                        .bind(py)
-                        .clone(),
-                    n,
-                ),
-                Some(name) => (name_obj(py, &mut cache, w, name), n),
+        let mut misses = misses.into_iter().peekable();
+        let names = found
+            .iter()
+            .enumerate()
+            .map(|(i, &(w, _))| match misses.next_if(|m| m.0 == i) {
+                Some((_, name)) => name_obj(py, &mut cache, w, name),
+                None => cache[w as usize]
+                    .as_ref()
+                    .expect("cached")
+                    .1
+                    .bind(py)
+                    .clone(),
             })
-            .collect()
+            .collect();
+        (found, names)
     }
 
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
@@ -581,6 +587,81 @@ impl Index {
         }
         Ok(keys)
     }
+}
+
+/// Keeps the `k` pairs with the longest hits, longest first, ties in worker id order: one pass
+/// that inserts into the kept prefix only what beats its last (a router's k is small, and most
+/// workers do not), where a sort of every pair cost as much as the query's lookups.
+fn keep_top(found: &mut Vec<(u32, u32)>, k: usize) {
+    let before = |a: (u32, u32), b: (u32, u32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
+    let mut kept = 0;
+    for i in 0..found.len() {
+        let x = found[i];
+        if kept == k {
+            if k == 0 || !before(x, found[k - 1]) {
+                continue;
+            }
+            kept -= 1;
+        }
+        // Slots kept..=i hold pairs already passed over (or x itself), free to overwrite.
+        let mut j = kept;
+        while j > 0 && before(x, found[j - 1]) {
+            found[j] = found[j - 1];
+            j -= 1;
+        }
+        found[j] = x;
+        kept += 1;
+    }
+    found.truncate(kept);
+}
+
+/// Counts below this come from one table of int objects (CPython's own small ints up to 256),
+/// so a count costs a reference, not a call; longer hits are made as ints.
+const COUNT_INTS: usize = 1024;
+
+fn count_ints(py: Python<'_>) -> &[Py<PyAny>] {
+    static INTS: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
+    INTS.get_or_init(py, || {
+        (0..COUNT_INTS)
+            .map(|n| n.into_pyobject(py).expect("an int").into_any().unbind())
+            .collect()
+    })
+}
+
+/// `(workers, counts)` as two lists filled slot by slot (no call per item where
+/// `crate::cpython` knows the list layout).
+fn lists_answer<'py>(
+    py: Python<'py>,
+    found: &[(u32, u32)],
+    names: Vec<Bound<'py, PyString>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    // The inline reference counts read a 32-bit half as the low one.
+    let layout = if cfg!(target_endian = "little") {
+        cpython::layout(py)
+    } else {
+        cpython::Layout::Api
+    };
+    let ints = count_ints(py);
+    let workers = new_list(py, found.len())?;
+    let counts = new_list(py, found.len())?;
+    // SAFETY: both lists are fresh, with found.len() slots each; no Python code runs while the
+    // slots are in use (making an int runs none).
+    let mut worker_slots = unsafe { cpython::fresh_list_slots(layout, workers.as_ptr()) };
+    // SAFETY: as above.
+    let mut count_slots = unsafe { cpython::fresh_list_slots(layout, counts.as_ptr()) };
+    for (i, (name, &(_, n))) in names.into_iter().zip(found).enumerate() {
+        set_item(&workers, worker_slots.as_deref_mut(), i, name.into_ptr());
+        let count = match ints.get(n as usize) {
+            Some(int) => {
+                // SAFETY: a live int the table holds a reference to; the GIL is held.
+                unsafe { incref(layout, int.as_ptr()) };
+                int.as_ptr()
+            }
+            None => n.into_pyobject(py)?.into_ptr(),
+        };
+        set_item(&counts, count_slots.as_deref_mut(), i, count);
+    }
+    Ok(PyTuple::new(py, [workers, counts])?.into_any())
 }
 
 /// The Python str for worker `w`'s name, made once per worker (the Arc tells whether the id
@@ -644,6 +725,12 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     if obj.is_instance_of::<PyString>() {
         return Err(type_error("block_hashes", WANT, obj));
     }
+    // bytes read as they are: no buffer export (an allocation and two calls) for the common case.
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        if b.as_bytes().len() % 8 == 0 {
+            return Ok(words_from_ne_bytes(b.as_bytes()));
+        }
+    }
     let is_seq = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
     // SAFETY: obj is a live object.
     if !is_seq && unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
@@ -682,6 +769,15 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
     let buffer = Buffer::get(obj, pyo3::ffi::PyBUF_RECORDS_RO)?;
     let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
     if let Some(layout) = buffer.int_layout().filter(|l| l.size == 8) {
+        if stride == 8 && !layout.swap {
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            // SAFETY: n contiguous 8-byte items (n > 0 means a non-null pointer).
+            return Ok(words_from_ne_bytes(unsafe {
+                std::slice::from_raw_parts(base, n * 8)
+            }));
+        }
         return Ok((0..n)
             .map(|i| {
                 // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
@@ -705,10 +801,7 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
             unsafe { std::slice::from_raw_parts(base, n) }
         };
-        return Ok(bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-            .collect());
+        return Ok(words_from_ne_bytes(bytes));
     }
     Err(PyTypeError::new_err(format!(
         "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
@@ -720,6 +813,18 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             ""
         }
     )))
+}
+
+/// Packed native-endian 64-bit ints (a multiple of 8 bytes), copied in one go.
+fn words_from_ne_bytes(bytes: &[u8]) -> Vec<u64> {
+    let n = bytes.len() / 8;
+    let mut out = Vec::<u64>::with_capacity(n);
+    // SAFETY: the vector has room for n words, which the copy fills (any bit pattern is a u64).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * 8);
+        out.set_len(n);
+    }
+    out
 }
 
 /// Query extra keys, one entry per full block, in the canonical form payloads decode to:

@@ -207,6 +207,40 @@ def check_lists(idx: Index, want: dict[str, int], keys: list[int], tokens, **tok
     assert all(want[w] == n for w, n in zip(workers, counts))
 
 
+def test_top_k_and_lists_exactly():
+    """top_k keeps the k longest hits, longest first, ties in worker id order (the order the
+    index first heard the workers); lists=True pairs every worker with its count, whether the
+    count is one of the shared int objects (below 1024) or made for the answer, and whether the
+    worker's name was cached by an earlier answer or is new under a reused id."""
+    from array import array
+
+    idx = Index(BS, key="engine")
+    # Leading runs: ties at 3 and at 1; one run past the shared ints (1030), one at their edge.
+    lengths = {"w0": 3, "w1": 5, "w2": 3, "w3": 1, "w4": 1030, "w5": 3, "w6": 1, "w7": 1024, "w8": 1023}
+    chain = list(range(1, 1031))
+    for worker, n in lengths.items():
+        idx.apply(worker, encode_batch(KVEventBatch(0.0, [BlockStored(chain[:n], None, [1] * BS * n, BS, None, "GPU", None)])))
+    order = list(lengths)
+    query = array("Q", chain + [99_999])
+
+    def expect(k):
+        ranked = sorted(lengths.items(), key=lambda item: (-item[1], order.index(item[0])))
+        return [w for w, _ in ranked[:k]], [n for _, n in ranked[:k]]
+
+    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 50):
+        assert idx.find_matches(block_hashes=query, top_k=k, lists=True) == expect(k), k
+        assert idx.find_matches(block_hashes=query.tobytes(), top_k=k) == dict(zip(*expect(k))), k
+    assert idx.find_matches(block_hashes=query, lists=True) == (order, [lengths[w] for w in order])
+    # A removed worker's id named again by a new worker: the answer names the new one.
+    idx.remove_worker("w3")
+    idx.apply("new", encode_batch(KVEventBatch(0.0, [BlockStored(chain[:2], None, [1] * BS * 2, BS, None, "GPU", None)])))
+    del lengths["w3"]
+    lengths["new"] = 2
+    workers, counts = idx.find_matches(block_hashes=query, lists=True)
+    assert dict(zip(workers, counts)) == lengths and len(workers) == len(lengths)
+    assert idx.find_matches(block_hashes=query, top_k=1, lists=True) == (["w4"], [1030])
+
+
 # --- random event streams --------------------------------------------------------------------
 
 # Three documents whose blocks the streams store, remove and query; a block's engine hash is
