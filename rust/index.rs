@@ -269,8 +269,9 @@ impl Index {
                 extra_keys,
             },
         )?;
-        let long = keys.len() >= DETACH_MIN_TOKENS / 16;
+        let long = keys.as_slice().len() >= DETACH_MIN_TOKENS / 16;
         if by_medium {
+            let keys = keys.shared();
             let out = PyDict::new(py);
             type Row = (u32, Arc<str>, Option<String>, u32);
             let rows: Vec<Row> = self.read(py, long, |core| {
@@ -301,8 +302,8 @@ impl Index {
             }
             return Ok(out.into_any());
         }
-        let (found, names) = self.named(py, long, |core, found| {
-            core.find_matches(&keys, medium.map(Some), remote, found);
+        let (found, names) = self.named(py, long, &keys, |core, keys, found| {
+            core.find_matches(keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
                 keep_top(found, k);
             }
@@ -417,7 +418,7 @@ struct QueryArgs<'a, 'py> {
 
 impl Index {
     /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
-    fn query_keys(&self, py: Python<'_>, q: QueryArgs<'_, '_>) -> PyResult<Vec<u64>> {
+    fn query_keys<'a>(&self, py: Python<'_>, q: QueryArgs<'a, '_>) -> PyResult<Keys<'a>> {
         let QueryArgs {
             tokens,
             block_hashes,
@@ -454,7 +455,7 @@ impl Index {
                          block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
                     ));
                 }
-                self.hash_tokens(py, t, lora_name, extra_keys)?
+                Keys::Owned(self.hash_tokens(py, t, lora_name, extra_keys)?)
             }
         })
     }
@@ -470,7 +471,8 @@ impl Index {
         &self,
         py: Python<'py>,
         long: bool,
-        query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
+        keys: &Keys<'_>,
+        query: impl FnOnce(&Core, &[u64], &mut Vec<(u32, u32)>) + Send,
     ) -> (Vec<(u32, u32)>, Vec<Bound<'py, PyString>>) {
         /// The pairs, and the names the cache lacks by position in them (usually none, so
         /// nothing is allocated for them).
@@ -480,7 +482,9 @@ impl Index {
             query: impl FnOnce(&Core, &mut Vec<(u32, u32)>),
             cached: &[Option<NameCache>],
         ) -> Rows {
-            let mut found = Vec::new();
+            // Room for a common fleet's answer at once, where growing from empty reallocated
+            // five times for ~40 workers.
+            let mut found = Vec::with_capacity(64);
             query(core, &mut found);
             let misses = found
                 .iter()
@@ -505,26 +509,31 @@ impl Index {
             Err(TryLockError::WouldBlock) => None,
         };
         let (found, misses) = match free {
-            Some(core) => rows(&core, query, &cache),
+            Some(core) => rows(&core, |c, f| query(c, keys.as_slice(), f), &cache),
             None => {
                 drop(cache);
-                let rows = self.read(py, long, |core| rows(core, query, &[]));
+                let keys = keys.shared();
+                let rows = self.read(py, long, |core| rows(core, |c, f| query(c, &keys, f), &[]));
                 cache = lock_names();
                 rows
             }
         };
+        let layout = inline_layout(py);
         let mut misses = misses.into_iter().peekable();
         let names = found
             .iter()
             .enumerate()
             .map(|(i, &(w, _))| match misses.next_if(|m| m.0 == i) {
                 Some((_, name)) => name_obj(py, &mut cache, w, name),
-                None => cache[w as usize]
-                    .as_ref()
-                    .expect("cached")
-                    .1
-                    .bind(py)
-                    .clone(),
+                None => {
+                    let name = cache[w as usize].as_ref().expect("cached").1.as_ptr();
+                    // SAFETY: a live str the cache holds a reference to; the GIL is held. The
+                    // new reference is the Bound's.
+                    unsafe {
+                        incref(layout, name);
+                        Bound::from_owned_ptr(py, name).cast_into_unchecked()
+                    }
+                }
             })
             .collect();
         (found, names)
@@ -628,6 +637,16 @@ fn count_ints(py: Python<'_>) -> &[Py<PyAny>] {
     })
 }
 
+/// The layout for inline reference counts (`decode::incref`), which read a 32-bit half as the
+/// low one.
+fn inline_layout(py: Python<'_>) -> cpython::Layout {
+    if cfg!(target_endian = "little") {
+        cpython::layout(py)
+    } else {
+        cpython::Layout::Api
+    }
+}
+
 /// `(workers, counts)` as two lists filled slot by slot (no call per item where
 /// `crate::cpython` knows the list layout).
 fn lists_answer<'py>(
@@ -635,12 +654,7 @@ fn lists_answer<'py>(
     found: &[(u32, u32)],
     names: Vec<Bound<'py, PyString>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    // The inline reference counts read a 32-bit half as the low one.
-    let layout = if cfg!(target_endian = "little") {
-        cpython::layout(py)
-    } else {
-        cpython::Layout::Api
-    };
+    let layout = inline_layout(py);
     let ints = count_ints(py);
     let workers = new_list(py, found.len())?;
     let counts = new_list(py, found.len())?;
@@ -720,15 +734,21 @@ fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
 /// list or any iterable; or a buffer, read without a Python object per hash: 64-bit ints
 /// (array('Q'), numpy), or bytes-like (bytes, bytearray, memoryview of bytes) of packed
 /// native-endian 64-bit ints.
-fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+fn read_block_hashes<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Keys<'a>> {
     const WANT: &str = "a list of int or bytes, or a buffer of 64-bit ints";
     if obj.is_instance_of::<PyString>() {
         return Err(type_error("block_hashes", WANT, obj));
     }
     // bytes read as they are: no buffer export (an allocation and two calls) for the common case.
     if let Ok(b) = obj.cast::<PyBytes>() {
-        if b.as_bytes().len() % 8 == 0 {
-            return Ok(words_from_ne_bytes(b.as_bytes()));
+        let bytes = b.as_bytes();
+        if bytes.len() % 8 == 0 {
+            return Ok(match words_in_place(bytes.as_ptr(), bytes.len() / 8) {
+                // SAFETY: the bytes' words, inside the object the caller's frame holds; bytes
+                // never change.
+                Some((p, n)) => Keys::Frozen(unsafe { std::slice::from_raw_parts(p, n) }),
+                None => Keys::Owned(words_from_ne_bytes(bytes)),
+            });
         }
     }
     let is_seq = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
@@ -762,37 +782,46 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             ));
         }
     }
-    Ok(out)
+    Ok(Keys::Owned(out))
 }
 
-fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> {
+fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Keys<'static>> {
     let buffer = Buffer::get(obj, pyo3::ffi::PyBUF_RECORDS_RO)?;
     let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
     if let Some(layout) = buffer.int_layout().filter(|l| l.size == 8) {
         if stride == 8 && !layout.swap {
             if n == 0 {
-                return Ok(Vec::new());
+                return Ok(Keys::Owned(Vec::new()));
             }
-            // SAFETY: n contiguous 8-byte items (n > 0 means a non-null pointer).
-            return Ok(words_from_ne_bytes(unsafe {
-                std::slice::from_raw_parts(base, n * 8)
-            }));
+            return Ok(match words_in_place(base, n) {
+                Some((words, n)) => Keys::Exported {
+                    _held: buffer,
+                    words,
+                    n,
+                },
+                // SAFETY: n contiguous 8-byte items (n > 0 means a non-null pointer).
+                None => Keys::Owned(words_from_ne_bytes(unsafe {
+                    std::slice::from_raw_parts(base, n * 8)
+                })),
+            });
         }
-        return Ok((0..n)
-            .map(|i| {
-                // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
-                let v = unsafe {
-                    base.offset(i as isize * stride)
-                        .cast::<u64>()
-                        .read_unaligned()
-                };
-                if layout.swap {
-                    v.swap_bytes()
-                } else {
-                    v
-                }
-            })
-            .collect());
+        return Ok(Keys::Owned(
+            (0..n)
+                .map(|i| {
+                    // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
+                    let v = unsafe {
+                        base.offset(i as isize * stride)
+                            .cast::<u64>()
+                            .read_unaligned()
+                    };
+                    if layout.swap {
+                        v.swap_bytes()
+                    } else {
+                        v
+                    }
+                })
+                .collect(),
+        ));
     }
     if buffer.itemsize() == 1 && stride == 1 && n % 8 == 0 {
         let bytes = if n == 0 {
@@ -801,7 +830,7 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
             unsafe { std::slice::from_raw_parts(base, n) }
         };
-        return Ok(words_from_ne_bytes(bytes));
+        return Ok(Keys::Owned(words_from_ne_bytes(bytes)));
     }
     Err(PyTypeError::new_err(format!(
         "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
@@ -813,6 +842,46 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             ""
         }
     )))
+}
+
+/// A query's keys: read in place from the caller's object where its words are aligned (no
+/// copy, no allocation), copied otherwise.
+enum Keys<'a> {
+    Owned(Vec<u64>),
+    /// A bytes object's words: it never changes, so they may be read with the GIL released.
+    Frozen(&'a [u64]),
+    /// A mutable buffer's words, held exported (it cannot be resized meanwhile), but another
+    /// thread could write them: read only while the GIL is held and no Python code runs.
+    Exported {
+        _held: Buffer,
+        words: *const u64,
+        n: usize,
+    },
+}
+
+impl Keys<'_> {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            Keys::Owned(v) => v,
+            Keys::Frozen(s) => s,
+            // SAFETY: n aligned words inside the held export.
+            Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },
+        }
+    }
+
+    /// Keys that may be read with the GIL released: a copy of an exported buffer's.
+    fn shared(&self) -> std::borrow::Cow<'_, [u64]> {
+        match self {
+            Keys::Exported { .. } => std::borrow::Cow::Owned(self.as_slice().to_vec()),
+            _ => std::borrow::Cow::Borrowed(self.as_slice()),
+        }
+    }
+}
+
+/// `n` native-endian words at `p` as a `u64` pointer when `p` is aligned for them.
+fn words_in_place(p: *const u8, n: usize) -> Option<(*const u64, usize)> {
+    let words = p.cast::<u64>();
+    (n > 0 && words.is_aligned()).then_some((words, n))
 }
 
 /// Packed native-endian 64-bit ints (a multiple of 8 bytes), copied in one go.
