@@ -632,6 +632,29 @@ def test_block_hashes_from_numpy_any_byte_order_and_stride():
     assert idx.find_matches(block_hashes=np.array(keys, dtype=np.uint64).view(np.int64), lists=True) == (["a"], [3])
 
 
+def test_block_hashes_read_in_place_or_copied():
+    """Hashes are read in place from bytes and aligned native buffers, copied from unaligned
+    ones: the same answer either way, and the caller's object is left as it was."""
+    from array import array
+
+    np = pytest.importorskip("numpy")
+    idx = Index(BS, key="engine")
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2**63 + 5, 7, 9], None, [1] * 6, BS, None, "GPU", None)])))
+    keys = array("Q", [2**63 + 5, 7, 9, 11])
+    raw = keys.tobytes()
+    unaligned = np.frombuffer(b"\0" + raw, dtype=np.uint64, offset=1)
+    assert unaligned.ctypes.data % 8 != 0
+    for given in (raw, bytearray(raw), memoryview(raw), memoryview(b"\0" + raw)[1:], keys, unaligned, np.frombuffer(raw, dtype=np.uint64)):
+        assert idx.find_matches(block_hashes=given) == {"a": 3}, type(given)
+        assert idx.find_matches(block_hashes=given, lists=True) == (["a"], [3]), type(given)
+        assert idx.find_matches(block_hashes=given, top_k=1, lists=True) == (["a"], [3]), type(given)
+        assert idx.find_matches(block_hashes=given, by_medium=True) == {"a": {"GPU": 3}}, type(given)
+    assert keys.tolist() == [2**63 + 5, 7, 9, 11] and raw == keys.tobytes()
+    assert idx.find_matches(block_hashes=b"") == {} and idx.find_matches(block_hashes=array("Q"), lists=True) == ([], [])
+    with pytest.raises(TypeError, match=r"block_hashes must be .*not a multiple of 8"):
+        idx.find_matches(block_hashes=raw[:-1])
+
+
 def test_inputs_and_properties():
     import array
 
