@@ -238,7 +238,8 @@ impl Index {
     /// counts)` in worker id order, for a router's hot path (no dict to build); `top_k`: only
     /// the k workers with the longest hits, longest first (ties in id order). `block_hashes` as
     /// a buffer (array('Q'), numpy, bytes of packed native-endian 64-bit ints) and `tokens` as
-    /// one (array('I'), numpy) are read without a Python int per item.
+    /// one (array('I'), numpy) are read without a Python int per item (bytes and aligned
+    /// contiguous buffers in place).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false, lists = false, top_k = None))]
     fn find_matches<'py>(
