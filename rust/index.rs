@@ -16,6 +16,7 @@ pub(crate) mod table;
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
@@ -659,22 +660,36 @@ fn lists_answer<'py>(
     let ints = count_ints(py);
     let workers = new_list(py, found.len())?;
     let counts = new_list(py, found.len())?;
-    // SAFETY: both lists are fresh, with found.len() slots each; no Python code runs while the
-    // slots are in use (making an int runs none).
-    let mut worker_slots = unsafe { cpython::fresh_list_slots(layout, workers.as_ptr()) };
-    // SAFETY: as above.
-    let mut count_slots = unsafe { cpython::fresh_list_slots(layout, counts.as_ptr()) };
-    for (i, (name, &(_, n))) in names.into_iter().zip(found).enumerate() {
-        set_item(&workers, worker_slots.as_deref_mut(), i, name.into_ptr());
-        let count = match ints.get(n as usize) {
+    let count = |n: u32| -> PyResult<*mut ffi::PyObject> {
+        Ok(match ints.get(n as usize) {
             Some(int) => {
                 // SAFETY: a live int the table holds a reference to; the GIL is held.
                 unsafe { incref(layout, int.as_ptr()) };
                 int.as_ptr()
             }
             None => n.into_pyobject(py)?.into_ptr(),
-        };
-        set_item(&counts, count_slots.as_deref_mut(), i, count);
+        })
+    };
+    // SAFETY: both lists are fresh, with found.len() slots each; no Python code runs while the
+    // slots are in use (making an int runs none).
+    let slots = unsafe {
+        (
+            cpython::fresh_list_slots(layout, workers.as_ptr()),
+            cpython::fresh_list_slots(layout, counts.as_ptr()),
+        )
+    };
+    if let (Some(worker_slots), Some(count_slots)) = slots {
+        // One loop over the three arrays, no per-item test of which way to set a slot.
+        let items = names.into_iter().zip(found);
+        for ((w, c), (name, &(_, n))) in worker_slots.iter_mut().zip(count_slots).zip(items) {
+            *w = name.into_ptr();
+            *c = count(n)?;
+        }
+    } else {
+        for (i, (name, &(_, n))) in names.into_iter().zip(found).enumerate() {
+            set_item(&workers, None, i, name.into_ptr());
+            set_item(&counts, None, i, count(n)?);
+        }
     }
     Ok(PyTuple::new(py, [workers, counts])?.into_any())
 }
