@@ -718,3 +718,58 @@ def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
     assert seen and all(s in ends for s in seen)
     assert seen == sorted(seen)
     assert idx.find_matches(tokens) == {"w": total}
+
+
+def test_buffer_queries_while_long_payloads_apply():
+    """Hashes from an exported buffer are read in place only while the GIL is held: a query that
+    meets a long apply holding the state's lock copies them and waits with the GIL released. A
+    concurrent reader, in every answer form, only ever sees a prefix length some payload ended at."""
+    from array import array
+
+    idx = Index(4, key="engine")
+    rng = random.Random(5)
+    total = 9000
+    tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]
+    hashes = list(range(1, total + 1))
+    payloads, ends, start = [], {0}, 0
+    while start < total:
+        n = min(rng.choice([1, 5, 3000]), total - start)
+        ev = BlockStored(
+            hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4,
+            None, "GPU", None,
+        )  # fmt: skip
+        payloads.append(encode_batch(KVEventBatch(0.0, [ev])))
+        start += n
+        ends.add(start)
+    assert max(map(len, payloads)) >= 64 * 1024
+    packed = array("Q", hashes)
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                for given in (packed, packed.tobytes()):
+                    for answer in (
+                        idx.find_matches(block_hashes=given, lists=True),
+                        idx.find_matches(block_hashes=given, top_k=1, lists=True),
+                    ):
+                        assert answer[0] in ([], ["w"])  # one worker's chain, or nothing yet
+                        seen.append(answer[1][0] if answer[1] else 0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, name="kvbridge-test-buffer-reader")
+    t.start()
+    try:
+        for p in payloads:
+            idx.apply("w", p)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors
+    assert seen and all(s in ends for s in seen)
+    assert seen == sorted(seen)
+    assert idx.find_matches(block_hashes=packed, lists=True) == (["w"], [total])
+    assert packed.tolist() == hashes
