@@ -600,10 +600,20 @@ impl Index {
     }
 }
 
+/// The largest `top_k` that `keep_top` keeps by insertion.
+const KEEP_BY_INSERTION: usize = 16;
+
 /// Keeps the `k` pairs with the longest hits, longest first, ties in worker id order: one pass
 /// that inserts into the kept prefix only what beats its last (a router's k is small, and most
 /// workers do not), where a sort of every pair cost as much as the query's lookups.
 fn keep_top(found: &mut Vec<(u32, u32)>, k: usize) {
+    if k > KEEP_BY_INSERTION {
+        // Inserting costs up to k moves a pair: a large k sorts (ids are unique, so an
+        // unstable sort gives the same order).
+        found.sort_unstable_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
+        found.truncate(k);
+        return;
+    }
     let before = |a: (u32, u32), b: (u32, u32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
     let mut kept = 0;
     for i in 0..found.len() {

@@ -217,6 +217,7 @@ def test_top_k_and_lists_exactly():
     idx = Index(BS, key="engine")
     # Leading runs: ties at 3 and at 1; one run past the shared ints (1030), one at their edge.
     lengths = {"w0": 3, "w1": 5, "w2": 3, "w3": 1, "w4": 1030, "w5": 3, "w6": 1, "w7": 1024, "w8": 1023}
+    lengths |= {f"x{i}": 1 + i % 4 for i in range(14)}  # 23 workers: a top_k of 17 drops some
     chain = list(range(1, 1031))
     for worker, n in lengths.items():
         idx.apply(worker, encode_batch(KVEventBatch(0.0, [BlockStored(chain[:n], None, [1] * BS * n, BS, None, "GPU", None)])))
@@ -227,7 +228,7 @@ def test_top_k_and_lists_exactly():
         ranked = sorted(lengths.items(), key=lambda item: (-item[1], order.index(item[0])))
         return [w for w, _ in ranked[:k]], [n for _, n in ranked[:k]]
 
-    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 50):
+    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 22, 23, 50):  # by insertion up to 16, sorted above
         assert idx.find_matches(block_hashes=query, top_k=k, lists=True) == expect(k), k
         assert idx.find_matches(block_hashes=query.tobytes(), top_k=k) == dict(zip(*expect(k))), k
     assert idx.find_matches(block_hashes=query, lists=True) == (order, [lengths[w] for w in order])
