@@ -337,7 +337,7 @@ fn token(b: &[u8], p: &mut usize) -> Option<u64> {
 
 /// Sets slot `i` of a fresh list (`items` from `cpython::fresh_list_slots`) to `obj`, a new reference taken over.
 #[inline(always)]
-fn set_item(
+pub(crate) fn set_item(
     list: &Bound<'_, PyAny>,
     items: Option<&mut [*mut ffi::PyObject]>,
     i: usize,
@@ -358,7 +358,7 @@ fn set_item(
 /// # Safety
 /// `obj` is a live object and the GIL is held.
 #[inline(always)]
-unsafe fn incref(layout: Layout, obj: *mut ffi::PyObject) {
+pub(crate) unsafe fn incref(layout: Layout, obj: *mut ffi::PyObject) {
     match layout {
         // SAFETY: ob_refcnt is the object's first word.
         Layout::SignedSize => unsafe { *(obj as *mut isize) += 1 },
@@ -411,7 +411,7 @@ fn call<'py>(
 
 /// A list of `n` empty slots, each to be set once (a list dropped before then holds NULLs,
 /// which its deallocation skips).
-fn new_list(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
+pub(crate) fn new_list(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyAny>> {
     let n = isize::try_from(n).map_err(|_| PyTypeError::new_err("list too long"))?;
     // SAFETY: PyList_New returns a new reference or NULL with an exception set; the GIL is held.
     unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n)) }

@@ -17,6 +17,7 @@ pub(crate) mod table;
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
@@ -24,6 +25,8 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyS
 use self::core::{Core, Mode};
 use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
+use crate::cpython;
+use crate::decode::{incref, new_list, set_item};
 use crate::hash::algo::{Algo, Chain};
 use crate::hash::buffer::Buffer;
 use crate::hash::tokens;
@@ -236,7 +239,8 @@ impl Index {
     /// counts)` in worker id order, for a router's hot path (no dict to build); `top_k`: only
     /// the k workers with the longest hits, longest first (ties in id order). `block_hashes` as
     /// a buffer (array('Q'), numpy, bytes of packed native-endian 64-bit ints) and `tokens` as
-    /// one (array('I'), numpy) are read without a Python int per item.
+    /// one (array('I'), numpy) are read without a Python int per item (bytes and aligned
+    /// contiguous buffers in place).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (tokens = None, *, block_hashes = None, lora_name = None, extra_keys = None, medium = None, by_medium = false, remote = false, lists = false, top_k = None))]
     fn find_matches<'py>(
@@ -267,9 +271,10 @@ impl Index {
                 extra_keys,
             },
         )?;
-        let long = keys.len() >= DETACH_MIN_TOKENS / 16;
-        let out = PyDict::new(py);
+        let long = keys.as_slice().len() >= DETACH_MIN_TOKENS / 16;
         if by_medium {
+            let keys = keys.shared();
+            let out = PyDict::new(py);
             type Row = (u32, Arc<str>, Option<String>, u32);
             let rows: Vec<Row> = self.read(py, long, |core| {
                 core.find_matches_by_medium(&keys, medium, remote)
@@ -299,19 +304,17 @@ impl Index {
             }
             return Ok(out.into_any());
         }
-        let rows = self.named(py, long, |core, found| {
-            core.find_matches(&keys, medium.map(Some), remote, found);
+        let (found, names) = self.named(py, long, &keys, |core, keys, found| {
+            core.find_matches(keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
-                found.sort_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
-                found.truncate(k);
+                keep_top(found, k);
             }
         });
         if lists {
-            let counts = PyList::new(py, rows.iter().map(|r| r.1))?;
-            let names = PyList::new(py, rows.into_iter().map(|r| r.0))?;
-            return Ok((names, counts).into_pyobject(py)?.into_any());
+            return lists_answer(py, &found, names);
         }
-        for (name, n) in rows {
+        let out = PyDict::new(py);
+        for (name, &(_, n)) in names.into_iter().zip(&found) {
             out.set_item(name, n)?;
         }
         Ok(out.into_any())
@@ -417,7 +420,7 @@ struct QueryArgs<'a, 'py> {
 
 impl Index {
     /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
-    fn query_keys(&self, py: Python<'_>, q: QueryArgs<'_, '_>) -> PyResult<Vec<u64>> {
+    fn query_keys<'a>(&self, py: Python<'_>, q: QueryArgs<'a, '_>) -> PyResult<Keys<'a>> {
         let QueryArgs {
             tokens,
             block_hashes,
@@ -454,41 +457,50 @@ impl Index {
                          block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
                     ));
                 }
-                self.hash_tokens(py, t, lora_name, extra_keys)?
+                Keys::Owned(self.hash_tokens(py, t, lora_name, extra_keys)?)
             }
         })
     }
 
     /// Runs `query` (which fills (worker id, count) pairs) under the read lock, and pairs each
-    /// count with the worker's name as a Python str: the cached one when the id still names the
-    /// same worker, made and cached otherwise. When the state's lock is free at once (a short
-    /// query), the name cache is locked first and compared with the workers' names under the
-    /// state's lock, so no name is cloned per worker; otherwise (the read may wait with the GIL
-    /// released, and nothing may then hold the cache) the names are cloned and compared after.
+    /// count with the worker's name as a Python str (the second Vec, in the same order): the
+    /// cached one when the id still names the same worker, made and cached otherwise. When the
+    /// state's lock is free at once (a short query), the name cache is locked first and compared
+    /// with the workers' names under the state's lock, so no name is cloned per worker;
+    /// otherwise (the read may wait with the GIL released, and nothing may then hold the cache)
+    /// the names are cloned and compared after.
     fn named<'py>(
         &self,
         py: Python<'py>,
         long: bool,
-        query: impl FnOnce(&Core, &mut Vec<(u32, u32)>) + Send,
-    ) -> Vec<(Bound<'py, PyString>, u32)> {
+        keys: &Keys<'_>,
+        query: impl FnOnce(&Core, &[u64], &mut Vec<(u32, u32)>) + Send,
+    ) -> (Vec<(u32, u32)>, Vec<Bound<'py, PyString>>) {
+        /// The pairs, and the names the cache lacks by position in them (usually none, so
+        /// nothing is allocated for them).
+        type Rows = (Vec<(u32, u32)>, Vec<(usize, Arc<str>)>);
         fn rows(
             core: &Core,
             query: impl FnOnce(&Core, &mut Vec<(u32, u32)>),
             cached: &[Option<NameCache>],
-        ) -> Vec<(u32, Option<Arc<str>>, u32)> {
-            let mut found = Vec::new();
+        ) -> Rows {
+            // Room for a common fleet's answer at once, where growing from empty reallocated
+            // five times for ~40 workers.
+            let mut found = Vec::with_capacity(64);
             query(core, &mut found);
-            found
-                .into_iter()
-                .map(|(w, n)| {
+            let misses = found
+                .iter()
+                .enumerate()
+                .filter_map(|(i, &(w, _))| {
                     let name = core.name(w);
                     let known = cached
                         .get(w as usize)
                         .and_then(Option::as_ref)
                         .is_some_and(|c| Arc::ptr_eq(&c.0, name));
-                    (w, (!known).then(|| name.clone()), n)
+                    (!known).then(|| (i, name.clone()))
                 })
-                .collect()
+                .collect();
+            (found, misses)
         }
         let lock_names = || self.names.lock().unwrap_or_else(|e| e.into_inner());
         let mut cache = lock_names();
@@ -498,30 +510,35 @@ impl Index {
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(TryLockError::WouldBlock) => None,
         };
-        let found = match free {
-            Some(core) => rows(&core, query, &cache),
+        let (found, misses) = match free {
+            Some(core) => rows(&core, |c, f| query(c, keys.as_slice(), f), &cache),
             None => {
                 drop(cache);
-                let found = self.read(py, long, |core| rows(core, query, &[]));
+                let keys = keys.shared();
+                let rows = self.read(py, long, |core| rows(core, |c, f| query(c, &keys, f), &[]));
                 cache = lock_names();
-                found
+                rows
             }
         };
-        found
-            .into_iter()
-            .map(|(w, fresh, n)| match fresh {
-                None => (
-                    cache[w as usize]
-                        .as_ref()
-                        .expect("cached")
-                        .1
-                        .bind(py)
-                        .clone(),
-                    n,
-                ),
-                Some(name) => (name_obj(py, &mut cache, w, name), n),
+        let layout = inline_layout(py);
+        let mut misses = misses.into_iter().peekable();
+        let names = found
+            .iter()
+            .enumerate()
+            .map(|(i, &(w, _))| match misses.next_if(|m| m.0 == i) {
+                Some((_, name)) => name_obj(py, &mut cache, w, name),
+                None => {
+                    let name = cache[w as usize].as_ref().expect("cached").1.as_ptr();
+                    // SAFETY: a live str the cache holds a reference to; the GIL is held. The
+                    // new reference is the Bound's.
+                    unsafe {
+                        incref(layout, name);
+                        Bound::from_owned_ptr(py, name).cast_into_unchecked()
+                    }
+                }
             })
-            .collect()
+            .collect();
+        (found, names)
     }
 
     /// Runs `f` on the state exclusively: at once if the lock is free and the work short,
@@ -581,6 +598,110 @@ impl Index {
         }
         Ok(keys)
     }
+}
+
+/// The largest `top_k` that `keep_top` keeps by insertion.
+const KEEP_BY_INSERTION: usize = 16;
+
+/// Keeps the `k` pairs with the longest hits, longest first, ties in worker id order: one pass
+/// that inserts into the kept prefix only what beats its last (a router's k is small, and most
+/// workers do not), where a sort of every pair cost as much as the query's lookups.
+fn keep_top(found: &mut Vec<(u32, u32)>, k: usize) {
+    if k > KEEP_BY_INSERTION {
+        // Inserting costs up to k moves a pair: a large k sorts (ids are unique, so an
+        // unstable sort gives the same order).
+        found.sort_unstable_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
+        found.truncate(k);
+        return;
+    }
+    let before = |a: (u32, u32), b: (u32, u32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
+    let mut kept = 0;
+    for i in 0..found.len() {
+        let x = found[i];
+        if kept == k {
+            if k == 0 || !before(x, found[k - 1]) {
+                continue;
+            }
+            kept -= 1;
+        }
+        // Slots kept..=i hold pairs already passed over (or x itself), free to overwrite.
+        let mut j = kept;
+        while j > 0 && before(x, found[j - 1]) {
+            found[j] = found[j - 1];
+            j -= 1;
+        }
+        found[j] = x;
+        kept += 1;
+    }
+    found.truncate(kept);
+}
+
+/// Counts below this come from one table of int objects (CPython's own small ints up to 256),
+/// so a count costs a reference, not a call; longer hits are made as ints.
+const COUNT_INTS: usize = 1024;
+
+fn count_ints(py: Python<'_>) -> &[Py<PyAny>] {
+    static INTS: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
+    INTS.get_or_init(py, || {
+        (0..COUNT_INTS)
+            .map(|n| n.into_pyobject(py).expect("an int").into_any().unbind())
+            .collect()
+    })
+}
+
+/// The layout for inline reference counts (`decode::incref`), which read a 32-bit half as the
+/// low one.
+fn inline_layout(py: Python<'_>) -> cpython::Layout {
+    if cfg!(target_endian = "little") {
+        cpython::layout(py)
+    } else {
+        cpython::Layout::Api
+    }
+}
+
+/// `(workers, counts)` as two lists filled slot by slot (no call per item where
+/// `crate::cpython` knows the list layout).
+fn lists_answer<'py>(
+    py: Python<'py>,
+    found: &[(u32, u32)],
+    names: Vec<Bound<'py, PyString>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let layout = inline_layout(py);
+    let ints = count_ints(py);
+    let workers = new_list(py, found.len())?;
+    let counts = new_list(py, found.len())?;
+    let count = |n: u32| -> PyResult<*mut ffi::PyObject> {
+        Ok(match ints.get(n as usize) {
+            Some(int) => {
+                // SAFETY: a live int the table holds a reference to; the GIL is held.
+                unsafe { incref(layout, int.as_ptr()) };
+                int.as_ptr()
+            }
+            None => n.into_pyobject(py)?.into_ptr(),
+        })
+    };
+    // SAFETY: both lists are fresh, with found.len() slots each; no Python code runs while the
+    // slots are in use (making an int runs none).
+    let slots = unsafe {
+        (
+            cpython::fresh_list_slots(layout, workers.as_ptr()),
+            cpython::fresh_list_slots(layout, counts.as_ptr()),
+        )
+    };
+    if let (Some(worker_slots), Some(count_slots)) = slots {
+        // One loop over the three arrays, no per-item test of which way to set a slot.
+        let items = names.into_iter().zip(found);
+        for ((w, c), (name, &(_, n))) in worker_slots.iter_mut().zip(count_slots).zip(items) {
+            *w = name.into_ptr();
+            *c = count(n)?;
+        }
+    } else {
+        for (i, (name, &(_, n))) in names.into_iter().zip(found).enumerate() {
+            set_item(&workers, None, i, name.into_ptr());
+            set_item(&counts, None, i, count(n)?);
+        }
+    }
+    Ok(PyTuple::new(py, [workers, counts])?.into_any())
 }
 
 /// The Python str for worker `w`'s name, made once per worker (the Arc tells whether the id
@@ -682,10 +803,22 @@ fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
 /// list or any iterable; or a buffer, read without a Python object per hash: 64-bit ints
 /// (array('Q'), numpy), or bytes-like (bytes, bytearray, memoryview of bytes) of packed
 /// native-endian 64-bit ints.
-fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+fn read_block_hashes<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Keys<'a>> {
     const WANT: &str = "a list of int or bytes, or a buffer of 64-bit ints";
     if obj.is_instance_of::<PyString>() {
         return Err(type_error("block_hashes", WANT, obj));
+    }
+    // bytes read as they are: no buffer export (an allocation and two calls) for the common case.
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let bytes = b.as_bytes();
+        if bytes.len() % 8 == 0 {
+            return Ok(match words_in_place(bytes.as_ptr(), bytes.len() / 8) {
+                // SAFETY: the bytes' words, inside the object the caller's frame holds; bytes
+                // never change.
+                Some((p, n)) => Keys::Frozen(unsafe { std::slice::from_raw_parts(p, n) }),
+                None => Keys::Owned(words_from_ne_bytes(bytes)),
+            });
+        }
     }
     let is_seq = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
     // SAFETY: obj is a live object.
@@ -718,28 +851,46 @@ fn read_block_hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
             ));
         }
     }
-    Ok(out)
+    Ok(Keys::Owned(out))
 }
 
-fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> {
+fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Keys<'static>> {
     let buffer = Buffer::get(obj, pyo3::ffi::PyBUF_RECORDS_RO)?;
     let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
     if let Some(layout) = buffer.int_layout().filter(|l| l.size == 8) {
-        return Ok((0..n)
-            .map(|i| {
-                // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
-                let v = unsafe {
-                    base.offset(i as isize * stride)
-                        .cast::<u64>()
-                        .read_unaligned()
-                };
-                if layout.swap {
-                    v.swap_bytes()
-                } else {
-                    v
-                }
-            })
-            .collect());
+        if stride == 8 && !layout.swap {
+            if n == 0 {
+                return Ok(Keys::Owned(Vec::new()));
+            }
+            return Ok(match words_in_place(base, n) {
+                Some((words, n)) => Keys::Exported {
+                    _held: buffer,
+                    words,
+                    n,
+                },
+                // SAFETY: n contiguous 8-byte items (n > 0 means a non-null pointer).
+                None => Keys::Owned(words_from_ne_bytes(unsafe {
+                    std::slice::from_raw_parts(base, n * 8)
+                })),
+            });
+        }
+        return Ok(Keys::Owned(
+            (0..n)
+                .map(|i| {
+                    // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
+                    let v = unsafe {
+                        base.offset(i as isize * stride)
+                            .cast::<u64>()
+                            .read_unaligned()
+                    };
+                    if layout.swap {
+                        v.swap_bytes()
+                    } else {
+                        v
+                    }
+                })
+                .collect(),
+        ));
     }
     if buffer.itemsize() == 1 && stride == 1 && n % 8 == 0 {
         let bytes = if n == 0 {
@@ -748,10 +899,7 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
             unsafe { std::slice::from_raw_parts(base, n) }
         };
-        return Ok(bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_ne_bytes(c.try_into().unwrap()))
-            .collect());
+        return Ok(Keys::Owned(words_from_ne_bytes(bytes)));
     }
     Err(PyTypeError::new_err(format!(
         "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
@@ -763,6 +911,58 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Vec<u64>> 
             ""
         }
     )))
+}
+
+/// A query's keys: read in place from the caller's object where its words are aligned (no
+/// copy, no allocation), copied otherwise.
+enum Keys<'a> {
+    Owned(Vec<u64>),
+    /// A bytes object's words: it never changes, so they may be read with the GIL released.
+    Frozen(&'a [u64]),
+    /// A mutable buffer's words, held exported (it cannot be resized meanwhile), but another
+    /// thread could write them: read only while the GIL is held and no Python code runs.
+    Exported {
+        _held: Buffer,
+        words: *const u64,
+        n: usize,
+    },
+}
+
+impl Keys<'_> {
+    fn as_slice(&self) -> &[u64] {
+        match self {
+            Keys::Owned(v) => v,
+            Keys::Frozen(s) => s,
+            // SAFETY: n aligned words inside the held export.
+            Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },
+        }
+    }
+
+    /// Keys that may be read with the GIL released: a copy of an exported buffer's.
+    fn shared(&self) -> std::borrow::Cow<'_, [u64]> {
+        match self {
+            Keys::Exported { .. } => std::borrow::Cow::Owned(self.as_slice().to_vec()),
+            _ => std::borrow::Cow::Borrowed(self.as_slice()),
+        }
+    }
+}
+
+/// `n` native-endian words at `p` as a `u64` pointer when `p` is aligned for them.
+fn words_in_place(p: *const u8, n: usize) -> Option<(*const u64, usize)> {
+    let words = p.cast::<u64>();
+    (n > 0 && words.is_aligned()).then_some((words, n))
+}
+
+/// Packed native-endian 64-bit ints (a multiple of 8 bytes), copied in one go.
+fn words_from_ne_bytes(bytes: &[u8]) -> Vec<u64> {
+    let n = bytes.len() / 8;
+    let mut out = Vec::<u64>::with_capacity(n);
+    // SAFETY: the vector has room for n words, which the copy fills (any bit pattern is a u64).
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * 8);
+        out.set_len(n);
+    }
+    out
 }
 
 /// Query extra keys, one entry per full block, in the canonical form payloads decode to:

@@ -208,6 +208,41 @@ def check_lists(idx: Index, want: dict[str, int], keys: list[int], tokens, **tok
     assert all(want[w] == n for w, n in zip(workers, counts))
 
 
+def test_top_k_and_lists_exactly():
+    """top_k keeps the k longest hits, longest first, ties in worker id order (the order the
+    index first heard the workers); lists=True pairs every worker with its count, whether the
+    count is one of the shared int objects (below 1024) or made for the answer, and whether the
+    worker's name was cached by an earlier answer or is new under a reused id."""
+    from array import array
+
+    idx = Index(BS, key="engine")
+    # Leading runs: ties at 3 and at 1; one run past the shared ints (1030), one at their edge.
+    lengths = {"w0": 3, "w1": 5, "w2": 3, "w3": 1, "w4": 1030, "w5": 3, "w6": 1, "w7": 1024, "w8": 1023}
+    lengths |= {f"x{i}": 1 + i % 4 for i in range(14)}  # 23 workers: a top_k of 17 drops some
+    chain = list(range(1, 1031))
+    for worker, n in lengths.items():
+        idx.apply(worker, encode_batch(KVEventBatch(0.0, [BlockStored(chain[:n], None, [1] * BS * n, BS, None, "GPU", None)])))
+    order = list(lengths)
+    query = array("Q", chain + [99_999])
+
+    def expect(k):
+        ranked = sorted(lengths.items(), key=lambda item: (-item[1], order.index(item[0])))
+        return [w for w, _ in ranked[:k]], [n for _, n in ranked[:k]]
+
+    for k in (0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 22, 23, 50):  # by insertion up to 16, sorted above
+        assert idx.find_matches(block_hashes=query, top_k=k, lists=True) == expect(k), k
+        assert idx.find_matches(block_hashes=query.tobytes(), top_k=k) == dict(zip(*expect(k))), k
+    assert idx.find_matches(block_hashes=query, lists=True) == (order, [lengths[w] for w in order])
+    # A removed worker's id named again by a new worker: the answer names the new one.
+    idx.remove_worker("w3")
+    idx.apply("new", encode_batch(KVEventBatch(0.0, [BlockStored(chain[:2], None, [1] * BS * 2, BS, None, "GPU", None)])))
+    del lengths["w3"]
+    lengths["new"] = 2
+    workers, counts = idx.find_matches(block_hashes=query, lists=True)
+    assert dict(zip(workers, counts)) == lengths and len(workers) == len(lengths)
+    assert idx.find_matches(block_hashes=query, top_k=1, lists=True) == (["w4"], [1030])
+
+
 # --- random event streams --------------------------------------------------------------------
 
 # Three documents whose blocks the streams store, remove and query; a block's engine hash is
@@ -710,6 +745,29 @@ def test_block_hashes_from_numpy_any_byte_order_and_stride():
     assert idx.find_matches(block_hashes=np.array(keys, dtype=np.uint64).view(np.int64), lists=True) == (["a"], [3])
 
 
+def test_block_hashes_read_in_place_or_copied():
+    """Hashes are read in place from bytes and aligned native buffers, copied from unaligned
+    ones: the same answer either way, and the caller's object is left as it was."""
+    from array import array
+
+    np = pytest.importorskip("numpy")
+    idx = Index(BS, key="engine")
+    idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2**63 + 5, 7, 9], None, [1] * 6, BS, None, "GPU", None)])))
+    keys = array("Q", [2**63 + 5, 7, 9, 11])
+    raw = keys.tobytes()
+    unaligned = np.frombuffer(b"\0" + raw, dtype=np.uint64, offset=1)
+    assert unaligned.ctypes.data % 8 != 0
+    for given in (raw, bytearray(raw), memoryview(raw), memoryview(b"\0" + raw)[1:], keys, unaligned, np.frombuffer(raw, dtype=np.uint64)):
+        assert idx.find_matches(block_hashes=given) == {"a": 3}, type(given)
+        assert idx.find_matches(block_hashes=given, lists=True) == (["a"], [3]), type(given)
+        assert idx.find_matches(block_hashes=given, top_k=1, lists=True) == (["a"], [3]), type(given)
+        assert idx.find_matches(block_hashes=given, by_medium=True) == {"a": {"GPU": 3}}, type(given)
+    assert keys.tolist() == [2**63 + 5, 7, 9, 11] and raw == keys.tobytes()
+    assert idx.find_matches(block_hashes=b"") == {} and idx.find_matches(block_hashes=array("Q"), lists=True) == ([], [])
+    with pytest.raises(TypeError, match=r"block_hashes must be .*not a multiple of 8"):
+        idx.find_matches(block_hashes=raw[:-1])
+
+
 def test_inputs_and_properties():
     import array
 
@@ -773,3 +831,58 @@ def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
     assert seen and all(s in ends for s in seen)
     assert seen == sorted(seen)
     assert idx.find_matches(tokens) == {"w": total}
+
+
+def test_buffer_queries_while_long_payloads_apply():
+    """Hashes from an exported buffer are read in place only while the GIL is held: a query that
+    meets a long apply holding the state's lock copies them and waits with the GIL released. A
+    concurrent reader, in every answer form, only ever sees a prefix length some payload ended at."""
+    from array import array
+
+    idx = Index(4, key="engine")
+    rng = random.Random(5)
+    total = 9000
+    tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]
+    hashes = list(range(1, total + 1))
+    payloads, ends, start = [], {0}, 0
+    while start < total:
+        n = min(rng.choice([1, 5, 3000]), total - start)
+        ev = BlockStored(
+            hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4,
+            None, "GPU", None,
+        )  # fmt: skip
+        payloads.append(encode_batch(KVEventBatch(0.0, [ev])))
+        start += n
+        ends.add(start)
+    assert max(map(len, payloads)) >= 64 * 1024
+    packed = array("Q", hashes)
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                for given in (packed, packed.tobytes()):
+                    for answer in (
+                        idx.find_matches(block_hashes=given, lists=True),
+                        idx.find_matches(block_hashes=given, top_k=1, lists=True),
+                    ):
+                        assert answer[0] in ([], ["w"])  # one worker's chain, or nothing yet
+                        seen.append(answer[1][0] if answer[1] else 0)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=reader, name="kvbridge-test-buffer-reader")
+    t.start()
+    try:
+        for p in payloads:
+            idx.apply("w", p)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert not errors
+    assert seen and all(s in ends for s in seen)
+    assert seen == sorted(seen)
+    assert idx.find_matches(block_hashes=packed, lists=True) == (["w"], [total])
+    assert packed.tolist() == hashes

@@ -363,9 +363,10 @@ class Index:
         lists: Literal[True], top_k: int | None = None,
     ) -> tuple[list[str], list[int]]:
         """The answer as parallel lists (workers, hits) in worker id order, no dict built; with
-        ``top_k`` the k longest hits, longest first. ``block_hashes`` as a buffer (array('Q'),
-        numpy uint64, or bytes of packed native-endian 64-bit ints) and ``tokens`` as one
-        (array('I'), numpy) are read without a Python int per item."""
+        ``top_k`` the k longest hits, longest first (ties in worker id order). ``block_hashes``
+        as a buffer (array('Q'), numpy uint64, or bytes of packed native-endian 64-bit ints) and
+        ``tokens`` as one (array('I'), numpy) are read without a Python int per item; bytes and
+        aligned contiguous buffers in place, without a copy (the cheapest call)."""
     def remove_worker(self, worker: str) -> None: ...
     def clears(self, worker: str) -> int | None:
         """How many times ``worker``'s cache was cleared (AllBlocksCleared) since the index first
