@@ -501,8 +501,9 @@ impl<'a> Reader<'a> {
 
     /// The event at `self.p` when its bytes are `t`'s but for the one hash (read by `hash`, and
     /// of the same width): it reads as `t`'s did, every byte before and after the hash being the
-    /// same, so its attributes are `t`'s, moved to this event. None (nothing read) otherwise.
-    pub(crate) fn like(&mut self, t: &Template<'a>, hashes: &mut Vec<Hash>) -> Option<Attrs<'a>> {
+    /// same, so its attributes are `t`'s, moved to this event ([`Template::attrs_at`] with the
+    /// position answered). None (nothing read) otherwise.
+    pub(crate) fn like(&mut self, t: &Template<'a>, hashes: &mut Vec<Hash>) -> Option<usize> {
         let q = self.p;
         let len = t.end - t.start;
         let (ev, was) = (self.b.get(q..q + len)?, &self.b[t.start..t.end]);
@@ -514,13 +515,7 @@ impl<'a> Reader<'a> {
             Some(h) if self.p == q + t.hash.end => {
                 hashes.push(h);
                 self.p = q + len;
-                let mut a = t.attrs;
-                a.medium = a.medium.map(|m| {
-                    let at = m.as_ptr() as usize - self.b.as_ptr() as usize + (q - t.start);
-                    &self.b[at..at + m.len()]
-                });
-                a.hashes_at += q - t.start;
-                Some(a)
+                Some(q)
             }
             _ => {
                 self.p = q;
@@ -584,6 +579,19 @@ impl<'a> Template<'a> {
             hash: at + 1 - start..r.p - start,
             attrs,
         })
+    }
+
+    /// The attributes of an event `like` matched at `q` in `b` (the template's payload): the
+    /// template's, its medium's slice moved by as much as the event is. Apart from `like`: a remove
+    /// that joins the run before has no use for them (most of vLLM's).
+    pub(crate) fn attrs_at(&self, b: &'a [u8], q: usize) -> Attrs<'a> {
+        let mut a = self.attrs;
+        a.medium = a.medium.map(|m| {
+            let at = m.as_ptr() as usize - b.as_ptr() as usize + (q - self.start);
+            &b[at..at + m.len()]
+        });
+        a.hashes_at += q - self.start;
+        a
     }
 }
 

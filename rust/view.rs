@@ -640,8 +640,8 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
         let (h0, p0) = (hashes.len(), r.p);
         // vLLM's one-block removes differ in their hash alone: one such read in full is the
         // template the next are compared with, bytes against bytes, not read field by field.
-        let (kind, a) = match tmpl.as_ref().and_then(|t| r.like(t, hashes)) {
-            Some(a) => {
+        let (kind, a) = match tmpl.as_ref().and_then(|t| Some((t, r.like(t, hashes)?))) {
+            Some((t, q)) => {
                 // After the template's own event or another like it, this one has their medium
                 // and group (the same bytes): the merge's checks below would pass, or fail, as
                 // they did for the one before.
@@ -652,7 +652,7 @@ fn read_into_with(b: &[u8], out: &mut Read, templates: bool) -> Option<()> {
                     continue;
                 }
                 after_tmpl = true;
-                (REMOVED, a)
+                (REMOVED, t.attrs_at(b, q))
             }
             None => {
                 let (kind, a) = r.event(hashes)?;
