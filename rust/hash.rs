@@ -7,7 +7,7 @@ pub(crate) mod buffer;
 mod cbor;
 mod output;
 mod pickle;
-mod scratch;
+pub(crate) mod scratch;
 mod sha256;
 mod tokenbytes;
 pub(crate) mod tokens;

@@ -14,6 +14,7 @@ pub(crate) mod parse;
 pub(crate) mod pipeline;
 pub(crate) mod table;
 
+use std::cell::Cell;
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -29,9 +30,15 @@ use crate::cpython;
 use crate::decode::{incref, new_list, set_item};
 use crate::hash::algo::{Algo, Chain};
 use crate::hash::buffer::Buffer;
+use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
 use crate::hash::value::Value;
 use crate::scan::{Hash, Reader};
+
+thread_local! {
+    static KEYS: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    static FOUND: Cell<Vec<(u32, u32)>> = const { Cell::new(Vec::new()) };
+}
 
 /// Payloads and queries at least this long are handled with the GIL released.
 const DETACH_MIN_BYTES: usize = 64 << 10;
@@ -314,7 +321,7 @@ impl Index {
             return lists_answer(py, &found, names);
         }
         let out = PyDict::new(py);
-        for (name, &(_, n)) in names.into_iter().zip(&found) {
+        for (name, &(_, n)) in names.into_iter().zip(found.iter()) {
             out.set_item(name, n)?;
         }
         Ok(out.into_any())
@@ -457,7 +464,7 @@ impl Index {
                          block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
                     ));
                 }
-                Keys::Owned(self.hash_tokens(py, t, lora_name, extra_keys)?)
+                Keys::Pooled(self.hash_tokens(py, t, lora_name, extra_keys)?)
             }
         })
     }
@@ -475,18 +482,20 @@ impl Index {
         long: bool,
         keys: &Keys<'_>,
         query: impl FnOnce(&Core, &[u64], &mut Vec<(u32, u32)>) + Send,
-    ) -> (Vec<(u32, u32)>, Vec<Bound<'py, PyString>>) {
+    ) -> (Recycled<(u32, u32)>, Vec<Bound<'py, PyString>>) {
         /// The pairs, and the names the cache lacks by position in them (usually none, so
         /// nothing is allocated for them).
-        type Rows = (Vec<(u32, u32)>, Vec<(usize, Arc<str>)>);
+        type Rows = (Recycled<(u32, u32)>, Vec<(usize, Arc<str>)>);
         fn rows(
             core: &Core,
             query: impl FnOnce(&Core, &mut Vec<(u32, u32)>),
             cached: &[Option<NameCache>],
         ) -> Rows {
-            // Room for a common fleet's answer at once, where growing from empty reallocated
-            // five times for ~40 workers.
-            let mut found = Vec::with_capacity(64);
+            // From this thread's pool (the answer's vector was allocated and freed on every
+            // call), with room for a common fleet's answer at once, where growing from empty
+            // reallocated five times for ~40 workers.
+            let mut found = Recycled::take(&FOUND);
+            found.reserve(64);
             query(core, &mut found);
             let misses = found
                 .iter()
@@ -582,22 +591,37 @@ impl Index {
         tokens: &Bound<'_, PyAny>,
         lora_name: Option<&str>,
         extra_keys: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u64>> {
+    ) -> PyResult<Recycled<u64>> {
         let toks = tokens::read(tokens)?;
         let bs = self.block_size;
         let n_blocks = toks.as_slice().len() / bs;
         let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
         let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora_name, None);
-        let mut keys = Vec::with_capacity(n_blocks);
+        // From this thread's pool: a query's keys were allocated and freed on every call.
+        let mut keys = Recycled::take(&KEYS);
         let full = &toks.as_slice()[..n_blocks * bs];
         if full.len() >= DETACH_MIN_TOKENS {
             let copy = full.to_vec();
-            py.detach(|| chain.run_words(&copy, extras.as_deref(), |k| keys.push(k)));
+            py.detach(|| hash_words(&mut chain, &copy, extras.as_deref(), &mut keys));
         } else {
-            chain.run_words(full, extras.as_deref(), |k| keys.push(k));
+            hash_words(&mut chain, full, extras.as_deref(), &mut keys);
         }
         Ok(keys)
     }
+}
+
+/// Appends the keys of `tokens`' blocks to `keys`. Not inlined: inlined into `find_matches`,
+/// the hashing loop's code changed with whatever else that function held (up to ~7
+/// instructions a block more, for a pooled output vector).
+#[inline(never)]
+fn hash_words(
+    chain: &mut Chain,
+    tokens: &[u32],
+    extras: Option<&[Option<Value>]>,
+    keys: &mut Vec<u64>,
+) {
+    keys.reserve(tokens.len() / chain.block_size);
+    chain.run_words(tokens, extras, |k| keys.push(k));
 }
 
 /// The largest `top_k` that `keep_top` keeps by insertion.
@@ -917,6 +941,8 @@ fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Keys<'stat
 /// copy, no allocation), copied otherwise.
 enum Keys<'a> {
     Owned(Vec<u64>),
+    /// Hashed here, into a vector of this thread's pool.
+    Pooled(Recycled<u64>),
     /// A bytes object's words: it never changes, so they may be read with the GIL released.
     Frozen(&'a [u64]),
     /// A mutable buffer's words, held exported (it cannot be resized meanwhile), but another
@@ -932,6 +958,7 @@ impl Keys<'_> {
     fn as_slice(&self) -> &[u64] {
         match self {
             Keys::Owned(v) => v,
+            Keys::Pooled(v) => v,
             Keys::Frozen(s) => s,
             // SAFETY: n aligned words inside the held export.
             Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },

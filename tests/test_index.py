@@ -768,6 +768,51 @@ def test_block_hashes_read_in_place_or_copied():
         idx.find_matches(block_hashes=raw[:-1])
 
 
+def test_token_buffers_in_place_or_copied_answer_alike():
+    """Token ids are read in place from aligned native 32-bit buffers, copied from the rest; the
+    query's keys, its answer's vector and the buffer export are reused from call to call. Every
+    way answers as a list does, in any order of long, short, empty and failing calls."""
+    from array import array
+
+    np = pytest.importorskip("numpy")
+    idx = Index(4, key="tokens")
+    chain = list(range(1, 4 * 40 + 1))
+    for w, n in (("a", 40), ("b", 3), ("c", 1)):
+        idx.apply(w, encode_batch(KVEventBatch(0.0, [BlockStored(list(range(1, n + 1)), None, chain[: 4 * n], 4, None, "GPU", None)])))
+    raw = array("I", chain).tobytes()
+    unaligned = np.frombuffer(b"\0" + raw, dtype=np.uint32, offset=1)
+    assert unaligned.ctypes.data % 4 != 0
+    ways = [
+        lambda t: t,
+        lambda t: array("I", t),
+        lambda t: np.array(t, dtype=np.uint32),
+        lambda t: np.frombuffer(b"\0" + array("I", t).tobytes(), dtype=np.uint32, offset=1),
+        lambda t: np.repeat(np.array(t, dtype=np.uint32), 2)[::2],
+        lambda t: np.array(t, dtype=">u4"),
+        lambda t: array("q", t),
+        lambda t: memoryview(array("I", t)),
+    ]
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.choice([0, 3, 4, 9, 12, 40 * 4, 40 * 4 + 3])
+        tokens = chain[:n]
+        want = idx.find_matches(tokens)
+        assert want == {w: m for w, m in (("a", n // 4), ("b", min(3, n // 4)), ("c", min(1, n // 4))) if m}
+        lists = (sorted(want), [want[w] for w in sorted(want)])
+        given = rng.choice(ways)(tokens)
+        assert idx.find_matches(given) == want
+        assert idx.find_matches(given, lists=True) == lists
+        assert idx.find_matches(given, top_k=1, lists=True) == (lists[0][:1], lists[1][:1])
+        if rng.random() < 0.2:  # a failing call in between leaves nothing behind
+            with pytest.raises(BufferError, match="1-dimensional"):
+                idx.find_matches(np.zeros((2, 2), np.uint32))
+            with pytest.raises(ValueError, match="token at index 1"):
+                idx.find_matches(np.array([1, -1], dtype=np.int32))
+            with pytest.raises(TypeError, match="format 'd'"):
+                idx.find_matches(array("d", [1.0]))
+    assert unaligned.tolist() == chain  # the caller's buffer is left as it was
+
+
 def test_inputs_and_properties():
     import array
 

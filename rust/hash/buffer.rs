@@ -1,6 +1,8 @@
 //! 1-D buffer-protocol exports (array.array, numpy, memoryview) without importing numpy.
 
+use std::cell::Cell;
 use std::ffi::CStr;
+use std::mem::ManuallyDrop;
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
@@ -9,7 +11,14 @@ use pyo3::prelude::*;
 /// A held buffer export, released on drop. Boxed because exporters may point `shape`/`strides`
 /// into the Py_buffer itself. Not Send: the release needs the GIL.
 pub struct Buffer {
-    view: Box<ffi::Py_buffer>,
+    /// Taken back in drop, to be kept for the next export.
+    view: ManuallyDrop<Box<ffi::Py_buffer>>,
+}
+
+thread_local! {
+    /// A released export's box, for the thread's next export: a query exports one buffer per
+    /// call, and its allocation and free were a measurable part of a ~1 us call.
+    static SPARE: Cell<Option<Box<ffi::Py_buffer>>> = const { Cell::new(None) };
 }
 
 /// How integer items are laid out, from the struct-module format string.
@@ -24,14 +33,23 @@ pub struct IntLayout {
 impl Buffer {
     /// Exports `obj` with `flags`, which must include PyBUF_ND (so shape is filled in).
     pub fn get(obj: &Bound<'_, PyAny>, flags: i32) -> PyResult<Buffer> {
-        let mut view = Box::new(ffi::Py_buffer::new());
+        let mut view = match SPARE.try_with(Cell::take).ok().flatten() {
+            Some(mut spare) => {
+                *spare = ffi::Py_buffer::new();
+                spare
+            }
+            None => Box::new(ffi::Py_buffer::new()),
+        };
         // SAFETY: view is a valid out-pointer; on success Drop releases the export.
         if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags | ffi::PyBUF_FORMAT) }
             != 0
         {
+            keep_spare(view);
             return Err(PyErr::fetch(obj.py()));
         }
-        let buffer = Buffer { view };
+        let buffer = Buffer {
+            view: ManuallyDrop::new(view),
+        };
         if buffer.view.ndim != 1 {
             let ndim = buffer.view.ndim;
             return Err(PyBufferError::new_err(format!(
@@ -103,6 +121,13 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: the view was filled by a successful PyObject_GetBuffer, and Buffer is !Send,
         // so this runs where the GIL is held.
-        unsafe { ffi::PyBuffer_Release(&mut *self.view) }
+        unsafe { ffi::PyBuffer_Release(&mut **self.view) }
+        // SAFETY: the view is not used again. Released, nothing points into the box any more.
+        keep_spare(unsafe { ManuallyDrop::take(&mut self.view) });
     }
+}
+
+fn keep_spare(view: Box<ffi::Py_buffer>) {
+    // The thread may be exiting, in which case the box is simply freed.
+    let _ = SPARE.try_with(|spare| spare.set(Some(view)));
 }
