@@ -833,61 +833,12 @@ def test_inputs_and_properties():
 # --- threads ----------------------------------------------------------------------------------
 
 
-def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
-    """One worker's chain grows one payload at a time (some over 64 KiB, which apply with the GIL
-    released): a concurrent reader must only ever see a prefix length some payload ended at."""
-    idx = Index(4)
-    rng = random.Random(3)
+def _growing_chain(seed: int) -> tuple[list[int], list[int], list[bytes], set[int]]:
+    """One worker's chain of 9,000 4-token blocks (hashes 1..9000) as payloads of 1, 5 or 3,000
+    blocks (some over 64 KiB, which apply with the GIL released), and the chain lengths they end at."""
+    rng = random.Random(seed)
     total = 9000
     tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]  # 5 msgpack bytes each
-    hashes = list(range(1, total + 1))
-    payloads, ends = [], {0}
-    start = 0
-    while start < total:
-        n = min(rng.choice([1, 5, 3000]), total - start)
-        ev = BlockStored(
-            hashes[start : start + n], hashes[start - 1] if start else None, tokens[start * 4 : (start + n) * 4], 4,
-            None, "GPU", None,
-        )  # fmt: skip
-        payloads.append(encode_batch(KVEventBatch(0.0, [ev])))
-        start += n
-        ends.add(start)
-    assert max(map(len, payloads)) >= 64 * 1024
-    seen: list[int] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def reader():
-        try:
-            while not stop.is_set():
-                seen.append(idx.find_matches(tokens).get("w", 0))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    t = threading.Thread(target=reader, name="kvbridge-test-reader")
-    t.start()
-    try:
-        for p in payloads:
-            idx.apply("w", p)
-    finally:
-        stop.set()
-        t.join(timeout=60)
-    assert not errors
-    assert seen and all(s in ends for s in seen)
-    assert seen == sorted(seen)
-    assert idx.find_matches(tokens) == {"w": total}
-
-
-def test_buffer_queries_while_long_payloads_apply():
-    """Hashes from an exported buffer are read in place only while the GIL is held: a query that
-    meets a long apply holding the state's lock copies them and waits with the GIL released. A
-    concurrent reader, in every answer form, only ever sees a prefix length some payload ended at."""
-    from array import array
-
-    idx = Index(4, key="engine")
-    rng = random.Random(5)
-    total = 9000
-    tokens = [rng.randrange(70_000, 1_000_000) for _ in range(4 * total)]
     hashes = list(range(1, total + 1))
     payloads, ends, start = [], {0}, 0
     while start < total:
@@ -900,7 +851,12 @@ def test_buffer_queries_while_long_payloads_apply():
         start += n
         ends.add(start)
     assert max(map(len, payloads)) >= 64 * 1024
-    packed = array("Q", hashes)
+    return tokens, hashes, payloads, ends
+
+
+def _read_while_applying(idx: Index, payloads: list[bytes], read) -> list[int]:
+    """Applies ``payloads`` to worker "w" while another thread calls ``read()`` (a list of the
+    chain lengths it saw) over and over; what it saw, in order, after asserting it raised nothing."""
     seen: list[int] = []
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -908,17 +864,11 @@ def test_buffer_queries_while_long_payloads_apply():
     def reader():
         try:
             while not stop.is_set():
-                for given in (packed, packed.tobytes()):
-                    for answer in (
-                        idx.find_matches(block_hashes=given, lists=True),
-                        idx.find_matches(block_hashes=given, top_k=1, lists=True),
-                    ):
-                        assert answer[0] in ([], ["w"])  # one worker's chain, or nothing yet
-                        seen.append(answer[1][0] if answer[1] else 0)
+                seen.extend(read())
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
-    t = threading.Thread(target=reader, name="kvbridge-test-buffer-reader")
+    t = threading.Thread(target=reader, name="kvbridge-test-reader")
     t.start()
     try:
         for p in payloads:
@@ -927,7 +877,42 @@ def test_buffer_queries_while_long_payloads_apply():
         stop.set()
         t.join(timeout=60)
     assert not errors
+    return seen
+
+
+def test_queries_from_another_thread_see_whole_payloads_while_events_apply():
+    """A concurrent reader must only ever see a prefix length some payload ended at."""
+    idx = Index(4)
+    tokens, _, payloads, ends = _growing_chain(3)
+    seen = _read_while_applying(idx, payloads, lambda: [idx.find_matches(tokens).get("w", 0)])
     assert seen and all(s in ends for s in seen)
     assert seen == sorted(seen)
-    assert idx.find_matches(block_hashes=packed, lists=True) == (["w"], [total])
+    assert idx.find_matches(tokens) == {"w": len(tokens) // 4}
+
+
+def test_buffer_queries_while_long_payloads_apply():
+    """Hashes from an exported buffer are read in place only while the GIL is held: a query that
+    meets a long apply holding the state's lock copies them and waits with the GIL released. A
+    concurrent reader, in every answer form, only ever sees a prefix length some payload ended at."""
+    from array import array
+
+    idx = Index(4, key="engine")
+    _, hashes, payloads, ends = _growing_chain(5)
+    packed = array("Q", hashes)
+
+    def read() -> list[int]:
+        seen = []
+        for given in (packed, packed.tobytes()):
+            for answer in (
+                idx.find_matches(block_hashes=given, lists=True),
+                idx.find_matches(block_hashes=given, top_k=1, lists=True),
+            ):
+                assert answer[0] in ([], ["w"])  # one worker's chain, or nothing yet
+                seen.append(answer[1][0] if answer[1] else 0)
+        return seen
+
+    seen = _read_while_applying(idx, payloads, read)
+    assert seen and all(s in ends for s in seen)
+    assert seen == sorted(seen)
+    assert idx.find_matches(block_hashes=packed, lists=True) == (["w"], [len(hashes)])
     assert packed.tolist() == hashes
