@@ -33,22 +33,41 @@ def queries(engines: dict[str, Engine]) -> list[list[int]]:
     return [p for e in engines.values() for p in e.prefixes] + [[5000 + i for i in range(32)]]
 
 
-def index_matches(tokens_idx: Index, engine_idx: Index, subs, engines: dict[str, Engine]) -> bool:
-    if not all(s.in_sync() for s in subs):
+def index_matches(tokens_idx: Index, engine_idx: Index, subs, engines: dict[str, Engine], why: list[str] | None = None) -> bool:
+    """Whether both indexes equal the pools (brute force over every engine's prefixes); ``why``
+    gets the first difference found, for a timeout's message."""
+
+    def differs(reason: str) -> bool:
+        if why is not None:
+            why[:] = [reason]
         return False
+
+    if not all(s.in_sync() for s in subs):
+        return differs(f"resyncing: {[s.worker_states() for s in subs]}")
     union: set[int] = set()
     for e in engines.values():
         with e.publisher.lock:
             union.update(e.manager.cached_block_hashes())
     if not len(tokens_idx) == len(engine_idx) == len(union):
-        return False
+        return differs(f"blocks: key=tokens {len(tokens_idx)}, key=engine {len(engine_idx)}, pools {len(union)}")
     for tokens in queries(engines):
         want = brute_force(engines, tokens)
-        if tokens_idx.find_matches(tokens) != want:
-            return False
-        if engine_idx.find_matches(block_hashes=hash_blocks(tokens, BS)) != want:
-            return False
+        got = (tokens_idx.find_matches(tokens), engine_idx.find_matches(block_hashes=hash_blocks(tokens, BS)))
+        if got != (want, want):
+            return differs(f"a query answered {got}, the pools {want}")
     return True
+
+
+async def wait_converged(tokens_idx: Index, engine_idx: Index, subs, engines: dict[str, Engine], timeout: float,
+                         what: str) -> float:  # fmt: skip
+    """``wait_until`` the indexes equal the pools; a timeout says how they differed last, with
+    the subscribers' and indexes' counters (a flake seen once in CI: the next one is readable)."""
+    why: list[str] = []
+    try:
+        return await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, engines, why), timeout, what)
+    except AssertionError as exc:
+        detail = f"{why}; subscribers {[s.stats for s in subs]}; indexes {[tokens_idx.stats, engine_idx.stats]}"
+        raise AssertionError(f"{exc}: {detail}") from None
 
 
 async def start_indexes(server, prefix: str):
@@ -73,7 +92,7 @@ async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
     assert all(isinstance(m, dict) for m in mid)
     for e in engines.values():
         await asyncio.to_thread(e.finish)
-    waited = await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, engines), 60, "index == pools")
+    waited = await wait_converged(tokens_idx, engine_idx, subs, engines, 60, "index == pools")
     for sub, idx in zip(subs, (tokens_idx, engine_idx)):
         assert sub.views == {}  # no per-worker Python sets in index mode
         assert sub.stats["malformed"] == 0 and sub.stats["events"] > 0
@@ -93,7 +112,7 @@ async def test_a_restarted_worker_is_replaced_in_the_index(nats_server):
     e1 = Engine(old, 5_000, seed=70)
     e1.start()
     await asyncio.to_thread(e1.finish)
-    await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, {"w0": e1}), 30, "first incarnation")
+    await wait_converged(tokens_idx, engine_idx, subs, {"w0": e1}, 30, "first incarnation")
     before = tokens_idx.stats["payloads"]
     await old.close()
     new = await KvEventPublisher(cfg(nats_server, prefix)).start()
@@ -101,7 +120,7 @@ async def test_a_restarted_worker_is_replaced_in_the_index(nats_server):
     e2.start()
     await asyncio.to_thread(e2.finish)
     # The old pool's blocks are gone from the index: only the new pool's remain.
-    await wait_until(lambda: index_matches(tokens_idx, engine_idx, subs, {"w0": e2}), 30, "restarted worker")
+    await wait_converged(tokens_idx, engine_idx, subs, {"w0": e2}, 30, "restarted worker")
     assert tokens_idx.stats["payloads"] > before
     assert all(s.stats["epoch_changes"] == 1 for s in subs)
     for c in [new, *subs]:
