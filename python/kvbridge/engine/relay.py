@@ -267,8 +267,6 @@ class Relay:
         self._publisher: KvEventPublisher | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
-        # The same socket without asyncio's wrapper, for frames already queued (see _run).
-        self._sub_now: zmq.Socket | None = None
         self._task: asyncio.Task | None = None
         self._reading = False  # awaiting a frame: the only point where close() may cancel the loop
         self._stopping = False
@@ -317,7 +315,6 @@ class Relay:
                 raise ConfigError(f"relay endpoint {self.endpoint!r}: {exc}") from None
             raise
         self._ctx, self._sub = ctx, sub
-        self._sub_now = zmq.Socket.shadow(sub.underlying)  # owns nothing: closing is sub's
         self._task = asyncio.create_task(self._run(), name=f"kvbridge-relay-{self.config.worker_id}")
         log.info("relaying %s (replay: %s) to %s", self.endpoint, self.replay_endpoint, self.publisher.subjects.events)
         return self
@@ -362,8 +359,10 @@ class Relay:
     # -- frames in --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        sub, now = self._sub, self._sub_now
-        assert sub is not None and now is not None
+        sub = self._sub
+        assert sub is not None
+        # The same socket without asyncio's wrapper (it owns nothing: closing is sub's).
+        now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         # A frame already queued is taken as it is, from the socket itself: waiting for one
         # registers with the poller (and, with the idle probe on, starts a timer), which costs a
         # busy relay more than the frame's own handling, and even pyzmq's asyncio receive of a
