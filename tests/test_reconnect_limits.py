@@ -141,7 +141,7 @@ def _events_in(outbox, fmt: str) -> list:
 def test_unsent_messages_over_a_smaller_limit_go_behind_a_hole_re_framed(encoding: str) -> None:
     pub = KvEventPublisher(Config(model=MODEL, worker_id="u", encoding=encoding, max_batch_bytes=512 * 1024))
     pub._nc = _Limit(BIG)
-    pub._learn_max_payload()
+    pub._learn_max_payload(at_start=True)
     assert pub.max_payload == BIG - HEADER_ROOM and pub.stats["max_payload_changes"] == 0  # start: no change
     ob = pub._outbox
     events = [_stored(i, n) for i, n in enumerate((4, 1500, 8, 1500))]
@@ -168,7 +168,7 @@ def test_unsent_messages_over_a_smaller_limit_go_behind_a_hole_re_framed(encodin
 def test_sent_messages_over_a_smaller_limit_are_let_go_without_a_hole() -> None:
     pub = KvEventPublisher(Config(model=MODEL, worker_id="s", max_batch_bytes=512 * 1024))
     pub._nc = _Limit(BIG)
-    pub._learn_max_payload()
+    pub._learn_max_payload(at_start=True)
     ob = pub._outbox
     for i, n in enumerate((1500, 4, 1500, 4)):
         pub._emit(1.0, [_stored(i, n)])
@@ -185,7 +185,7 @@ def test_sent_messages_over_a_smaller_limit_are_let_go_without_a_hole() -> None:
 def test_a_larger_limit_changes_nothing_held() -> None:
     pub = KvEventPublisher(Config(model=MODEL, worker_id="l"))
     pub._nc = _Limit(SMALL)
-    pub._learn_max_payload()
+    pub._learn_max_payload(at_start=True)
     pub._emit(1.0, [_stored(1, 4)])
     before = pub._outbox.held(0, 0)
     pub._nc = _Limit(BIG)

@@ -198,7 +198,6 @@ class KvEventPublisher:
         self._parked = False  # the sender is asleep until woken (on_wake may send for it)
         self._max_events = config.max_batch_events
         self._max_payload = 1 << 20
-        self._limit_known = False  # _max_payload is still the default, not a server's
         self._framer = Framer(config.encoding, max_events=config.max_batch_events, max_bytes=config.max_batch_bytes,
                               dp_rank=config.dp_rank, max_payload=self.max_payload, name=config.worker_id)  # fmt: skip
         self._content_type = CONTENT_TYPES[config.encoding]
@@ -351,7 +350,7 @@ class KvEventPublisher:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
-        self._learn_max_payload()
+        self._learn_max_payload(at_start=True)
         try:
             await self._check_worker_id_free()
             await self._nc.subscribe(self.subjects.replay, cb=self._on_replay)
@@ -779,7 +778,7 @@ class KvEventPublisher:
             self._js.on_reconnected()
         self._wake.set()  # type: ignore[union-attr]
 
-    def _learn_max_payload(self) -> None:
+    def _learn_max_payload(self, *, at_start: bool = False) -> None:
         """Take the server's max_payload from the INFO of the connection just made (at start and
         on every reconnect: another server, or the same one restarted with another config, may
         take less than the last). Held messages the new limit refuses are fitted to it
@@ -787,13 +786,12 @@ class KvEventPublisher:
         nothing after it would go out. The sender checks this before sending, too: nats-py sets
         the new limit before it calls ``_on_reconnected``, and the sender may run in between."""
         server = self._nc.max_payload
-        known, self._limit_known = self._limit_known, True
         if server == self._max_payload:
             return
         before = self.max_payload
         self._max_payload = server
         self._framer.limit(self.max_payload)
-        if known:  # at start, the server's limit is news to nobody
+        if not at_start:  # at start, the server's limit is news to nobody
             self._counts["max_payload_changes"] += 1
             log.warning("kvbridge publisher %s: the server's max_payload is now %d bytes (was %d)",
                         self.config.worker_id, server, before + _HEADER_ROOM)  # fmt: skip
