@@ -7,8 +7,17 @@ import asyncio
 
 import pytest
 
-from bridge_support import Engine, prefix_scores, wait_until
-from kvbridge import Config, Index, KvEventPublisher, KvEventSubscriber, hash_blocks
+from bridge_support import Engine, pool_hashes, prefix_scores, wait_until
+from kvbridge import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Config,
+    Index,
+    KvEventPublisher,
+    KvEventSubscriber,
+    hash_blocks,
+)
 
 MODEL = "index-model"
 BS = 4
@@ -125,3 +134,49 @@ async def test_a_restarted_worker_is_replaced_in_the_index(nats_server):
     assert all(s.stats["epoch_changes"] == 1 for s in subs)
     for c in [new, *subs]:
         await c.close()
+
+
+class _HandOffChecker:
+    """Stands in for a publisher: at every release of its pool lock -- whenever a snapshot could
+    be taken -- the events handed over so far must add up to the pool."""
+
+    def __init__(self) -> None:
+        self.manager = None
+        self.held: set = set()
+        self.releases = self.mismatches = 0
+        self._depth = 0  # re-entrant, as publisher.lock is
+        self.lock = self
+
+    def attach(self, manager) -> None:
+        self.manager = manager
+
+    def publish(self, events) -> None:
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.held.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.held.difference_update(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.held.clear()
+
+    def __enter__(self) -> None:
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.releases += 1
+            self.mismatches += self.held != pool_hashes(self.manager)
+
+
+def test_the_engine_hands_its_events_over_before_it_lets_go_of_the_pool_lock():
+    """The threading contract the restarted-worker test relies on: a snapshot taken while the
+    engine had taken its events from the pool but not yet handed them over would hold them,
+    and they would be applied again after it (two copies of a block, one removal: the index
+    never converges). Stepped in this thread: nothing here depends on timing."""
+    pub = _HandOffChecker()
+    engine = Engine(pub, 2_000, seed=72)
+    engine.run()  # in this thread: a lock only it takes
+    assert engine.error is None
+    assert pub.releases > 100 and pub.held
+    assert pub.mismatches == 0, f"{pub.mismatches} of {pub.releases} lock releases left events not handed over"
