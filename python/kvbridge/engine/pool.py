@@ -88,11 +88,13 @@ one more.
 Threading: the manager serialises its public methods with one lock, so a publisher may call ``take_events()`` / ``snapshot()`` from another thread
 (e.g. an asyncio loop) while the engine thread allocates. ``snapshot()`` copies the hash map
 under the lock (C speed) and builds events after releasing it. A snapshot reflects every event
-recorded so far, including those not yet drained by ``take_events()``; re-applying those events
-on top of the snapshot converges to the same set, since each hash's state is decided by its
-last event. The native manager does the same with a Rust mutex (waiting for it releases the
-GIL, so it cannot deadlock with it); a method never releases the GIL while it works, except to
-hash 64k tokens or more.
+recorded so far, including those not yet drained by ``take_events()``: a publisher drains and
+hands those over first, under its own lock (``KvEventPublisher.take_snapshot``), which the engine
+holds from mutating the pool until its events are handed over. Events that reached consumers
+after a snapshot already holding them would not converge: an index or a view counts a block
+stored twice as two copies, and one removal leaves one. The native manager does the same with a
+Rust mutex (waiting for it releases the GIL, so it cannot deadlock with it); a method never
+releases the GIL while it works, except to hash 64k tokens or more.
 """
 
 from __future__ import annotations
