@@ -30,7 +30,8 @@ from kvbridge import (
 from kvbridge.wire.events import BlockRemoved, BlockStored, KVEventBatch
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.tools.server import NatsServer
-from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_REPLY, HDR_SEQ, REPLY_END
+from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_COUNT, HDR_EPOCH, HDR_HEARTBEAT, HDR_REPLY, HDR_SEQ
+from kvbridge.wire.subjects import REPLY_END, REPLY_SNAPSHOT_END, WorkerSubjects
 
 MODEL = "m"
 
@@ -550,6 +551,54 @@ async def test_two_epochs_alternating_on_one_subject_are_warned_about_once(nats_
     assert pub.epoch in warnings[0].getMessage() and "0ther0ther0ther0" in warnings[0].getMessage()
     for c in (other, sub, pub):
         await c.close()
+
+
+async def test_a_snapshot_answered_by_a_dying_incarnation_does_not_wedge_its_successor(nats_server, caplog):
+    """Incarnation A answers the subscriber's snapshot request and dies; its successor B spoke
+    before A's answer was read, so the resync adopted A and gave B up (sequencer ``adopt``).
+    Once A has been silent past the worker's timeout while B speaks, B is resynced and followed."""
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    cfg = Config(servers=nats_server.url, subject_prefix="wedge", model=MODEL, worker_id="w", heartbeat_s=0.2)
+    sub = await KvEventSubscriber(cfg.replace(worker_id="sub", worker_timeout_s=1.0)).start()
+    dying = await nats.connect(nats_server.url)
+    epoch_a = "deaddeaddeaddead"
+    subjects = WorkerSubjects.build("wedge", MODEL, "w")
+    successor: list[KvEventPublisher] = []
+    b_pool = KVCacheManager(num_blocks=16, block_size=4)
+
+    async def answer_then_die(msg) -> None:
+        # B starts (an empty pool's snapshot to give, its first heartbeat out at once) and is
+        # read by the subscriber before A's answer.
+        heard = sub.stats["messages"]
+        b = await KvEventPublisher(cfg).start()
+        with b.lock:
+            b.attach(b_pool)
+            b_pool.allocate(1, list(range(8)))
+        successor.append(b)
+        await wait_until(lambda: sub.stats["messages"] > heard, 10, "B heard before A's answer")
+        end = {HDR_REPLY: REPLY_SNAPSHOT_END, HDR_EPOCH: epoch_a, HDR_SEQ: "0", HDR_COUNT: "0"}
+        await dying.publish(msg.reply, b"", headers=end)
+        await answering.unsubscribe()  # A is gone
+
+    answering = await dying.subscribe(subjects.snapshot, cb=answer_then_die)
+    await dying.publish(subjects.events, msgspec.msgpack.encode([time.time(), [], None]),
+                        headers={HDR_SEQ: "0", HDR_EPOCH: epoch_a, HDR_CONTENT_TYPE: "application/msgpack",
+                                 HDR_HEARTBEAT: "0.2"})  # fmt: skip
+    # The wedge happens: A adopted, B's messages from a given-up epoch.
+    await wait_until(lambda: successor and sub.worker_states().get((MODEL, "w")) == ("exact", epoch_a)
+                     and sub.stats["duplicates"] + sub.stats["epoch_conflicts"] >= 1, 10, "A adopted, B given up")  # fmt: skip
+    b = successor[0]
+    await wait_until(lambda: sub.worker_states().get((MODEL, "w")) == ("exact", b.epoch), 15, "B followed")
+    with b.lock:
+        b_pool.allocate(2, list(range(100, 108)))
+        want = pool_hashes(b_pool)
+    b.step()
+    await wait_until(lambda: sub.views[(MODEL, "w")].blocks == want, 10, "B's blocks in the view")
+    assert sub.stats["epoch_changes"] >= 1
+    assert any("silent" in r.getMessage() and epoch_a in r.getMessage() for r in caplog.records)
+    await b.close()
+    await dying.close()
+    await sub.close()
 
 
 # -- a pool that fails a snapshot -----------------------------------------------------------------

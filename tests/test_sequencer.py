@@ -138,3 +138,42 @@ def test_parking_is_bounded():
     for q in range(1, MAX_PARKED + 10):
         s.offer("A", q, q)
     assert len(s.parked) == MAX_PARKED and min(s.parked) == 10  # the oldest let go: replay fetches them
+
+
+def test_what_is_parked_is_one_epochs_never_handed_out_under_anothers_seq():
+    # Following A; B (a new incarnation) speaks, then a late A message is parked during the
+    # resync, which adopts A. B's parked seq 5 must not come out as A's seq 5.
+    s = following("A", 1)
+    assert s.offer("B", 5, "b5") is CHANGE
+    assert s.offer("A", 1, "a1", syncing=True) is PARK
+    assert s.parked_epoch == "A" and s.parked == {1: "a1"}
+    s.snapshot_taken("A", 0)
+    assert s.ready() == ([(1, "a1")], 0)
+    out = []
+    for seq in (2, 3, 4, 5):
+        assert s.offer("A", seq, f"a{seq}") is D
+        out.append(f"a{seq}")
+        out += [item for _, item in s.ready()[0]]
+    assert out == ["a2", "a3", "a4", "a5"]
+    # B, let go for A's message, was still retired by the resync that adopted A.
+    assert s.offer("B", 5, "b5") is DUP and s.offer("B", 6, "b6") is CONF
+
+
+def test_a_revived_epoch_is_an_epoch_change_again():
+    s = following("A", 1)
+    assert s.offer("B", 0, "b0") is CHANGE
+    s.snapshot_taken("A", 0)  # a stale answer of A's, read after B spoke: B is given up
+    assert s.offer("B", 1, "b1") is CONF
+    s.revive("B")
+    assert s.offer("B", 2, "b2") is CHANGE and s.need_snapshot and s.parked == {2: "b2"}
+    s.snapshot_taken("B", 1)
+    assert s.epoch == "B" and s.ready() == ([(2, "b2")], 0)
+    assert s.offer("A", 0, "late") is DUP  # A retired in turn
+
+
+def test_rivals_are_bounded():
+    s = following("A", 1)
+    for i in range(1000):
+        s.offer(f"forged{i}", 0, i, syncing=True)
+        s.offer("A", 1, "a1", syncing=True)
+    assert len(s.rivals) <= 64

@@ -15,7 +15,12 @@ are opaque: the sequencer only parks and hands them back in order.
   from them: their late messages are duplicates, but a *newer* seq means that incarnation is
   still publishing -- two live publishers on one subject: a conflict.
 * While a resync is under way, messages are parked; a snapshot or replay that lands moves
-  ``next_seq`` and the parked messages that follow come out in order.
+  ``next_seq`` and the parked messages that follow come out in order. What is parked is always
+  one epoch's (``parked_epoch``): parking another's lets the first go (replay or snapshot fetch
+  it again), so a message is never handed out under another incarnation's seq.
+* A retired epoch can be revived (``revive``): the subscriber does so when the incarnation it
+  follows has gone silent while a retired one keeps speaking -- a snapshot answered by a dying
+  incarnation and read after its successor had spoken made the successor the retired one.
 """
 
 from __future__ import annotations
@@ -43,13 +48,16 @@ class Verdict(enum.Enum):
 
 
 class Sequencer:
-    __slots__ = ("epoch", "next_seq", "parked", "parked_epoch", "retired", "need_snapshot")
+    __slots__ = ("epoch", "next_seq", "parked", "parked_epoch", "rivals", "retired", "need_snapshot")
 
     def __init__(self) -> None:
         self.epoch: str | None = None
         self.next_seq = 0
         self.parked: dict[int, Any] = {}
         self.parked_epoch: str | None = None
+        #: Epochs other than the followed one whose parked messages were let go for another's
+        #: during a resync -> their highest parked seq: retired with the parked epoch on adopt.
+        self.rivals: dict[str, int] = {}
         #: Retired epoch -> the highest seq seen from it: a dead incarnation sends nothing newer.
         self.retired: dict[str, int] = {}
         self.need_snapshot = True
@@ -65,28 +73,34 @@ class Sequencer:
                 return Verdict.DUPLICATE
             if seq == 0 and jetstream and not syncing:
                 return Verdict.STREAM_START
-            if self.parked_epoch != epoch:
-                self.parked.clear()
-                self.parked_epoch = epoch
-            self._park(seq, item)
+            self._park(epoch, seq, item)
             changed = self.epoch is not None and not self.need_snapshot
             self.need_snapshot = True
             return Verdict.EPOCH_CHANGE if changed else Verdict.FIRST_CONTACT
         if seq < self.next_seq:
             return Verdict.DUPLICATE
         if syncing:
-            self.parked_epoch = epoch
-            self._park(seq, item)
+            self._park(epoch, seq, item)
             return Verdict.PARKED
         if seq == self.next_seq:
             self.next_seq = seq + 1
             return Verdict.DELIVER
-        self.parked_epoch = epoch
-        self._park(seq, item)
+        self._park(epoch, seq, item)
         return Verdict.GAP
 
-    def _park(self, seq: int, item: Any) -> None:
+    def _park(self, epoch: str, seq: int, item: Any) -> None:
         parked = self.parked
+        if self.parked_epoch != epoch:
+            # Another epoch's parked messages are let go: kept, they would come out of ready()
+            # under this epoch's seqs. A new epoch among them is remembered to be retired if
+            # this resync adopts another one (as it would have been, parked to the end).
+            other = self.parked_epoch
+            if other is not None and other != self.epoch:
+                self.rivals[other] = max(max(parked, default=-1), self.rivals.get(other, -1))
+                if len(self.rivals) > MAX_RETIRED:  # forged epochs, one message each
+                    del self.rivals[next(iter(self.rivals))]
+            parked.clear()
+            self.parked_epoch = epoch
         parked[seq] = item
         if len(parked) > MAX_PARKED:
             del parked[min(parked)]
@@ -121,7 +135,15 @@ class Sequencer:
         if self.parked_epoch != epoch:
             self._retire(self.parked_epoch, max(self.parked, default=-1))
             self.parked.clear()
+        for rival, last in self.rivals.items():
+            if rival != epoch:
+                self._retire(rival, last)
+        self.rivals.clear()
         self.epoch = self.parked_epoch = epoch
+
+    def revive(self, epoch: str) -> None:
+        """Forget that ``epoch`` was retired: its next message is an epoch change again."""
+        self.retired.pop(epoch, None)
 
     def _retire(self, epoch: str | None, last_seq: int) -> None:
         if epoch is not None:

@@ -19,7 +19,10 @@ in-order sequence of :class:`Update` s:
   pauses until it expires. Silence is never blamed on the workers before the subscriber's own
   link has answered a PING (docs/delivery.md, "Dead links");
 * two live publishers on one subject (two epochs alternating) are logged once, at WARNING, with
-  both epochs, and counted (``stats["epoch_conflicts"]``).
+  both epochs, and counted (``stats["epoch_conflicts"]``). If the incarnation followed falls
+  silent past the worker's timeout while one given up keeps speaking, the followed one was the
+  dead one (its snapshot answer was read after its successor had spoken): the speaker is
+  resynced and followed, counted as an epoch change.
 
 Views never wait for anyone: ``async for`` reads from a bounded queue; an iterator that falls
 ``queue_size`` updates behind is told so (``stats["iterator_behind"]``): the queue is dropped and
@@ -94,8 +97,8 @@ class _Worker:
     its resync task and when it was last heard from."""
 
     __slots__ = (
-        "model", "worker", "subjects", "seq", "syncing", "view", "last_heard", "heartbeat_raw", "heartbeat_s",
-        "conflict_warned",
+        "model", "worker", "subjects", "seq", "syncing", "view", "last_heard", "followed_heard", "heartbeat_raw",
+        "heartbeat_s", "conflict_warned",
     )  # fmt: skip
 
     def __init__(self, prefix: str, model: str, worker: str, track_view: bool) -> None:
@@ -104,7 +107,8 @@ class _Worker:
         self.seq = Sequencer()
         self.syncing: asyncio.Task | None = None
         self.view = WorkerView() if track_view else None
-        self.last_heard = time.monotonic()
+        # When any incarnation, and the one followed (or since it was adopted), was last heard.
+        self.last_heard = self.followed_heard = time.monotonic()
         self.heartbeat_raw: str | None = None
         self.heartbeat_s: float | None = None  # None: not advertised
         self.conflict_warned = False
@@ -113,8 +117,10 @@ class _Worker:
     def epoch(self) -> str | None:
         return self.seq.epoch
 
-    def heard(self, heartbeat_raw: str | None) -> None:
-        self.last_heard = time.monotonic()
+    def heard(self, epoch: str, heartbeat_raw: str | None) -> None:
+        self.last_heard = now = time.monotonic()
+        if epoch == self.seq.epoch:
+            self.followed_heard = now
         if heartbeat_raw != self.heartbeat_raw:
             self.heartbeat_raw = heartbeat_raw
             try:
@@ -433,8 +439,12 @@ class KvEventSubscriber:
         w = self._workers.get(key)
         if w is None:
             w = self._workers[key] = _Worker(self.prefix, key[0], key[1], self.track_views)
-        w.heard(headers.get(HDR_HEARTBEAT))
-        verdict = w.seq.offer(epoch, seq, batch, syncing=w.syncing is not None, jetstream=self.config.jetstream)
+        w.heard(epoch, headers.get(HDR_HEARTBEAT))
+        syncing, jetstream = w.syncing is not None, self.config.jetstream
+        verdict = w.seq.offer(epoch, seq, batch, syncing=syncing, jetstream=jetstream)
+        if (verdict is Verdict.DUPLICATE or verdict is Verdict.CONFLICT) and epoch != w.seq.epoch and self._outlived(w):
+            w.seq.revive(epoch)
+            verdict = w.seq.offer(epoch, seq, batch, syncing=syncing, jetstream=jetstream)
         if verdict is Verdict.DELIVER:
             yield self._deliver(w, seq, batch, "live")
             if w.seq.parked:
@@ -466,6 +476,17 @@ class KvEventSubscriber:
             self._subject_keys.clear()
         self._subject_keys[subject] = key
         return key
+
+    def _outlived(self, w: _Worker) -> bool:
+        """Whether the incarnation ``w`` follows has been silent past the worker's timeout while
+        another (given up) has just spoken: then the followed one is the dead one."""
+        limit = w.timeout(self.config.worker_timeout_s)
+        if limit is None or w.last_heard - w.followed_heard <= limit:
+            return False
+        log.warning("kvbridge subscriber: %s: epoch %s silent for %.1fs while an epoch given up speaks: "
+                    "resyncing to follow the one alive", w.subjects.events, w.epoch,
+                    w.last_heard - w.followed_heard)  # fmt: skip
+        return True
 
     def _epoch_conflict(self, w: _Worker, other: str) -> None:
         self._counts["epoch_conflicts"] += 1
@@ -506,6 +527,8 @@ class KvEventSubscriber:
         """Applies one update to the index, the worker's view and the counts; handing it on to
         ``on_update`` and the iterator is ``_notify``'s."""
         update = Update(w.model, w.worker, w.epoch or "", seq, batch, reset, source)
+        if reset:  # a resync's outcome: the epoch it adopted answered just now
+            w.followed_heard = time.monotonic()
         n_events = update.n_events if self.index is None else self._index_apply(w, update)
         if w.view is not None:
             w.view.apply(update)
