@@ -448,3 +448,32 @@ fn le_bytes<'a>(block: &'a [u32], scratch: &'a mut Vec<u8>) -> &'a [u8] {
         scratch
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `xxh3_chain` gives `run_words`' keys: the block sizes it specialises and others, salted
+    /// and continued seeds, a partial last block, appended after what `keys` held.
+    #[test]
+    fn xxh3_chain_is_run_words_without_extra_keys() {
+        let tokens: Vec<u32> = (0..700u32).map(|i| i.wrapping_mul(2654435761)).collect();
+        for bs in [1, 5, 16, 32, 64, 100] {
+            for (lora, parent) in [(None, None), (Some("adapter"), None), (None, Some(77u64))] {
+                for n in [0, bs - 1, bs, 3 * bs + 1, tokens.len()] {
+                    let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora, None);
+                    chain.parent = parent.map(Digest::from_u64);
+                    let mut want = vec![9];
+                    chain.run_words(&tokens[..n / bs * bs], None, |k| want.push(k));
+                    let mut got = vec![9];
+                    let seed = parent.unwrap_or(salted(0, lora, None));
+                    xxh3_chain(&tokens[..n], bs, seed, &mut got);
+                    assert_eq!(
+                        got, want,
+                        "block size {bs}, {n} tokens, {lora:?}, {parent:?}"
+                    );
+                }
+            }
+        }
+    }
+}
