@@ -28,7 +28,7 @@ use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
 use crate::cpython;
 use crate::decode::{incref, new_list, set_item};
-use crate::hash::algo::{Algo, Chain};
+use crate::hash::algo::{salted, xxh3_chain, Algo, Chain};
 use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
@@ -596,32 +596,36 @@ impl Index {
         let bs = self.block_size;
         let n_blocks = toks.as_slice().len() / bs;
         let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
-        let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora_name, None);
         // From this thread's pool: a query's keys were allocated and freed on every call.
         let mut keys = Recycled::take(&KEYS);
         let full = &toks.as_slice()[..n_blocks * bs];
         if full.len() >= DETACH_MIN_TOKENS {
             let copy = full.to_vec();
-            py.detach(|| hash_words(&mut chain, &copy, extras.as_deref(), &mut keys));
+            py.detach(|| hash_words(bs, lora_name, &copy, extras.as_deref(), &mut keys));
         } else {
-            hash_words(&mut chain, full, extras.as_deref(), &mut keys);
+            hash_words(bs, lora_name, full, extras.as_deref(), &mut keys);
         }
         Ok(keys)
     }
 }
 
-/// Appends the keys of `tokens`' blocks to `keys`. Not inlined: inlined into `find_matches`,
-/// the hashing loop's code changed with whatever else that function held (up to ~7
-/// instructions a block more, for a pooled output vector).
-#[inline(never)]
+/// Appends the keys of `tokens`' full blocks to `keys`: without extra keys by `xxh3_chain`, the
+/// loop the native API's token queries run too; with them through a `Chain`.
 fn hash_words(
-    chain: &mut Chain,
+    block_size: usize,
+    lora_name: Option<&str>,
     tokens: &[u32],
     extras: Option<&[Option<Value>]>,
     keys: &mut Vec<u64>,
 ) {
-    keys.reserve(tokens.len() / chain.block_size);
-    chain.run_words(tokens, extras, |k| keys.push(k));
+    match extras {
+        None => xxh3_chain(tokens, block_size, salted(0, lora_name, None), keys),
+        Some(extras) => {
+            let mut chain = Chain::new(Algo::Xxh3, block_size, 0, None, lora_name, None);
+            keys.reserve(tokens.len() / block_size);
+            chain.run_words(tokens, Some(extras), |k| keys.push(k));
+        }
+    }
 }
 
 /// The largest `top_k` that `keep_top` keeps by insertion.

@@ -5,7 +5,7 @@
 //! Not thread-safe by itself (the Python face wraps the core in a lock): one owner applies and
 //! queries, or the caller brings its own lock.
 
-use crate::hash::algo::{Algo, Chain};
+use crate::hash::algo::{salted, xxh3_chain};
 use crate::index::core::{Core, Mode};
 use crate::index::parse::detect;
 use crate::index::pipeline;
@@ -75,8 +75,7 @@ impl NativeIndex {
     pub fn hash_tokens(&self, tokens: &[u32], keys: &mut Vec<u64>) {
         let bs = self.core.block_size;
         keys.clear();
-        let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, None, None);
-        chain.run_words(&tokens[..tokens.len() / bs * bs], None, |k| keys.push(k));
+        xxh3_chain(tokens, bs, salted(0, None, None), keys);
     }
 
     pub fn worker_name(&self, id: u32) -> &str {

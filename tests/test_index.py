@@ -813,6 +813,31 @@ def test_token_buffers_in_place_or_copied_answer_alike():
     assert unaligned.tolist() == chain  # the caller's buffer is left as it was
 
 
+@pytest.mark.parametrize("bs", [16, 32, 64, 5])
+def test_token_queries_find_what_stores_keyed_at_every_block_size(bs):
+    """A query's tokens are hashed by a loop of their own (the block's length a constant for 16,
+    32 and 64) where stores hash through the chain: both key the blocks alike, with and without
+    a LoRA name, whatever the query's partial last block."""
+    from array import array
+
+    rng = random.Random(bs)
+    chain = [rng.randrange(2**32) for _ in range(bs * 12)]
+    for lora in (None, "adapter-1"):
+        idx = Index(bs, key="tokens")
+        for w, n in (("a", 12), ("b", 7), ("c", 1)):
+            stored = BlockStored(list(range(1, n + 1)), None, chain[: bs * n], bs, None, "GPU", lora)
+            idx.apply(w, encode_batch(KVEventBatch(0.0, [stored])))
+        for n in (0, bs - 1, bs, 5 * bs + 1, 12 * bs):
+            tokens = chain[:n]
+            want = {w: m for w, m in (("a", n // bs), ("b", min(7, n // bs)), ("c", min(1, n // bs))) if m}
+            assert idx.find_matches(tokens, lora_name=lora) == want
+            assert idx.find_matches(array("I", tokens), lora_name=lora) == want
+            keys = hash_blocks(tokens, bs, algo="xxh3", lora_name=lora)
+            assert idx.find_matches(block_hashes=[k & MASK for k in keys]) == want
+        # Salted by the name: the same tokens under another (or no) LoRA match nothing.
+        assert idx.find_matches(chain, lora_name="other") == {}
+
+
 def test_inputs_and_properties():
     import array
 
