@@ -7,7 +7,7 @@
 //! releases the GIL (it sleeps, waits on the GPU, or hits the switch interval).
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::mem::ManuallyDrop;
 use std::os::fd::FromRawFd;
 
@@ -24,6 +24,21 @@ fn eventfd_signal(fd: i32) -> bool {
     // by closing the fd only after the last publish() can have read it.
     let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
     (&*file).write(&1u64.to_ne_bytes()).is_ok()
+}
+
+/// Reset the eventfd (or timerfd) `fd` by reading its counter, with the GIL held (non-blocking,
+/// so the read never waits). True when it had been signalled. `os.read` would release the GIL
+/// around the syscall: the engine thread that just signalled, still holding the GIL, would be
+/// handed it back and forth, and the read allocates a bytes object nobody looks at.
+#[pyfunction]
+fn eventfd_consume(fd: i32) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    let mut buf = [0u8; 8];
+    // SAFETY: as in `eventfd_signal`, the File is never dropped: the caller's fd stays open.
+    let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+    matches!((&*file).read(&mut buf), Ok(8))
 }
 
 #[repr(C)]
@@ -76,6 +91,7 @@ fn timerfd_every(fd: i32, interval_ns: u64) -> bool {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(eventfd_signal, m)?)?;
+    m.add_function(wrap_pyfunction!(eventfd_consume, m)?)?;
     m.add_function(wrap_pyfunction!(timerfd_new, m)?)?;
     m.add_function(wrap_pyfunction!(timerfd_every, m)?)
 }

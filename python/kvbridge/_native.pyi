@@ -19,6 +19,7 @@ __all__ = [
     "BatchDecoder",
     "unpack_query_ints",
     "eventfd_signal",
+    "eventfd_consume",
     "timerfd_new",
     "timerfd_every",
     "KVCacheManager",
@@ -199,6 +200,8 @@ def scan_nats_msgs(
 
 #: Add 1 to a non-blocking eventfd without releasing the GIL; False if the write failed.
 def eventfd_signal(fd: int) -> bool: ...
+#: Read (reset) a non-blocking eventfd or timerfd without releasing the GIL; True if it was signalled.
+def eventfd_consume(fd: int) -> bool: ...
 #: A non-blocking timerfd (CLOCK_MONOTONIC), or -1.
 def timerfd_new() -> int: ...
 #: Fire every interval_ns (0 disarms); False on error.

@@ -46,7 +46,7 @@ from typing import Any, Sequence
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from kvbridge._native import EventRecord, KVCacheManager, eventfd_signal, timerfd_every, timerfd_new
+from kvbridge._native import EventRecord, KVCacheManager, eventfd_consume, eventfd_signal, timerfd_every, timerfd_new
 from kvbridge.metrics import register, start_exporter
 from kvbridge.config import Config
 from kvbridge.bus.connection import PermissionDeniedError, Permissions, WorkerIdInUseError, connect
@@ -141,12 +141,8 @@ class _Waker:
     def ticking(self, on: bool) -> None:
         timerfd_every(self.tick_fd, _POLL_NS if on else 0)
 
-    @staticmethod
-    def consume(fd: int) -> None:
-        try:
-            os.read(fd, 8)
-        except BlockingIOError:
-            pass
+    # Resets the eventfd (or the timerfd) with the GIL held: rust/wake.rs says why.
+    consume = staticmethod(eventfd_consume)
 
     def __del__(self) -> None:
         os.close(self.fd)
