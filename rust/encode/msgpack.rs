@@ -53,6 +53,40 @@ pub fn put_uint(out: &mut Vec<u8>, v: u64) {
     }
 }
 
+/// `put_uint` for every value, in order: the same bytes, with one reservation for the whole run
+/// and a running write position instead of a capacity check and a length update per value (a
+/// pool's batch is ~4000 token ids a step; the per-value bookkeeping was a third of the loop).
+pub fn put_uints(out: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) {
+    let n = values.len();
+    // Each value takes at most 9 bytes and its 8-byte store reaches at most 9 past its start,
+    // so 9 per value bounds every store (values the iterator yields beyond `n` are not written).
+    out.reserve(9 * n);
+    let start = out.len();
+    // SAFETY: at most `n` values are written, each at most 9 bytes from its start, within the
+    // 9 * n reserved past `start`; only the bytes written become part of the vector.
+    unsafe {
+        let base = out.as_mut_ptr().add(start);
+        let mut at = 0usize;
+        for v in values.take(n) {
+            let p = base.add(at);
+            if v < 0x80 {
+                *p = v as u8;
+                at += 1;
+            } else {
+                let marker = UINT_CLASS[(64 - v.leading_zeros()) as usize];
+                let width = 1usize << (marker & 3);
+                *p = marker;
+                std::ptr::write_unaligned(
+                    p.add(1) as *mut [u8; 8],
+                    (v << (64 - 8 * width)).to_be_bytes(),
+                );
+                at += 1 + width;
+            }
+        }
+        out.set_len(start + at);
+    }
+}
+
 #[inline(always)]
 pub fn put_int(out: &mut Vec<u8>, v: i64) {
     if v >= 0 {
@@ -227,6 +261,28 @@ mod tests {
             }
         }
         assert_eq!(out, want);
+    }
+
+    /// A run written at once is the values written one by one, after bytes already in the vector
+    /// and with the vector's capacity just enough (the stores past each value must stay inside).
+    #[test]
+    fn a_run_of_uints_is_each_written_in_turn() {
+        let mut values = vec![0u64, 0x7f, 0x80, u64::MAX, 150_000, 65_535, 65_536];
+        for bit in 0..64 {
+            values.extend([(1u64 << bit) - 1, 1 << bit, (1 << bit) + 1]);
+        }
+        for prefix in [0usize, 1, 7] {
+            for n in [0, 1, 2, values.len()] {
+                let mut want = vec![0xaa; prefix];
+                for &v in &values[..n] {
+                    put_uint(&mut want, v);
+                }
+                let mut out = Vec::with_capacity(prefix);
+                out.resize(prefix, 0xaa);
+                put_uints(&mut out, values[..n].iter().copied());
+                assert_eq!(out, want, "prefix {prefix}, {n} values");
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@
 //! msgspec writes for them is spelled out below); a LoRA's event or a hybrid pool's group fields
 //! make `put_events` answer false, and the caller builds the events and encodes those.
 
-use crate::encode::msgpack::{put_array_header, put_str, put_uint};
+use crate::encode::msgpack::{put_array_header, put_str, put_uint, put_uints};
 
 use super::core::{Event, Record};
 
@@ -32,9 +32,7 @@ fn uints(out: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) -> bool 
     if put_array_header(out, values.len()).is_err() {
         return false;
     }
-    for v in values {
-        put_uint(out, v);
-    }
+    put_uints(out, values);
     true
 }
 
