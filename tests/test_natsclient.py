@@ -5,6 +5,7 @@ blocks natively; it must hand on exactly what nats-py's own ``Parser.parse`` and
 import asyncio
 import logging
 import re
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -148,6 +149,39 @@ async def test_publish_headed_writes_at_once_only_with_nothing_queued_ahead():
         assert not nc.publish_now("t.h", b"e", block)  # closed: nothing done, and publish_headed says why
         with pytest.raises(natsclient._errors.ConnectionClosedError):
             await nc.publish_headed("t.h", b"e", block)
+
+
+async def test_publish_many_now_writes_all_in_order_and_leaves_what_the_socket_refuses_queued():
+    block = b"NATS/1.0\r\nKv-Seq: 1\r\n\r\n"
+    payloads = [bytes([i]) * (200_000 + i) for i in range(8)]  # far more than the send buffer below
+    with NatsServer() as server:
+        nc = Client()
+        await nc.connect(server.url)
+        try:
+            got: list[bytes] = []
+            done = asyncio.Event()
+
+            def on_msg(subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+                got.append(data)
+                if len(got) == len(payloads) + 1:
+                    done.set()
+
+            await nc.subscribe_direct("t.m", on_msg)
+            await nc.flush()
+            assert nc._out_fd >= 0  # the premise: a plain TCP connection, written by writev
+            nc._socket_out.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            assert nc.publish_many_now("t.m", [(p, block) for p in payloads[:-1]])
+            assert nc._socket_out.get_write_buffer_size()  # the premise: the socket took only part of it
+            assert not nc.publish_now("t.m", payloads[-1], block)  # would overtake the rest: nothing done
+            assert not nc.publish_many_now("t.m", [(payloads[-1], block)])
+            await nc.publish_headed("t.m", payloads[-1], block)  # behind them, on nats-py's path
+            await nc.publish("t.m", b"end")
+            await asyncio.wait_for(done.wait(), 30)
+            assert got[: len(payloads)] == payloads and got[-1] == b"end"
+            assert nc.stats["out_msgs"] == len(payloads) + 1
+        finally:
+            await nc.close()
+        assert not nc.publish_many_now("t.m", [(b"x", block)])  # closed: nothing done
 
 
 async def test_a_direct_subscription_gets_what_a_plain_one_gets():
