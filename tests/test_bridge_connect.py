@@ -165,6 +165,7 @@ async def test_tls_with_test_ca(tmp_path):
         got = []
         sub = await KvEventSubscriber(Config(servers=server.url, tls_ca=ca), on_update=got.append).start()
         pub = await KvEventPublisher(Config(servers=server.url, tls_ca=ca, worker_id="tls")).start()
+        assert pub._nc._out_fd == -1  # a TLS transport's socket is never written to directly
         pub.publish([stored(1)])
         await asyncio.wait_for(_until(lambda: any(u.batch.events for u in got)), 10)
         await pub.close()
