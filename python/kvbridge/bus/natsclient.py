@@ -364,7 +364,11 @@ class _FastClient(Client):
             return
         for i, part in enumerate(parts):
             if n < len(part):
-                out.write(b"".join([part[n:], *parts[i + 1 :]]))
+                # The rest part by part (the transport keeps or copies each; a join would copy
+                # all of it once more first).
+                out.write(memoryview(part)[n:] if n else part)
+                for rest in parts[i + 1 :]:
+                    out.write(rest)
                 return
             n -= len(part)
 

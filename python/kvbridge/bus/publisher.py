@@ -99,6 +99,10 @@ _HEADER_ROOM = 1024
 # messages' own bytes; a bound keeps the parts within IOV_MAX and the copy of what the socket
 # does not take at once small.
 _SEND_BATCH = 64
+# ... and at most about this many payload bytes (a message more only to hold one): a full-speed
+# engine's messages are up to max_batch_bytes each, and what the socket leaves of a write is
+# copied into the transport's buffer.
+_SEND_BATCH_BYTES = 256 << 10
 # At start, how long another publisher serving our worker id has to answer the probe.
 _PROBE_TIMEOUT_S = 0.5
 
@@ -764,12 +768,17 @@ class KvEventPublisher:
             return False
         get, header_block = outbox.get, self._header_block
         while outbox.cursor < outbox.end:
-            seqs = range(outbox.cursor, min(outbox.end, outbox.cursor + _SEND_BATCH))
-            held = [get(seq) for seq in seqs]
-            if not nc.publish_many_now(subject, [(payload, header_block(seq)) for seq, (payload, _) in zip(seqs, held)]):
+            first = outbox.cursor
+            held, size = [], 0
+            for seq in range(first, min(outbox.end, first + _SEND_BATCH)):
+                held.append(item := get(seq))
+                size += len(item[0])
+                if size >= _SEND_BATCH_BYTES:
+                    break
+            if not nc.publish_many_now(subject, [(payload, header_block(first + i)) for i, (payload, _) in enumerate(held)]):
                 return False
-            for seq, (payload, n_events) in zip(seqs, held):
-                self._sent(seq, payload, n_events)
+            for i, (payload, n_events) in enumerate(held):
+                self._sent(first + i, payload, n_events)
         return True
 
     def _settle(self) -> bool:
