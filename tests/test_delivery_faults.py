@@ -28,6 +28,7 @@ from kvbridge import (
     decode_batch,
 )
 from kvbridge.wire.events import BlockRemoved, BlockStored, KVEventBatch
+from kvbridge.bus.subscriber import _Worker
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.tools.server import NatsServer
 from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_COUNT, HDR_EPOCH, HDR_HEARTBEAT, HDR_REPLY, HDR_SEQ
@@ -599,6 +600,19 @@ async def test_a_snapshot_answered_by_a_dying_incarnation_does_not_wedge_its_suc
     await b.close()
     await dying.close()
     await sub.close()
+
+
+async def test_a_reconnect_gives_the_followed_epoch_a_full_timeout_again(nats_server):
+    """After the subscriber's own outage, nobody's silence counts (expiry), nor the followed
+    epoch's against a given-up one that speaks first (the revival rule above)."""
+    sub = KvEventSubscriber(Config(servers=nats_server.url, worker_timeout_s=1.0))
+    w = _Worker("kv", MODEL, "w", track_view=False)
+    w.seq.snapshot_taken("A", 0)
+    w.last_heard = w.followed_heard = time.monotonic() - 60
+    sub._workers[(MODEL, "w")] = w
+    await sub._on_reconnected()
+    w.heard("B", None)  # a given-up epoch's message, first after the reconnect
+    assert not sub._outlived(w) and time.monotonic() - w.followed_heard < 30
 
 
 # -- a pool that fails a snapshot -----------------------------------------------------------------

@@ -581,7 +581,7 @@ class KvEventSubscriber:
         # timeout from now, and a hole shows at its next message or heartbeat (then: replay).
         now = time.monotonic()
         for w in self._workers.values():
-            w.last_heard = now
+            w.last_heard = w.followed_heard = now
 
     async def _expire(self, key: tuple[str, str], w: _Worker) -> None:
         """Forget a worker that went silent: its view, its resync, and (by an update) everyone's state."""
