@@ -316,26 +316,16 @@ class _FastClient(Client):
         hdr = _native_headers(headers)
         return await super()._process_headers(headers) if hdr is _OTHER else hdr
 
-    def _can_write_now(self) -> Optional[asyncio.WriteTransport]:
+    def publish_now(self, subject: str, payload: bytes, header_block: bytes) -> bool:
+        return self.publish_many_now(subject, ((payload, header_block),))
+
+    def publish_many_now(self, subject: str, messages: Sequence[tuple[bytes, bytes]]) -> bool:
         # Written now only with nothing ahead of it: nats-py's pending list empty (a keepalive
         # PING waiting to ride goes first, on nats-py's path) and the socket's buffer drained
         # (else the flusher's drain() is what holds us back from a slow server).
         out = self._socket_out
         if (self._pending or out is None or not self.is_connected or self.is_draining_pubs or out.is_closing()
                 or out.get_write_buffer_size()):  # fmt: skip
-            return None
-        return out
-
-    def publish_now(self, subject: str, payload: bytes, header_block: bytes) -> bool:
-        out = self._can_write_now()
-        if out is None or len(payload) > self._max_payload:
-            return False
-        self._write_parts(out, self._hpub_parts(subject, "", header_block, payload))
-        return True
-
-    def publish_many_now(self, subject: str, messages: Sequence[tuple[bytes, bytes]]) -> bool:
-        out = self._can_write_now()
-        if out is None:
             return False
         limit = self._max_payload
         if any(len(payload) > limit for payload, _ in messages):
