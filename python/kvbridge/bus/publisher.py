@@ -721,12 +721,13 @@ class KvEventPublisher:
             self._learn_max_payload()
         if self._js is not None:
             return await self._js.send_pending()
-        sent = outbox.cursor
+        start = outbox.cursor
         # What can go at once goes in few writes; the rest (nats-py's queue or the socket's buffer
         # not empty, a reconnect) one message at a time, nats-py's way.
-        if self._send_now():
-            return outbox.cursor - sent
-        sent = outbox.cursor - sent
+        done = self._send_now()
+        sent = outbox.cursor - start
+        if done:
+            return sent
         while outbox.cursor < outbox.end and nc.is_connected:
             if nc.max_payload != self._max_payload:  # reconnected while we awaited a send
                 self._learn_max_payload()
