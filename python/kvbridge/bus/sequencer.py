@@ -94,11 +94,8 @@ class Sequencer:
             # Another epoch's parked messages are let go: kept, they would come out of ready()
             # under this epoch's seqs. A new epoch among them is remembered to be retired if
             # this resync adopts another one (as it would have been, parked to the end).
-            other = self.parked_epoch
-            if other is not None and other != self.epoch:
-                self.rivals[other] = max(max(parked, default=-1), self.rivals.get(other, -1))
-                if len(self.rivals) > MAX_RETIRED:  # forged epochs, one message each
-                    del self.rivals[next(iter(self.rivals))]
+            if self.parked_epoch != self.epoch:
+                _note(self.rivals, self.parked_epoch, max(parked, default=-1))
             parked.clear()
             self.parked_epoch = epoch
         parked[seq] = item
@@ -146,10 +143,7 @@ class Sequencer:
         self.retired.pop(epoch, None)
 
     def _retire(self, epoch: str | None, last_seq: int) -> None:
-        if epoch is not None:
-            self.retired[epoch] = max(last_seq, self.retired.get(epoch, -1))
-            while len(self.retired) > MAX_RETIRED:
-                del self.retired[next(iter(self.retired))]
+        _note(self.retired, epoch, last_seq)
 
     def begin_stream(self, epoch: str) -> None:
         """JetStream: the incarnation ``epoch`` starts at seq 0, which the caller delivers now."""
@@ -188,3 +182,12 @@ class Sequencer:
         for s in bogus:
             del self.parked[s]
         return len(bogus)
+
+
+def _note(epochs: dict[str, int], epoch: str | None, last_seq: int) -> None:
+    """Remember ``epoch`` in ``epochs`` with the highest seq seen from it; past ``MAX_RETIRED``
+    (forged epochs, one message each) the oldest is forgotten."""
+    if epoch is not None:
+        epochs[epoch] = max(last_seq, epochs.get(epoch, -1))
+        while len(epochs) > MAX_RETIRED:
+            del epochs[next(iter(epochs))]
