@@ -443,6 +443,9 @@ class KvEventSubscriber:
         syncing, jetstream = w.syncing is not None, self.config.jetstream
         verdict = w.seq.offer(epoch, seq, batch, syncing=syncing, jetstream=jetstream)
         if (verdict is Verdict.DUPLICATE or verdict is Verdict.CONFLICT) and epoch != w.seq.epoch and self._outlived(w):
+            log.warning("kvbridge subscriber: %s: epoch %s silent for %.1fs while an epoch given up speaks: "
+                        "resyncing to follow the one alive", w.subjects.events, w.epoch,
+                        w.last_heard - w.followed_heard)  # fmt: skip
             w.seq.revive(epoch)
             verdict = w.seq.offer(epoch, seq, batch, syncing=syncing, jetstream=jetstream)
         if verdict is Verdict.DELIVER:
@@ -481,12 +484,7 @@ class KvEventSubscriber:
         """Whether the incarnation ``w`` follows has been silent past the worker's timeout while
         another (given up) has just spoken: then the followed one is the dead one."""
         limit = w.timeout(self.config.worker_timeout_s)
-        if limit is None or w.last_heard - w.followed_heard <= limit:
-            return False
-        log.warning("kvbridge subscriber: %s: epoch %s silent for %.1fs while an epoch given up speaks: "
-                    "resyncing to follow the one alive", w.subjects.events, w.epoch,
-                    w.last_heard - w.followed_heard)  # fmt: skip
-        return True
+        return limit is not None and w.last_heard - w.followed_heard > limit
 
     def _epoch_conflict(self, w: _Worker, other: str) -> None:
         self._counts["epoch_conflicts"] += 1
