@@ -29,19 +29,32 @@ const INT_CLASS: [u8; 65] = size_classes(true);
 /// 8-byte store.
 #[inline(always)]
 fn put_sized(out: &mut Vec<u8>, marker: u8, v: u64) {
-    let width = 1usize << (marker & 3);
     out.reserve(9);
-    // SAFETY: 9 bytes are reserved; only 1 + width of them become part of the vector.
+    // SAFETY: 9 bytes are reserved; only the ones written for `v` become part of the vector.
     unsafe {
         let len = out.len();
-        let p = out.as_mut_ptr().add(len);
+        let n = write_sized(out.as_mut_ptr().add(len), marker, v);
+        out.set_len(len + n);
+    }
+}
+
+/// Writes `marker` and the low bytes of `v` it calls for, big-endian, at `p` (one unconditional
+/// 8-byte store after the marker); returns how many of the bytes count (1 + the width).
+///
+/// # Safety
+/// The 9 bytes from `p` must be writable.
+#[inline(always)]
+unsafe fn write_sized(p: *mut u8, marker: u8, v: u64) -> usize {
+    let width = 1usize << (marker & 3);
+    // SAFETY: the caller promises the 9 bytes from `p`: the marker and the 8-byte store after it.
+    unsafe {
         *p = marker;
         std::ptr::write_unaligned(
             p.add(1) as *mut [u8; 8],
             (v << (64 - 8 * width)).to_be_bytes(),
         );
-        out.set_len(len + 1 + width);
     }
+    1 + width
 }
 
 #[inline(always)]
@@ -73,14 +86,7 @@ pub fn put_uints(out: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) 
                 *p = v as u8;
                 at += 1;
             } else {
-                let marker = UINT_CLASS[(64 - v.leading_zeros()) as usize];
-                let width = 1usize << (marker & 3);
-                *p = marker;
-                std::ptr::write_unaligned(
-                    p.add(1) as *mut [u8; 8],
-                    (v << (64 - 8 * width)).to_be_bytes(),
-                );
-                at += 1 + width;
+                at += write_sized(p, UINT_CLASS[(64 - v.leading_zeros()) as usize], v);
             }
         }
         out.set_len(start + at);
