@@ -151,6 +151,40 @@ async def test_publish_headed_writes_at_once_only_with_nothing_queued_ahead():
             await nc.publish_headed("t.h", b"e", block)
 
 
+def _traced_ops(server: NatsServer, port: int) -> list[str]:
+    """The protocol operations a traced nats-server (-V) read from the client on ``port``."""
+    mark = f"127.0.0.1:{port} - cid:"
+    text = Path(server.log_file).read_text()
+    return [line.split("<<- [", 1)[1].split()[0].rstrip("]") for line in text.splitlines() if mark in line and "<<- [" in line]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "nats-py-own-client"])
+async def test_a_flush_returns_only_after_the_server_read_what_was_sent_before_it(fast, monkeypatch):
+    # nats-py 2.16's flush writes its PING straight to the socket while a SUB just made waits for
+    # the flusher task: the PONG came back before the server had the subscription (a router
+    # replica started with RouteSync missed the first decision published after its start()).
+    if not fast:
+        monkeypatch.setattr(natsclient, "_MISSING", ("Client._renamed_in_a_later_release()",))
+        monkeypatch.setattr(natsclient, "_warned", True)
+    with NatsServer(extra_args=["-V"]) as server:
+        nc = Client()
+        assert (type(nc) is natsclient._FastClient) is fast
+        await nc.connect(server.url)
+        try:
+            port = nc._transport._io_writer.transport.get_extra_info("sockname")[1]
+            await wait_until(lambda: _traced_ops(server, port)[-1:] == ["PING"], 10.0, "the handshake's PING traced")
+            before = len(_traced_ops(server, port))
+            await nc.subscribe("t.order")
+            await nc.publish("t.order", b"x")
+            await nc.flush()
+            # the server answered the last PING traced; the SUB and the PUB came before it
+            ops = _traced_ops(server, port)[before:]
+            assert "SUB" in ops and "PUB" in ops and ops[-1] == "PING", ops
+            assert ops.index("SUB") < ops.index("PUB"), ops
+        finally:
+            await nc.close()
+
+
 async def test_publish_many_now_writes_all_in_order_and_leaves_what_the_socket_refuses_queued():
     block = b"NATS/1.0\r\nKv-Seq: 1\r\n\r\n"
     payloads = [bytes([i]) * (200_000 + i) for i in range(8)]  # far more than the send buffer below

@@ -184,6 +184,8 @@ class Parser(_parser.Parser):
 _PING_RIDES = 0.8
 _PING = _nats.PING_PROTO
 
+_FLUSH_TIMEOUT_S = getattr(_nats, "DEFAULT_FLUSH_TIMEOUT", 10)  # nats-py's flush default
+
 # `_native_headers`' answer for a block in a form it leaves to nats-py.
 _OTHER: Any = object()
 
@@ -257,6 +259,16 @@ class Client(_nats.Client):
         one each while the socket keeps up (at a relay's rates, a write per 44 KiB message cost
         more kernel time than the raw forwarder's nats-py spends, which coalesces)."""
         return False
+
+    async def flush(self, timeout: int = _FLUSH_TIMEOUT_S) -> None:
+        """nats-py's ``flush``, made to cover everything sent before it. nats-py writes the PING
+        to the socket at once, while the commands before it (a SUB just made, a publish) wait in
+        its pending list for the flusher task: the PONG can come back before the server has seen
+        them (a subscription not yet in place when ``flush`` returns, a refusal not yet
+        reported). With nats-py's own client: a second round trip, whose PING goes out after
+        the flusher woken by the first has written them."""
+        await super().flush(timeout)
+        await super().flush(timeout)
 
     async def link_alive(self, timeout: float, why: str) -> bool:
         """Whether the server answers a PING within ``timeout`` seconds (False while not
@@ -393,6 +405,18 @@ class _FastClient(Client):
         await self._send_command(self._hpub(subject, reply, header_block, payload))
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
+
+    async def flush(self, timeout: int = _FLUSH_TIMEOUT_S) -> None:
+        await _nats.Client.flush(self, timeout)  # one round trip: _send_ping keeps the order
+
+    async def _send_ping(self, future: Optional[asyncio.Future] = None) -> None:
+        # nats-py writes the PING straight to the socket (Client.flush's doc): what waits for
+        # the flusher goes first, as the flusher would write it.
+        transport = self._transport
+        if self._pending and self.is_connected and transport is not None:
+            pending, self._pending, self._pending_data_size = self._pending, [], 0
+            transport.writelines(pending)
+        await super()._send_ping(future)
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._direct.pop(sid, None)

@@ -379,7 +379,6 @@ class KvEventPublisher:
                 publish_probe = (self.subjects.events,)
             # The server reports refusals asynchronously, ahead of the PONG that ends a flush.
             await self._nc.flush()
-            await self._nc.flush()
             self._permissions.raise_if_denied(
                 publish=publish_probe, subscribe=(self.subjects.replay, self.subjects.snapshot)
             )

@@ -248,7 +248,6 @@ class KvEventSubscriber:
             await self._nc.subscribe(self._load_subject, cb=self._on_load)
             # A refused subscription is reported asynchronously, ahead of the PONG ending a flush.
             await self._nc.flush()
-            await self._nc.flush()
             self._permissions.raise_if_denied(subscribe=(self.subject,))
         except BaseException:
             if self._stream_reader is not None:
