@@ -194,3 +194,15 @@ async def stop_process(proc: asyncio.subprocess.Process, timeout: float) -> byte
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def nats_connect(*args: Any, **options: Any) -> Any:
+    """A test's own NATS connection (``nats.connect``'s arguments): kvbridge's client, whose
+    ``flush()`` returns only after the server read what was sent before it. nats-py's writes its
+    PING ahead of a SUB still waiting for the flusher task, so a message published right after
+    ``subscribe(); flush()`` could miss the subscription (kvbridge.bus.natsclient.Client.flush)."""
+    from kvbridge.bus.natsclient import Client
+
+    nc = Client()
+    await nc.connect(*args, **options)
+    return nc

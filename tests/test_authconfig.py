@@ -9,10 +9,9 @@ import asyncio
 import subprocess
 import sys
 
-import nats
 import pytest
 
-from bridge_support import Engine, views_match, wait_until
+from bridge_support import Engine, nats_connect, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber
 from kvbridge.tools.authconfig import authorization_block, principals
 from kvbridge.bus.connection import PermissionDeniedError, WorkerIdInUseError
@@ -48,7 +47,7 @@ async def refused(server, user: str, subject: str) -> bool:
     async def on_error(exc: Exception) -> None:
         errors.append(exc)
 
-    nc = await nats.connect(server.url, user=user, password=PW[user], error_cb=on_error)
+    nc = await nats_connect(server.url, user=user, password=PW[user], error_cb=on_error)
     await nc.publish(subject, b"x")
     await nc.flush()
     await nc.flush()
@@ -109,7 +108,7 @@ async def test_generated_users_with_jetstream(tmp_path):
         # Workers write to the stream but may not change or delete it.
         for api_call in ("DELETE", "UPDATE", "PURGE", "CREATE"):
             assert await refused(server, "w1", f"$JS.API.STREAM.{api_call}.AUJ")
-        nc = await nats.connect(server.url, user="r1", password=PW["r1"], inbox_prefix="_INBOX.auj.Mx_1.r.r1")
+        nc = await nats_connect(server.url, user="r1", password=PW["r1"], inbox_prefix="_INBOX.auj.Mx_1.r.r1")
         info = await nc.jetstream().stream_info("AUJ")
         assert info.state.messages > 0 and info.config.subjects == ["auj.events.>"]
         await nc.close()

@@ -10,10 +10,9 @@ import json
 import time
 import urllib.request
 
-import nats
 import pytest
 
-from bridge_support import wait_until
+from bridge_support import nats_connect, wait_until
 from kvbridge import (
     AuthenticationError,
     BlockStored,
@@ -188,7 +187,7 @@ async def _until(cond):
 
 
 async def test_json_mode_is_readable_by_a_plain_subscriber(nats_server):
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     seen: list = []
 
     async def on_msg(m):
@@ -258,7 +257,7 @@ async def test_replay_and_snapshot_protocol(nats_server):
         pub.publish([stored(i)])
         await asyncio.sleep(0.001)
     await wait_until(lambda: pub.stats["events"] == 100 and pub.stats["unsent"] == 0, 10, "all 100 events sent")
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     last = pub.stats["last_seq"]
     oldest = pub.stats["oldest_seq"]
     assert 0 < oldest < last

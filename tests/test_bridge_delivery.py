@@ -9,10 +9,9 @@ import random
 import time
 
 import msgspec
-import nats
 import pytest
 
-from bridge_support import Engine, Recorder, views_match, wait_until
+from bridge_support import Engine, Recorder, nats_connect, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber, encode_batch
 from kvbridge.wire.events import BlockStored, KVEventBatch
 
@@ -171,7 +170,7 @@ async def test_malformed_messages_counted_and_skipped(nats_server):
         e.start()
     good = encode_batch(KVEventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None)]))
     rnd = random.Random(7)
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     n = 10_000
     for i in range(n - 1):
         p = pubs[i % 2]
@@ -223,7 +222,7 @@ async def test_a_native_pools_records_go_out_as_the_bytes_of_its_events(nats_ser
 
     encode_records = framer.encode_records
     monkeypatch.setattr(framer, "encode_records", counted)
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     got: list[tuple[int, bytes]] = []
 
     async def on_msg(msg) -> None:

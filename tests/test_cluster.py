@@ -14,12 +14,11 @@ import asyncio
 import logging
 import time
 
-import nats
 import nats.errors
 import nats.js.errors
 import pytest
 
-from bridge_support import Engine, Recorder, views_match, wait_until
+from bridge_support import Engine, Recorder, nats_connect, views_match, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber
 from kvbridge.bus.jetstream import JetStreamError
 from kvbridge.tools.server import NatsCluster
@@ -131,7 +130,7 @@ async def test_replicated_stream_survives_losing_its_leader(js_cluster, caplog):
     config = cfg(cluster, "clj", jetstream=True, stream_name="CLJ", stream_replicas=3)
     rec = Recorder()
     sub = await KvEventSubscriber(config, on_update=rec).start()  # creates the stream, R3
-    nc = await nats.connect(servers=cluster.urls)
+    nc = await nats_connect(servers=cluster.urls)
     js = nc.jetstream(timeout=2)
     info = await js.stream_info("CLJ")
     assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2
@@ -210,7 +209,7 @@ async def test_stream_replicas_refused_where_impossible_and_never_changed(js_clu
     caplog.set_level(logging.WARNING, logger="kvbridge")
     other = await KvEventPublisher(cfg(js_cluster, "clr", "w1", jetstream=True, stream_name="CLR",
                                        stream_replicas=1, stream_max_age_s=1800)).start()  # fmt: skip
-    nc = await nats.connect(servers=js_cluster.urls)
+    nc = await nats_connect(servers=js_cluster.urls)
     info = await nc.jetstream().stream_info("CLR")
     assert info.config.num_replicas == 3  # not scaled down ...
     assert info.config.max_age == pytest.approx(1800)  # ... while the other limits are updated in place

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
 
-from bridge_support import pool_hashes, wait_until
+from bridge_support import nats_connect, pool_hashes, wait_until
 from kvbridge import (
     Config,
     KvEventPublisher,
@@ -62,7 +61,7 @@ class RawCollector:
 
 
 async def raw_subscribe(server: NatsServer, subject: str):
-    nc = await nats.connect(server.url)
+    nc = await nats_connect(server.url)
     col = RawCollector()
     sub = await nc.subscribe(subject, cb=col.on_msg)
     await nc.flush()
@@ -208,7 +207,7 @@ def _llama3_prompt(n_tokens: int, seed: int) -> list[int]:
 
 async def _replayed_hashes(server: NatsServer, pub: KvEventPublisher, start: int) -> tuple[set, int]:
     """Ask the worker's replay subject directly; the stored hashes it sends back, and the messages."""
-    nc = await nats.connect(server.url)
+    nc = await nats_connect(server.url)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(pub.subjects.replay, json.dumps({"from": start}).encode(), reply=inbox)
@@ -371,7 +370,7 @@ async def test_a_stalled_iterator_is_told_it_fell_behind_and_stays_exact(nats_se
 async def test_made_up_workers_cost_a_few_requests_then_expire(nats_server):
     cfg = Config(servers=nats_server.url, subject_prefix="fake", model=MODEL, worker_timeout_s=3.0)
     requests = {"n": 0, "probe": 0}
-    monitor = await nats.connect(nats_server.url)
+    monitor = await nats_connect(nats_server.url)
 
     async def count(msg) -> None:  # sees every replay/snapshot request; never answers
         requests["n"] += 1
@@ -384,7 +383,7 @@ async def test_made_up_workers_cost_a_few_requests_then_expire(nats_server):
     sub = await KvEventSubscriber(cfg.replace(worker_id="sub", request_timeout_s=0.5)).start()
     real = await KvEventPublisher(cfg.replace(worker_id="real")).start()
     churn = _Churn(real, seed=3)
-    forger = await nats.connect(nats_server.url)
+    forger = await nats_connect(nats_server.url)
     for i in range(1000):
         hdr = {"Kv-Seq": "0", "Kv-Epoch": f"e{i}", "Content-Type": "application/msgpack"}
         await forger.publish(f"fake.events.{MODEL}.ghost-{i}", msgspec.msgpack.encode([time.time(), [], None]), headers=hdr)
@@ -541,7 +540,7 @@ async def test_two_epochs_alternating_on_one_subject_are_warned_about_once(nats_
     await wait_until(lambda: (MODEL, "twin") in sub.views and sub.in_sync(), 10, "first contact")
     # A second engine configured with the same id (its own start probe bypassed: it runs elsewhere
     # with an account that may not probe) keeps publishing its own incarnation.
-    other = await nats.connect(nats_server.url)
+    other = await nats_connect(nats_server.url)
     for seq in range(12):
         hdr = {"Kv-Seq": str(seq), "Kv-Epoch": "0ther0ther0ther0", "Content-Type": "application/msgpack"}
         await other.publish(pub.subjects.events, msgspec.msgpack.encode([time.time(), [], None]), headers=hdr)
@@ -561,7 +560,7 @@ async def test_a_snapshot_answered_by_a_dying_incarnation_does_not_wedge_its_suc
     caplog.set_level(logging.WARNING, logger="kvbridge")
     cfg = Config(servers=nats_server.url, subject_prefix="wedge", model=MODEL, worker_id="w", heartbeat_s=0.2)
     sub = await KvEventSubscriber(cfg.replace(worker_id="sub", worker_timeout_s=1.0)).start()
-    dying = await nats.connect(nats_server.url)
+    dying = await nats_connect(nats_server.url)
     epoch_a = "deaddeaddeaddead"
     subjects = WorkerSubjects.build("wedge", MODEL, "w")
     successor: list[KvEventPublisher] = []

@@ -11,11 +11,10 @@ import asyncio
 import datetime
 import random
 
-import nats
 import pytest
 from nats.js import api
 
-from bridge_support import Recorder, wait_until
+from bridge_support import Recorder, nats_connect, wait_until
 from kvbridge import (
     AllBlocksCleared,
     BlockRemoved,
@@ -97,7 +96,7 @@ def views_equal(sub: KvEventSubscriber, expected: dict) -> bool:
 
 async def stream_messages(url: str | list[str], stream: str, subject: str) -> list[tuple[str, dict, int]]:
     """Everything the stream holds on ``subject``: (subject, headers, stream seq), in stream order."""
-    nc = await nats.connect(url)
+    nc = await nats_connect(url)
     try:
         js = nc.jetstream()
         info = await js.stream_info(stream, subjects_filter=subject)
@@ -130,7 +129,7 @@ async def test_stream_created_with_config_and_updated_in_place(nats_server):
     cfg = js_cfg(nats_server, "jst1", "JST1", stream_max_age_s=600, stream_duplicate_window_s=30)
     # Many workers starting together race to create the one stream; all must succeed.
     pubs = await asyncio.gather(*(KvEventPublisher(cfg, worker_id=f"w{i}").start() for i in range(4)))
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     js = nc.jetstream()
     info = await js.stream_info("JST1")
     assert info.config.subjects == ["jst1.events.>"]
@@ -188,7 +187,7 @@ async def test_resent_msg_id_is_not_duplicated(nats_server):
 
     # The same on the wire from another client: same Nats-Msg-Id, same answer.
     messages = await stream_messages(nats_server.url, "JST2", "jst2.events.>")
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     js = nc.jetstream()
     subject, hdrs, _ = messages[3]
     ack = await js.publish(subject, b"\x93\x00\x90\xc0", headers=hdrs)
@@ -201,7 +200,7 @@ async def test_resent_msg_id_is_not_duplicated(nats_server):
 
 
 async def _info(server, stream: str) -> api.StreamInfo:
-    nc = await nats.connect(server.url)
+    nc = await nats_connect(server.url)
     try:
         return await nc.jetstream().stream_info(stream)
     finally:
@@ -322,7 +321,7 @@ async def test_publisher_recreates_a_deleted_stream(nats_server):
     pub = await KvEventPublisher(cfg, worker_id="w0").start()
     await run_workload(pub, Workload(5), 50)
     assert await pub._js.wait_acked(10)
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     await nc.jetstream().delete_stream("JST5")
     await run_workload(pub, Workload(6), 50)
     assert await pub._js.wait_acked(15), pub.stats

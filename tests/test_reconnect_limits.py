@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import nats
 import pytest
 
-from bridge_support import Recorder, pool_hashes, wait_until
+from bridge_support import Recorder, nats_connect, pool_hashes, wait_until
 from kvbridge import Config, KvEventPublisher, KvEventSubscriber, encode_batch
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.tools.server import NatsServer
@@ -45,7 +44,7 @@ def _hand_over(pub: KvEventPublisher, manager: KVCacheManager, via: str) -> int:
 
 
 async def _server_max_payload(url: str) -> int:
-    nc = await nats.connect(url)
+    nc = await nats_connect(url)
     try:
         return nc.max_payload
     finally:

@@ -14,13 +14,12 @@ import subprocess
 import sys
 
 import msgspec
-import nats
 import pytest
 import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from bridge_support import stop_process, wait_until
+from bridge_support import nats_connect, stop_process, wait_until
 from hybrid_support import Stream
 from engine_shapes import (
     SglAllBlocksCleared,
@@ -148,7 +147,7 @@ class Collector:
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def nats_sub(nats_server):
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     subs = []
 
     async def subscribe(subject: str) -> Collector:
@@ -481,7 +480,7 @@ async def test_a_batch_over_max_payload_is_split_and_counted(zctx, tmp_path):
     small = msgspec.msgpack.encode(VllmBatch(2.0, [VllmBlockStored([7], None, [1] * 4, 4, None, "GPU", None)], 0))
     engine = zctx()
     with NatsServer(config_file=str(conf)) as server:
-        nc = await nats.connect(server.url)
+        nc = await nats_connect(server.url)
         col = Collector()
         try:
             await nc.subscribe("kv.events.m-relay.w-split", cb=col.on_msg)

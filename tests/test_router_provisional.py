@@ -14,7 +14,7 @@ from kvbridge.routing.router import Decision, Router, report_loads
 from kvbridge.routing.sync import RouteSync, decode_decision, encode_decision
 from kvbridge.wire.events import LoadReport
 
-from bridge_support import wait_until
+from bridge_support import nats_connect, wait_until
 
 BS = 4
 PREFIX = list(range(1000, 1064))  # 16 full blocks nobody holds yet
@@ -205,8 +205,6 @@ async def test_two_replicas_route_a_burst_as_one_router(nats_server):
 
 
 async def test_a_restarted_replica_converges_and_malformed_messages_are_ignored(nats_server):
-    import nats
-
     index = Index(BS)
     r1, s1 = await _synced(nats_server.url, index, seed=1)
     r2, s2 = await _synced(nats_server.url, index, seed=2)
@@ -214,12 +212,16 @@ async def test_a_restarted_replica_converges_and_malformed_messages_are_ignored(
         first, _ = r1.choose(PREFIX)
         await s2.close()  # replica 2 dies mid-burst ...
         r1.choose(PREFIX + [1])
+        # that decision is routed by the server before the fresh replica subscribes: it is not one
+        # the new replica hears (else it may hear two, and 'applied == 1' below never holds)
+        await wait_until(lambda: s1.stats["published"] == 2, 10.0, "replica 1 to publish its second decision")
+        await s1._nc.flush()
         r2, s2 = await _synced(nats_server.url, index, seed=3)  # ... and a fresh one takes its place
         assert r2.stats["provisional_entries"] == 0
         r1.choose(PREFIX + [2])  # the burst goes on: the new replica hears the next decision
         await wait_until(lambda: s2.stats["applied"] == 1, 10.0, "the new replica to hear a decision")
         assert r2.choose(PREFIX + [3])[0] == first
-        nc = await nats.connect(nats_server.url)
+        nc = await nats_connect(nats_server.url)
         try:
             await nc.publish("kv.route.m", b"not msgpack at all")
             await nc.flush()

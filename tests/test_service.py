@@ -10,11 +10,10 @@ import signal
 import sys
 
 import msgspec
-import nats
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 
-from bridge_support import pool_hashes, prefix_scores, stop_process
+from bridge_support import nats_connect, pool_hashes, prefix_scores, stop_process
 from kvbridge import Config, Index, KvEventPublisher, hash_blocks
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
@@ -117,7 +116,7 @@ async def test_scores_over_nats_equal_brute_force_json_and_msgpack(nats_server):
             assert any(len(fleet.expected(p, lo)) >= 2 for p, lo in fleet.probes), "no prefix shared by two workers"
             assert any(fleet.expected(p, LORA) for p, lo in fleet.probes if lo == LORA), "no LoRA hit"
         # JSON without a Content-Type (what `nats req` sends), and msgpack with one, on the raw subject
-        nc = await nats.connect(nats_server.url)
+        nc = await nats_connect(nats_server.url)
         try:
             subject = query_subject("kv", model)
             assert subject == f"kv.query.{model}"
@@ -173,7 +172,7 @@ async def test_malformed_queries_get_errors_and_the_service_carries_on(nats_serv
     model = "svc-bad"
     fleet = await Fleet(nats_server, model, seed=3).start()
     service = await IndexService(cfg(nats_server, model, "svc"), index=Index(BS)).start()
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     subject = query_subject("kv", model)
     good_tokens, good_lora = fleet.probes[0]
     try:
@@ -225,7 +224,7 @@ async def test_client_retries_once_when_a_replica_dies_with_the_query(nats_serve
     model = "svc-retry"
     fleet = await Fleet(nats_server, model, seed=4).start()
     subject = query_subject("kv", model)
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     started: list[IndexService] = []
     taken = asyncio.Event()
 

@@ -22,14 +22,13 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace as NS
 
-import nats
 import pytest
 import pytest_asyncio
 import zmq
 import zmq.asyncio
 
 import kvbridge.engine.vllm as kv_vllm
-from bridge_support import stop_process, wait_until
+from bridge_support import nats_connect, stop_process, wait_until
 from engine_shapes import PrefixCacheStats, SchedulerStats
 from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
 from kvbridge.engine.discover import Discovery
@@ -287,7 +286,7 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
     # Events on, but no ZMQ stream to relay: load reports only.
     cfg = vllm_config(publisher="null", served="load-m")
     logger = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.1)(vllm_config=cfg, engine_indexes=[0, 1])
-    nc = await nats.connect(nats_server.url)
+    nc = await nats_connect(nats_server.url)
     col = LoadCollector()
     await nc.subscribe("kv.load.load-m.*", cb=col.on_msg)
     try:
@@ -316,7 +315,7 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
 
 async def test_subscriber_adds_counters_across_api_servers(nats_server):
     async with KvEventSubscriber(servers=[nats_server.url], model="multi") as sub:
-        nc = await nats.connect(nats_server.url)
+        nc = await nats_connect(nats_server.url)
         try:
             from kvbridge.wire.events import encode_load_report
 
