@@ -34,6 +34,11 @@ so any byte received counts as a sign of life, and so does a full socket taking 
 it was found), counted (``link_failures``) and replaced, its socket aborted rather than closed
 (see ``_replace_dead_link``).
 
+``Client.flush`` covers everything sent before it: nats-py's writes its PING to the socket at
+once, ahead of commands still waiting for the flusher task (a SUB just made), so its PONG could
+come back before the server had them. kvbridge's start-ups rely on a flush meaning "the server
+has my subscriptions" (and has reported any refusal).
+
 nats-py's private members: all of the above overrides or calls them (``_process_msg``,
 ``_process_headers``, ``_remove_sub``, the parser's state, the keepalive's PING bookkeeping). At
 import they are checked against what this module needs (``_NEEDS``, ``missing_internals``); a
