@@ -28,7 +28,7 @@ use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
 use crate::cpython;
 use crate::decode::{incref, new_list, set_item};
-use crate::hash::algo::{salted, xxh3_chain, Algo, Chain};
+use crate::hash::algo::index_keys;
 use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
@@ -601,30 +601,11 @@ impl Index {
         let full = &toks.as_slice()[..n_blocks * bs];
         if full.len() >= DETACH_MIN_TOKENS {
             let copy = full.to_vec();
-            py.detach(|| hash_words(bs, lora_name, &copy, extras.as_deref(), &mut keys));
+            py.detach(|| index_keys(&copy, bs, lora_name, None, extras.as_deref(), &mut keys));
         } else {
-            hash_words(bs, lora_name, full, extras.as_deref(), &mut keys);
+            index_keys(full, bs, lora_name, None, extras.as_deref(), &mut keys);
         }
         Ok(keys)
-    }
-}
-
-/// Appends the keys of `tokens`' full blocks to `keys`: without extra keys by `xxh3_chain`, the
-/// loop the native API's token queries run too; with them through a `Chain`.
-fn hash_words(
-    block_size: usize,
-    lora_name: Option<&str>,
-    tokens: &[u32],
-    extras: Option<&[Option<Value>]>,
-    keys: &mut Vec<u64>,
-) {
-    match extras {
-        None => xxh3_chain(tokens, block_size, salted(0, lora_name, None), keys),
-        Some(extras) => {
-            let mut chain = Chain::new(Algo::Xxh3, block_size, 0, None, lora_name, None);
-            keys.reserve(tokens.len() / block_size);
-            chain.run_words(tokens, Some(extras), |k| keys.push(k));
-        }
     }
 }
 

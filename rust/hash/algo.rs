@@ -401,6 +401,32 @@ pub fn xxh3_chain(tokens: &[u32], block_size: usize, seed: u64, keys: &mut Vec<u
     }
 }
 
+/// The index's keys (`Algo::Xxh3`, salted by `lora_name`) of `tokens`' full blocks, continuing
+/// from `parent`'s key, appended to `keys`: by `xxh3_chain` when no block has an extra key (a
+/// block's missing extra key and `None` hash alike), else through a `Chain`. The index's token
+/// queries (no parent) and its stores of token ids both take it.
+pub fn index_keys(
+    tokens: &[u32],
+    block_size: usize,
+    lora_name: Option<&str>,
+    parent: Option<u64>,
+    extras: Option<&[Option<Value>]>,
+    keys: &mut Vec<u64>,
+) {
+    match extras.filter(|e| e.iter().any(Option::is_some)) {
+        None => {
+            let seed = parent.unwrap_or_else(|| salted(0, lora_name, None));
+            xxh3_chain(tokens, block_size, seed, keys)
+        }
+        Some(extras) => {
+            let mut chain = Chain::new(Algo::Xxh3, block_size, 0, None, lora_name, None);
+            chain.parent = parent.map(Digest::from_u64);
+            keys.reserve(tokens.len() / block_size);
+            chain.run_words(tokens, Some(extras), |k| keys.push(k));
+        }
+    }
+}
+
 /// Block i's key written straight into the reserved slot i: through `extend` the loop was not
 /// inlined here, so the block's length was not a constant and the chained seed went through
 /// memory, a store and a load on the serial chain per block.
@@ -473,6 +499,28 @@ mod tests {
                         "block size {bs}, {n} tokens, {lora:?}, {parent:?}"
                     );
                 }
+            }
+        }
+    }
+
+    /// `index_keys` gives a `Chain`'s keys from the same parent, with no extra keys, with
+    /// `None` for every block, and with one block's extra key set.
+    #[test]
+    fn index_keys_are_the_chain_s() {
+        let tokens: Vec<u32> = (0..64u32).map(|i| i.wrapping_mul(2654435761)).collect();
+        let bs = 16;
+        let nones = vec![None; 4];
+        let mut one = nones.clone();
+        one[2] = Some(Value::Int(7));
+        for extras in [None, Some(&nones[..]), Some(&one[..])] {
+            for (lora, parent) in [(None, None), (Some("adapter"), Some(77u64))] {
+                let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, lora, None);
+                chain.parent = parent.map(Digest::from_u64);
+                let mut want = vec![9];
+                chain.run_words(&tokens, extras, |k| want.push(k));
+                let mut got = vec![9];
+                index_keys(&tokens, bs, lora, parent, extras, &mut got);
+                assert_eq!(got, want, "{extras:?}, {lora:?}, {parent:?}");
             }
         }
     }

@@ -39,7 +39,7 @@ use super::holders::{
 };
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
-use crate::hash::algo::{salted, xxh3_chain, Algo, Chain, Digest};
+use crate::hash::algo::{index_keys, Algo, Chain, Digest};
 use crate::hash::value::Value;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -1266,23 +1266,16 @@ impl Core {
                         }
                     },
                 };
-                let chain = || {
-                    let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, s.lora_name, None);
-                    chain.parent = parent.map(Digest::from_u64);
-                    chain
-                };
-                let plain = s
-                    .extra_keys
-                    .as_ref()
-                    .is_none_or(|e| e.iter().all(Option::is_none));
-                if ebs == bs && plain {
-                    // The common store: the token queries' loop, the chain's keys without a
-                    // test for extra keys per block.
-                    let seed = parent.unwrap_or_else(|| salted(0, s.lora_name, None));
-                    xxh3_chain(tokens, bs, seed, &mut digests);
-                } else if ebs == bs {
+                if ebs == bs {
                     let extras = s.extra_keys.map(|e| strip_lora(e, s.lora_name));
-                    chain().run_words(tokens, extras.as_deref(), |k| digests.push(k));
+                    index_keys(
+                        tokens,
+                        bs,
+                        s.lora_name,
+                        parent,
+                        extras.as_deref(),
+                        &mut digests,
+                    );
                 } else {
                     // A block of m hash blocks is keyed by its last one's index hash, which
                     // is what a group of the index's size stores for that position (and what
@@ -1290,7 +1283,9 @@ impl Core {
                     // here (see `extras_none`).
                     let m = ebs / bs;
                     let mut i = 0usize;
-                    chain().run_words(tokens, None, |k| {
+                    let mut chain = Chain::new(Algo::Xxh3, bs, 0, None, s.lora_name, None);
+                    chain.parent = parent.map(Digest::from_u64);
+                    chain.run_words(tokens, None, |k| {
                         i += 1;
                         if i.is_multiple_of(m) {
                             digests.push(k);
