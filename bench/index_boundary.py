@@ -84,6 +84,7 @@ def main() -> None:
         (f"engine: top_k={TOP_K} lists <- array('Q')", lambda x: engine.find_matches(block_hashes=x, top_k=TOP_K, lists=True), lambda q: array("Q", q[0])),
         ("tokens: dict <- list of int tokens", lambda x: tokens_ix.find_matches(x), lambda q: q[1].tolist()),
         ("tokens: lists <- array('I') tokens", lambda x: tokens_ix.find_matches(x, lists=True), lambda q: array("I", q[1])),
+        (f"tokens: top_k={TOP_K} lists <- array('I') tokens", lambda x: tokens_ix.find_matches(x, top_k=TOP_K, lists=True), lambda q: array("I", q[1])),
     ]
     best: dict[str, tuple[float, float]] = {}
     wrong: dict[str, int] = {}
