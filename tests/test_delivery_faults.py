@@ -541,15 +541,50 @@ async def test_two_epochs_alternating_on_one_subject_are_warned_about_once(nats_
     # A second engine configured with the same id (its own start probe bypassed: it runs elsewhere
     # with an account that may not probe) keeps publishing its own incarnation.
     other = await nats_connect(nats_server.url)
-    for seq in range(12):
-        hdr = {"Kv-Seq": str(seq), "Kv-Epoch": "0ther0ther0ther0", "Content-Type": "application/msgpack"}
-        await other.publish(pub.subjects.events, msgspec.msgpack.encode([time.time(), [], None]), headers=hdr)
-        await asyncio.sleep(0.1)
+
+    async def keep_speaking() -> None:
+        for seq in range(10_000):
+            hdr = {"Kv-Seq": str(seq), "Kv-Epoch": "0ther0ther0ther0", "Content-Type": "application/msgpack"}
+            await other.publish(pub.subjects.events, msgspec.msgpack.encode([time.time(), [], None]), headers=hdr)
+            await asyncio.sleep(0.1)  # paces the twin; nothing is decided by it
+
+    # Its first messages after being given up could be a dead incarnation's late ones: conflicts
+    # are counted once it has kept speaking past the grace (1 s; its heartbeat 0.2 s is shorter).
+    twin = asyncio.create_task(keep_speaking())
     await wait_until(lambda: sub.stats["epoch_conflicts"] >= 2, 15, "conflicts counted")
+    twin.cancel()
     warnings = [r for r in caplog.records if "two live publishers" in r.getMessage()]
     assert len(warnings) == 1
     assert pub.epoch in warnings[0].getMessage() and "0ther0ther0ther0" in warnings[0].getMessage()
     for c in (other, sub, pub):
+        await c.close()
+
+
+async def test_a_dead_incarnations_messages_arriving_after_its_successor_are_not_a_second_publisher(
+    nats_server, caplog
+):
+    """A restart in a cluster: incarnation A's last messages, routed through another node, arrive
+    after its successor B was adopted. Newer than anything seen from A, they are duplicates, not
+    evidence of two live publishers (no WARNING, ``epoch_conflicts`` stays 0)."""
+    cfg = Config(servers=nats_server.url, subject_prefix="late", model=MODEL, worker_id="w", heartbeat_s=0.2)
+    caplog.set_level(logging.WARNING, logger="kvbridge")
+    sub = await KvEventSubscriber(cfg.replace(worker_id="sub")).start()
+    a = await KvEventPublisher(cfg).start()
+    await wait_until(lambda: sub.worker_states().get((MODEL, "w")) == ("exact", a.epoch), 10, "A followed")
+    epoch_a = a.epoch
+    await a.close()
+    b = await KvEventPublisher(cfg).start()
+    await wait_until(lambda: sub.worker_states().get((MODEL, "w")) == ("exact", b.epoch), 10, "B followed")
+    late = await nats_connect(nats_server.url)
+    dups = sub.stats["duplicates"]
+    for seq in (5_000, 5_001, 5_002):  # newer than anything A sent before it was given up
+        hdr = {HDR_SEQ: str(seq), HDR_EPOCH: epoch_a, HDR_CONTENT_TYPE: "application/msgpack", HDR_HEARTBEAT: "0.2"}
+        await late.publish(a.subjects.events, msgspec.msgpack.encode([time.time(), [], None]), headers=hdr)
+    await wait_until(lambda: sub.stats["duplicates"] >= dups + 3, 10, "A's late messages dropped")
+    assert sub.stats["epoch_conflicts"] == 0
+    assert not [r for r in caplog.records if "two live publishers" in r.getMessage()]
+    assert sub.worker_states().get((MODEL, "w")) == ("exact", b.epoch)
+    for c in (late, sub, b):
         await c.close()
 
 

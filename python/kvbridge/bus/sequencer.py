@@ -12,8 +12,10 @@ are opaque: the sequencer only parks and hands them back in order.
   resynced from a snapshot. In JetStream mode a seq 0 of a new epoch starts that incarnation from
   the stream instead (a new incarnation starts empty, and the stream holds all of it).
 * Epochs given up (old incarnations, forged headers) are remembered with the highest seq seen
-  from them: their late messages are duplicates, but a *newer* seq means that incarnation is
-  still publishing -- two live publishers on one subject: a conflict.
+  from them: their late messages are duplicates, but a *newer* seq means that incarnation may
+  still be publishing -- two live publishers on one subject: a conflict. (Or its last messages
+  were still in flight when it was given up: the subscriber calls it a conflict only if the epoch
+  keeps speaking.)
 * While a resync is under way, messages are parked; a snapshot or replay that lands moves
   ``next_seq`` and the parked messages that follow come out in order. What is parked is always
   one epoch's (``parked_epoch``): parking another's lets the first go (replay or snapshot fetch

@@ -19,7 +19,10 @@ in-order sequence of :class:`Update` s:
   pauses until it expires. Silence is never blamed on the workers before the subscriber's own
   link has answered a PING (docs/delivery.md, "Dead links");
 * two live publishers on one subject (two epochs alternating) are logged once, at WARNING, with
-  both epochs, and counted (``stats["epoch_conflicts"]``). If the incarnation followed falls
+  both epochs, and counted (``stats["epoch_conflicts"]``) -- once an epoch given up has kept
+  sending new seqs for longer than the worker's heartbeat interval (1 s at least): a dead
+  incarnation's messages still in flight when its successor was adopted (a cluster can route
+  them late) are duplicates, not a second publisher. If the incarnation followed falls
   silent past the worker's timeout while one given up keeps speaking, the followed one was the
   dead one (its snapshot answer was read after its successor had spoken): the speaker is
   resynced and followed, counted as an epoch change.
@@ -52,7 +55,7 @@ from kvbridge.metrics import register, start_exporter, tally
 from kvbridge.config import Config
 from kvbridge.bus.connection import Permissions, connect
 from kvbridge.bus.loads import LoadReports, parse_load_msg
-from kvbridge.bus.sequencer import Sequencer, Verdict
+from kvbridge.bus.sequencer import MAX_RETIRED, Sequencer, Verdict
 from kvbridge.bus.update import Body, Update, WorkerView, decode, parse_event_msg
 from kvbridge.wire.events import DecodeError, KVEventBatch
 from kvbridge.wire.events import Event, LoadReport
@@ -90,6 +93,10 @@ _BACKOFF_NO_RESPONDERS_S = 0.5
 _BACKOFF_MAX_S = 4.0
 # Events subjects remembered with their (model, worker); far more than any deployment's workers.
 _MAX_SUBJECT_KEYS = 4096
+# An epoch given up that sends new seqs is a second live publisher only if it keeps at it for
+# longer than this (or the worker's heartbeat interval, if longer): what a dead incarnation had
+# in flight when its successor was adopted arrives within a route's delay, not a heartbeat's.
+_CONFLICT_AFTER_S = 1.0
 
 
 class _Worker:
@@ -98,7 +105,7 @@ class _Worker:
 
     __slots__ = (
         "model", "worker", "subjects", "seq", "syncing", "view", "last_heard", "followed_heard", "heartbeat_raw",
-        "heartbeat_s", "conflict_warned",
+        "heartbeat_s", "conflict_warned", "speaking_since",
     )  # fmt: skip
 
     def __init__(self, prefix: str, model: str, worker: str, track_view: bool) -> None:
@@ -112,6 +119,8 @@ class _Worker:
         self.heartbeat_raw: str | None = None
         self.heartbeat_s: float | None = None  # None: not advertised
         self.conflict_warned = False
+        # Epoch given up -> when it was first heard sending a seq newer than any seen from it.
+        self.speaking_since: dict[str, float] = {}
 
     @property
     def epoch(self) -> str | None:
@@ -446,6 +455,7 @@ class KvEventSubscriber:
                         "resyncing to follow the one alive", w.subjects.events, w.epoch,
                         w.last_heard - w.followed_heard)  # fmt: skip
             w.seq.revive(epoch)
+            w.speaking_since.pop(epoch, None)
             verdict = w.seq.offer(epoch, seq, batch, syncing=syncing, jetstream=jetstream)
         if verdict is Verdict.DELIVER:
             yield self._deliver(w, seq, batch, "live")
@@ -465,7 +475,8 @@ class KvEventSubscriber:
             yield from self._begin_epoch_from_stream(w, epoch, batch)
         elif verdict is Verdict.CONFLICT:
             counts["duplicates"] += 1
-            self._epoch_conflict(w, epoch)
+            if self._still_speaking(w, epoch):
+                self._epoch_conflict(w, epoch)
         # Verdict.PARKED: a resync is under way and will take it from there.
 
     def _subject_key(self, subject: str) -> tuple[str, str]:
@@ -484,6 +495,16 @@ class KvEventSubscriber:
         another (given up) has just spoken: then the followed one is the dead one."""
         limit = w.timeout(self.config.worker_timeout_s)
         return limit is not None and w.last_heard - w.followed_heard > limit
+
+    @staticmethod
+    def _still_speaking(w: _Worker, epoch: str) -> bool:
+        """Whether ``epoch`` (given up) has been sending new seqs for longer than a late message
+        of a dead incarnation can take to arrive (``_CONFLICT_AFTER_S``)."""
+        now = time.monotonic()
+        since = w.speaking_since.setdefault(epoch, now)
+        if len(w.speaking_since) > MAX_RETIRED:  # forged epochs: keep the newest
+            del w.speaking_since[next(iter(w.speaking_since))]
+        return now - since > max(_CONFLICT_AFTER_S, w.heartbeat_s or 0.0)
 
     def _epoch_conflict(self, w: _Worker, other: str) -> None:
         self._counts["epoch_conflicts"] += 1
