@@ -10,6 +10,7 @@
 
 pub(crate) mod core;
 mod holders;
+pub(crate) mod keys;
 pub(crate) mod parse;
 pub(crate) mod pipeline;
 pub(crate) mod table;
@@ -24,11 +25,12 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
 
 use self::core::{Core, Mode};
+use self::keys::{QueryKeys, TokenKeys};
 use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
 use crate::cpython;
 use crate::decode::{incref, new_list, set_item};
-use crate::hash::algo::index_keys;
+use crate::hash::algo::{index_keys, salted};
 use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
@@ -278,8 +280,15 @@ impl Index {
                 extra_keys,
             },
         )?;
-        let long = keys.as_slice().len() >= DETACH_MIN_TOKENS / 16;
+        let long = keys.blocks(self.block_size) >= DETACH_MIN_TOKENS / 16;
         if by_medium {
+            // Every medium walks the keys: made all at once.
+            let keys = match keys {
+                Keys::Tokens { tokens, seed } => {
+                    Keys::Pooled(self.made_keys(py, tokens.as_slice(), seed))
+                }
+                keys => keys,
+            };
             let keys = keys.shared();
             let out = PyDict::new(py);
             type Row = (u32, Arc<str>, Option<String>, u32);
@@ -312,7 +321,7 @@ impl Index {
             return Ok(out.into_any());
         }
         let (found, names) = self.named(py, long, &keys, |core, keys, found| {
-            core.find_matches(keys, medium.map(Some), remote, found);
+            core.find_matches_of(keys, medium.map(Some), remote, found);
             if let Some(k) = top_k {
                 keep_top(found, k);
             }
@@ -464,7 +473,14 @@ impl Index {
                          block_hashes= (e.g. from kvbridge.hash_blocks with the engines' algo and seed)",
                     ));
                 }
-                Keys::Pooled(self.hash_tokens(py, t, lora_name, extra_keys)?)
+                match extra_keys {
+                    // Hashed as the query's walk reaches them (index::keys).
+                    None => Keys::Tokens {
+                        tokens: tokens::read(t)?,
+                        seed: salted(0, lora_name, None),
+                    },
+                    Some(_) => Keys::Pooled(self.hash_tokens(py, t, lora_name, extra_keys)?),
+                }
             }
         })
     }
@@ -481,7 +497,7 @@ impl Index {
         py: Python<'py>,
         long: bool,
         keys: &Keys<'_>,
-        query: impl FnOnce(&Core, &[u64], &mut Vec<(u32, u32)>) + Send,
+        query: impl FnOnce(&Core, &mut Query<'_>, &mut Vec<(u32, u32)>) + Send,
     ) -> (Recycled<(u32, u32)>, Vec<Bound<'py, PyString>>) {
         /// The pairs, and the names the cache lacks by position in them (usually none, so
         /// nothing is allocated for them).
@@ -519,12 +535,30 @@ impl Index {
             Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
             Err(TryLockError::WouldBlock) => None,
         };
+        let bs = self.block_size;
         let (found, misses) = match free {
-            Some(core) => rows(&core, |c, f| query(c, keys.as_slice(), f), &cache),
+            Some(core) => {
+                let mut made = Recycled::take(&KEYS);
+                let mut q = keys.query(bs, &mut made);
+                rows(&core, |c, f| query(c, &mut q, f), &cache)
+            }
             None => {
                 drop(cache);
-                let keys = keys.shared();
-                let rows = self.read(py, long, |core| rows(core, |c, f| query(c, &keys, f), &[]));
+                // What may be read with the GIL released: token ids in a buffer are copied.
+                let shared = match keys {
+                    Keys::Tokens { tokens, seed } => Err((tokens.as_slice().to_vec(), *seed)),
+                    keys => Ok(keys.shared()),
+                };
+                let rows = self.read(py, long, |core| {
+                    let mut made = Vec::new();
+                    let mut q = match &shared {
+                        Ok(keys) => Query::Given(keys),
+                        Err((tokens, seed)) => {
+                            Query::Tokens(TokenKeys::new(tokens, bs, *seed, &mut made))
+                        }
+                    };
+                    rows(core, |c, f| query(c, &mut q, f), &[])
+                });
                 cache = lock_names();
                 rows
             }
@@ -598,6 +632,7 @@ impl Index {
         let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
         // From this thread's pool: a query's keys were allocated and freed on every call.
         let mut keys = Recycled::take(&KEYS);
+        keys.clear();
         let full = &toks.as_slice()[..n_blocks * bs];
         if full.len() >= DETACH_MIN_TOKENS {
             let copy = full.to_vec();
@@ -606,6 +641,22 @@ impl Index {
             index_keys(full, bs, lora_name, None, extras.as_deref(), &mut keys);
         }
         Ok(keys)
+    }
+
+    /// Every index key of `tokens`' full blocks without extra keys, from `seed` (the LoRA
+    /// name's salt), with the GIL released for a long prompt.
+    fn made_keys(&self, py: Python<'_>, tokens: &[u32], seed: u64) -> Recycled<u64> {
+        let bs = self.block_size;
+        let full = &tokens[..tokens.len() / bs * bs];
+        let mut keys = Recycled::take(&KEYS);
+        keys.clear();
+        if full.len() >= DETACH_MIN_TOKENS {
+            let copy = full.to_vec();
+            py.detach(|| crate::hash::algo::xxh3_chain(&copy, bs, seed, &mut keys));
+        } else {
+            crate::hash::algo::xxh3_chain(full, bs, seed, &mut keys);
+        }
+        keys
     }
 }
 
@@ -937,9 +988,45 @@ enum Keys<'a> {
         words: *const u64,
         n: usize,
     },
+    /// Token ids of a query without extra keys: hashed as the walk reaches them (`seed`: the
+    /// key before the first block's).
+    Tokens {
+        tokens: tokens::Tokens,
+        seed: u64,
+    },
+}
+
+/// A query's keys as the core walks them: given, or made from token ids on the way.
+enum Query<'k> {
+    Given(&'k [u64]),
+    Tokens(TokenKeys<'k>),
+}
+
+impl QueryKeys for Query<'_> {
+    #[inline(always)]
+    fn total(&self) -> usize {
+        match self {
+            Query::Given(k) => k.len(),
+            Query::Tokens(t) => t.total(),
+        }
+    }
+    #[inline(always)]
+    fn key(&mut self, i: usize) -> u64 {
+        match self {
+            Query::Given(k) => k[i],
+            Query::Tokens(t) => t.key(i),
+        }
+    }
+    fn all(&mut self) -> &[u64] {
+        match self {
+            Query::Given(k) => k,
+            Query::Tokens(t) => t.all(),
+        }
+    }
 }
 
 impl Keys<'_> {
+    /// The keys as given or made (token ids not hashed yet: none).
     fn as_slice(&self) -> &[u64] {
         match self {
             Keys::Owned(v) => v,
@@ -947,6 +1034,25 @@ impl Keys<'_> {
             Keys::Frozen(s) => s,
             // SAFETY: n aligned words inside the held export.
             Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },
+            Keys::Tokens { .. } => &[],
+        }
+    }
+
+    /// How many blocks the query has.
+    fn blocks(&self, block_size: usize) -> usize {
+        match self {
+            Keys::Tokens { tokens, .. } => tokens.as_slice().len() / block_size,
+            keys => keys.as_slice().len(),
+        }
+    }
+
+    /// The walk's view of these keys (`made`: room for keys made from token ids).
+    fn query<'k>(&'k self, block_size: usize, made: &'k mut Vec<u64>) -> Query<'k> {
+        match self {
+            Keys::Tokens { tokens, seed } => {
+                Query::Tokens(TokenKeys::new(tokens.as_slice(), block_size, *seed, made))
+            }
+            keys => Query::Given(keys.as_slice()),
         }
     }
 

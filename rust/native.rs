@@ -7,6 +7,7 @@
 
 use crate::hash::algo::{salted, xxh3_chain};
 use crate::index::core::{Core, Mode};
+use crate::index::keys::TokenKeys;
 use crate::index::parse::detect;
 use crate::index::pipeline;
 
@@ -60,15 +61,16 @@ impl NativeIndex {
     }
 
     /// `find_matches` from token ids (full blocks only), hashed the way `key="tokens"` keys its
-    /// blocks; `keys` is scratch space for the hashes.
+    /// blocks, as the query's walk reaches them (`index::keys`); `keys` is scratch space for
+    /// the hashes.
     pub fn find_matches_tokens(
         &self,
         tokens: &[u32],
         keys: &mut Vec<u64>,
         out: &mut Vec<(u32, u32)>,
     ) {
-        self.hash_tokens(tokens, keys);
-        self.core.find_matches(keys, None, false, out);
+        let mut keys = TokenKeys::new(tokens, self.core.block_size, salted(0, None, None), keys);
+        self.core.find_matches_of(&mut keys, None, false, out);
     }
 
     /// The `key="tokens"` index keys of `tokens`' full blocks (no LoRA, no extra keys).

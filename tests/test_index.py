@@ -243,6 +243,63 @@ def test_top_k_and_lists_exactly():
     assert idx.find_matches(block_hashes=query, top_k=1, lists=True) == (["w4"], [1030])
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_token_queries_hash_only_as_far_as_the_walk_goes_yet_answer_as_their_block_hashes(data):
+    """A token query makes its keys as the walk reaches them (rust/index/keys.rs: 8 blocks at
+    a time, the walk looking 16 ahead), so a hit may end anywhere in a long prompt: before,
+    inside or after what was made, for up to 64 workers (one bit word) and more. Each answers
+    what brute force and the same query by block hashes (all made first) answer, from a list and
+    an array('I'), as a dict, lists, top_k and by medium."""
+    from array import array
+
+    n_workers = data.draw(st.sampled_from([3, 70]), label="workers")
+    n_blocks = data.draw(st.integers(0, 70), label="blocks")
+    lora = data.draw(st.sampled_from([None, "ad"]), label="lora")
+    rnd = random.Random(data.draw(st.integers(0, 2**32), label="seed"))
+    prompt = [rnd.randrange(150_000) for _ in range(n_blocks * BS + rnd.randrange(BS))]
+    idx = Index(BS, key="tokens")
+    want: dict[str, int] = {}
+    for w in range(n_workers):
+        held = data.draw(st.integers(0, n_blocks), label="held")
+        hole = data.draw(st.integers(0, held), label="hole")  # == held: no hole
+        if not held:
+            continue
+        name = f"w{w}"
+        events = [BlockStored(list(range(1, held + 1)), None, prompt[: held * BS], BS, None, "GPU", lora)]
+        if hole < held:
+            events.append(BlockRemoved([hole + 1], "GPU"))
+        idx.apply(name, encode_batch(KVEventBatch(0.0, events)))
+        if hole:
+            want[name] = hole
+    keys = index_keys(prompt[: n_blocks * BS], lora_name=lora)
+    assert idx.find_matches(block_hashes=keys) == want
+    assert idx.find_matches(prompt, lora_name=lora) == want
+    workers, counts = idx.find_matches(array("I", prompt), lora_name=lora, lists=True)
+    assert dict(zip(workers, counts)) == want and len(workers) == len(want)
+    workers, counts = idx.find_matches(array("I", prompt), lora_name=lora, top_k=3, lists=True)
+    assert counts == sorted(want.values(), reverse=True)[:3]
+    assert all(want[w] == n for w, n in zip(workers, counts))
+    assert idx.find_matches(prompt, lora_name=lora, by_medium=True) == {w: {"GPU": n} for w, n in want.items()}
+
+
+def test_a_long_token_query_made_with_the_gil_released_answers_as_a_short_one():
+    """From 4096 blocks a query runs with the GIL released; its token ids (a list's copy, an
+    array's buffer copied) are hashed there as the walk goes."""
+    from array import array
+
+    n = 4100
+    prompt = [(i * 7919) % 150_000 for i in range(n * BS)]
+    idx = Index(BS, key="tokens")
+    idx.apply("all", encode_batch(KVEventBatch(0.0, [BlockStored(list(range(1, n + 1)), None, prompt, BS, None, "GPU", None)])))
+    idx.apply("most", encode_batch(KVEventBatch(0.0, [BlockStored(list(range(1, n)), None, prompt[:-BS], BS, None, "GPU", None)])))
+    idx.apply("few", encode_batch(KVEventBatch(0.0, [BlockStored([1, 2, 3], None, prompt[: 3 * BS], BS, None, "GPU", None)])))
+    want = {"all": n, "most": n - 1, "few": 3}
+    assert idx.find_matches(prompt) == want
+    assert idx.find_matches(array("I", prompt), lists=True) == (["all", "most", "few"], [n, n - 1, 3])
+    assert idx.find_matches(prompt[: 5000 * BS // 2]) == {"all": 2500, "most": 2500, "few": 3}
+
+
 # --- random event streams --------------------------------------------------------------------
 
 # Three documents whose blocks the streams store, remove and query; a block's engine hash is

@@ -37,6 +37,7 @@ use super::holders::{
     entry, medium_of, worker_of, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES,
     MAX_WORKERS,
 };
+use super::keys::QueryKeys;
 use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
 use crate::hash::algo::{index_keys, Algo, Chain, Digest};
@@ -533,13 +534,25 @@ impl Core {
         remote: bool,
         out: &mut Vec<(u32, u32)>,
     ) {
+        self.find_matches_of(&mut { keys }, medium, remote, out)
+    }
+
+    /// `find_matches` of keys made as the walk reaches them (`keys::TokenKeys`): the walk of
+    /// workers without groups hashes no further than it goes (plus what it looks ahead).
+    pub fn find_matches_of(
+        &self,
+        keys: &mut impl QueryKeys,
+        medium: Option<Option<&str>>,
+        remote: bool,
+        out: &mut Vec<(u32, u32)>,
+    ) {
         out.clear();
         let Some((plain, any)) = self.filters(medium, remote) else {
             return;
         };
         let mut sorted = self.plain_matches(keys, &plain, out);
         if self.hybrid.iter().any(|&w| w != 0) {
-            self.hybrid_matches(keys, &any, out);
+            self.hybrid_matches(keys.all(), &any, out);
             sorted = false;
         }
         if !sorted {
@@ -572,7 +585,12 @@ impl Core {
 
     /// The leading run of group 0 of the workers that are not hybrid: one bitset walk. Whether
     /// `out` came out in worker id order.
-    fn plain_matches(&self, keys: &[u64], filter: &Filter, out: &mut Vec<(u32, u32)>) -> bool {
+    fn plain_matches(
+        &self,
+        keys: &mut impl QueryKeys,
+        filter: &Filter,
+        out: &mut Vec<(u32, u32)>,
+    ) -> bool {
         let n_words = self.workers.len().div_ceil(64);
         let plain_word = |w: usize| !self.hybrid.get(w).copied().unwrap_or(0);
         if n_words <= 1 {
@@ -628,7 +646,7 @@ impl Core {
                 any != 0
             });
             for (w, a) in active.iter().enumerate() {
-                emit(out, w, *a, keys.len());
+                emit(out, w, *a, keys.total());
             }
             false
         }
@@ -642,7 +660,7 @@ impl Core {
     #[inline(always)]
     fn one_word(
         &self,
-        keys: &[u64],
+        keys: &mut impl QueryKeys,
         plain: u64,
         any: bool,
         word: impl Fn(Holders) -> u64,
@@ -664,7 +682,7 @@ impl Core {
         });
         // Still active: held to the end (the walk stopped at none before).
         for b in Bits(active) {
-            counts[b] = keys.len() as u32;
+            counts[b] = keys.total() as u32;
         }
         holding
     }
@@ -677,50 +695,62 @@ impl Core {
     /// `words` if `any`), and each key is hashed once (its slot index kept in a ring until it
     /// is looked up).
     #[inline(always)]
-    fn walk(&self, keys: &[u64], any: bool, mut step: impl FnMut(usize, Holders) -> bool) {
+    fn walk<K: QueryKeys>(
+        &self,
+        keys: &mut K,
+        any: bool,
+        mut step: impl FnMut(usize, Holders) -> bool,
+    ) {
+        let n = keys.total();
         let Some(t) = self.blocks.probe() else {
             // No slots (a block keyed 0 at most): plain lookups.
-            for (i, k) in keys.iter().enumerate() {
-                if !step(i, self.blocks.get(k).copied().unwrap_or(Holders::ABSENT)) {
+            for i in 0..n {
+                if !step(
+                    i,
+                    self.blocks
+                        .get(&keys.key(i))
+                        .copied()
+                        .unwrap_or(Holders::ABSENT),
+                ) {
                     return;
                 }
             }
             return;
         };
-        let n = keys.len();
         let mut start = [0usize; AHEAD];
         let mut held = [Holders::ABSENT; AHEAD];
-        let ask = |j: usize, start: &mut [usize; AHEAD]| {
-            let s = t.start(keys[j]);
+        let ask = |j: usize, keys: &mut K, start: &mut [usize; AHEAD]| {
+            let s = t.start(keys.key(j));
             t.prefetch_at(s);
             start[j % AHEAD] = s;
         };
-        let look = |j: usize, start: &[usize; AHEAD], held: &mut [Holders; AHEAD]| {
+        // Key j was made when it was asked for: `key` reads it again.
+        let look = |j: usize, keys: &mut K, start: &[usize; AHEAD], held: &mut [Holders; AHEAD]| {
             let h = t
-                .get_from(start[j % AHEAD], keys[j])
+                .get_from(start[j % AHEAD], keys.key(j))
                 .copied()
                 .unwrap_or(Holders::ABSENT);
             h.prefetch(&self.slab, any);
             held[j % AHEAD] = h;
         };
         for j in 0..n.min(AHEAD) {
-            ask(j, &mut start);
+            ask(j, keys, &mut start);
         }
         for j in 0..n.min(HALF) {
-            look(j, &start, &mut held);
+            look(j, keys, &start, &mut held);
         }
         // Split where the keys to ask for run out, so that the loops test no bounds.
         let far = n.saturating_sub(AHEAD);
         for i in 0..far {
-            ask(i + AHEAD, &mut start);
-            look(i + HALF, &start, &mut held);
+            ask(i + AHEAD, keys, &mut start);
+            look(i + HALF, keys, &start, &mut held);
             if !step(i, held[i % AHEAD]) {
                 return;
             }
         }
         for i in far..n {
             if i + HALF < n {
-                look(i + HALF, &start, &mut held);
+                look(i + HALF, keys, &start, &mut held);
             }
             if !step(i, held[i % AHEAD]) {
                 return;
