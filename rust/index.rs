@@ -25,7 +25,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
 
 use self::core::{Core, Mode};
-use self::keys::{QueryKeys, TokenKeys};
+use self::keys::TokenKeys;
 use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
 use crate::cpython;
@@ -321,7 +321,12 @@ impl Index {
             return Ok(out.into_any());
         }
         let (found, names) = self.named(py, long, &keys, |core, keys, found| {
-            core.find_matches_of(keys, medium.map(Some), remote, found);
+            // One walk per kind of keys, each compiled for its own: given keys are read as
+            // before, not through a branch per key.
+            match keys {
+                Query::Given(k) => core.find_matches(k, medium.map(Some), remote, found),
+                Query::Tokens(t) => core.find_matches_of(t, medium.map(Some), remote, found),
+            }
             if let Some(k) = top_k {
                 keep_top(found, k);
             }
@@ -538,8 +543,8 @@ impl Index {
         let bs = self.block_size;
         let (found, misses) = match free {
             Some(core) => {
-                let mut made = Recycled::take(&KEYS);
-                let mut q = keys.query(bs, &mut made);
+                let mut made = matches!(keys, Keys::Tokens { .. }).then(|| Recycled::take(&KEYS));
+                let mut q = keys.query(bs, made.as_deref_mut());
                 rows(&core, |c, f| query(c, &mut q, f), &cache)
             }
             None => {
@@ -1002,29 +1007,6 @@ enum Query<'k> {
     Tokens(TokenKeys<'k>),
 }
 
-impl QueryKeys for Query<'_> {
-    #[inline(always)]
-    fn total(&self) -> usize {
-        match self {
-            Query::Given(k) => k.len(),
-            Query::Tokens(t) => t.total(),
-        }
-    }
-    #[inline(always)]
-    fn key(&mut self, i: usize) -> u64 {
-        match self {
-            Query::Given(k) => k[i],
-            Query::Tokens(t) => t.key(i),
-        }
-    }
-    fn all(&mut self) -> &[u64] {
-        match self {
-            Query::Given(k) => k,
-            Query::Tokens(t) => t.all(),
-        }
-    }
-}
-
 impl Keys<'_> {
     /// The keys as given or made (token ids not hashed yet: none).
     fn as_slice(&self) -> &[u64] {
@@ -1046,10 +1028,12 @@ impl Keys<'_> {
         }
     }
 
-    /// The walk's view of these keys (`made`: room for keys made from token ids).
-    fn query<'k>(&'k self, block_size: usize, made: &'k mut Vec<u64>) -> Query<'k> {
+    /// The walk's view of these keys (`made`: room for keys made from token ids, which
+    /// `Keys::Tokens` needs).
+    fn query<'k>(&'k self, block_size: usize, made: Option<&'k mut Vec<u64>>) -> Query<'k> {
         match self {
             Keys::Tokens { tokens, seed } => {
+                let made = made.expect("room for the keys made from token ids");
                 Query::Tokens(TokenKeys::new(tokens.as_slice(), block_size, *seed, made))
             }
             keys => Query::Given(keys.as_slice()),
