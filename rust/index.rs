@@ -30,7 +30,7 @@ use self::parse::{detect, reduce_bytes, Format};
 use self::pipeline::{apply_many, apply_one};
 use crate::cpython;
 use crate::decode::{incref, new_list, set_item};
-use crate::hash::algo::{index_keys, salted};
+use crate::hash::algo::{index_keys, salted, xxh3_chain};
 use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
@@ -635,34 +635,36 @@ impl Index {
         let bs = self.block_size;
         let n_blocks = toks.as_slice().len() / bs;
         let extras = extra_keys.map(|k| keys_from_py(k, n_blocks)).transpose()?;
-        // From this thread's pool: a query's keys were allocated and freed on every call.
-        let mut keys = Recycled::take(&KEYS);
-        keys.clear();
         let full = &toks.as_slice()[..n_blocks * bs];
-        if full.len() >= DETACH_MIN_TOKENS {
-            let copy = full.to_vec();
-            py.detach(|| index_keys(&copy, bs, lora_name, None, extras.as_deref(), &mut keys));
-        } else {
-            index_keys(full, bs, lora_name, None, extras.as_deref(), &mut keys);
-        }
-        Ok(keys)
+        Ok(pooled_keys(py, full, |t, keys| {
+            index_keys(t, bs, lora_name, None, extras.as_deref(), keys)
+        }))
     }
 
     /// Every index key of `tokens`' full blocks without extra keys, from `seed` (the LoRA
-    /// name's salt), with the GIL released for a long prompt.
+    /// name's salt).
     fn made_keys(&self, py: Python<'_>, tokens: &[u32], seed: u64) -> Recycled<u64> {
         let bs = self.block_size;
         let full = &tokens[..tokens.len() / bs * bs];
-        let mut keys = Recycled::take(&KEYS);
-        keys.clear();
-        if full.len() >= DETACH_MIN_TOKENS {
-            let copy = full.to_vec();
-            py.detach(|| crate::hash::algo::xxh3_chain(&copy, bs, seed, &mut keys));
-        } else {
-            crate::hash::algo::xxh3_chain(full, bs, seed, &mut keys);
-        }
-        keys
+        pooled_keys(py, full, |t, keys| xxh3_chain(t, bs, seed, keys))
     }
+}
+
+/// `hash(full, keys)` into a vector of this thread's pool (a query's keys were allocated and
+/// freed on every call), with the GIL released, on a copy of `full`, for a long prompt.
+fn pooled_keys(
+    py: Python<'_>,
+    full: &[u32],
+    hash: impl Fn(&[u32], &mut Vec<u64>) + Sync,
+) -> Recycled<u64> {
+    let mut keys = Recycled::take(&KEYS);
+    if full.len() >= DETACH_MIN_TOKENS {
+        let copy = full.to_vec();
+        py.detach(|| hash(&copy, &mut keys));
+    } else {
+        hash(full, &mut keys);
+    }
+    keys
 }
 
 /// The largest `top_k` that `keep_top` keeps by insertion.
@@ -1008,7 +1010,7 @@ enum Query<'k> {
 }
 
 impl Keys<'_> {
-    /// The keys as given or made (token ids not hashed yet: none).
+    /// The keys as given or made (token ids go through `query`, or are made first).
     fn as_slice(&self) -> &[u64] {
         match self {
             Keys::Owned(v) => v,
@@ -1016,7 +1018,7 @@ impl Keys<'_> {
             Keys::Frozen(s) => s,
             // SAFETY: n aligned words inside the held export.
             Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },
-            Keys::Tokens { .. } => &[],
+            Keys::Tokens { .. } => unreachable!("token ids are walked through Keys::query"),
         }
     }
 
