@@ -157,6 +157,15 @@ struct Request {
     boundaries: Vec<usize>,
 }
 
+/// What a new sequence would take from the cache (`Manager::lookup`): group 0's hit blocks,
+/// the further groups' tables, every group's hit blocks together (hybrid), the hit's length.
+struct Lookup {
+    blocks: Vec<u32>,
+    others: Vec<Table>,
+    hits: Vec<u32>,
+    num_hit: usize,
+}
+
 struct Table {
     blocks: Vec<u32>,
     /// Leading entries released by the window (`NULL_BLOCK`).
@@ -326,9 +335,15 @@ fn lock<'a, T>(m: &'a Mutex<T>, py: Python<'_>) -> PyResult<MutexGuard<'a, T>> {
     })
 }
 
-/// The spec's `_as_token_list`: lists as they are, arrays through `tolist()`, iterables listed.
+/// The spec's `_as_token_list`: lists as they are, iterables listed; arrays (an int buffer with
+/// `tolist()`: array.array, numpy) are read in place by `read_tokens`, the same ids without an
+/// int object per token (`tolist()` of a 12k-token prompt costs ~0.4 ms).
 fn as_token_list<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     if obj.is_exact_instance_of::<PyList>() {
+        return Ok(obj.clone());
+    }
+    // SAFETY: obj is a live object.
+    if unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 && tokens::read(obj).is_ok() {
         return Ok(obj.clone());
     }
     match obj.getattr_opt("tolist")? {
@@ -558,7 +573,7 @@ impl Manager {
         lora_id: Option<i64>,
     ) -> PyResult<Option<usize>> {
         let token_list = as_token_list(token_ids)?;
-        if !token_list.is_truthy()? {
+        if token_list.len()? == 0 {
             return Err(PyValueError::new_err(
                 "token_ids is empty: a request needs at least one token",
             ));
@@ -770,27 +785,31 @@ impl Manager {
         token_ids: &Bound<'_, PyAny>,
         lora_name: Option<&Bound<'_, PyString>>,
     ) -> PyResult<usize> {
-        let token_list = as_token_list(token_ids)?;
-        let mut guard = lock(&self.state, py)?;
-        let st = &mut *guard;
-        let mut tokens = std::mem::take(&mut st.tokens);
-        let result = read_tokens(&token_list, self.layout, &mut tokens).and_then(|()| {
-            let num_full = tokens.len() / self.block_size;
-            let (mut chain, extras) = self.chain_for(py, st, lora_name, num_full)?;
-            let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
-            let full = &tokens[..num_full * self.block_size];
-            hash_into(
-                py,
-                &mut chain,
-                full,
-                per_block,
-                &mut st.digests,
-                &mut st.hashes,
-            );
-            Ok(self.hit(st, tokens.len()))
-        });
-        st.tokens = tokens;
-        result
+        self.with_hashed(py, token_ids, lora_name, |st, num_tokens| {
+            self.hit(st, num_tokens)
+        })
+    }
+
+    /// Whether `allocate(.., token_ids, lora_name=..)` would succeed now: the pool can hold the
+    /// whole sequence, its cached prefix counted (what a scheduler checks before admitting a
+    /// request whose blocks it allocates chunk by chunk); changes nothing.
+    #[pyo3(signature = (token_ids, *, lora_name = None))]
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&Bound<'_, PyString>>,
+    ) -> PyResult<bool> {
+        self.with_hashed(py, token_ids, lora_name, |st, num_tokens| {
+            let found = self.lookup(st, num_tokens);
+            let num_new = num_tokens.div_ceil(self.block_size) - found.num_hit;
+            let hits = if found.others.is_empty() {
+                &found.blocks
+            } else {
+                &found.hits
+            };
+            st.core.can_take(hits, num_new * (1 + found.others.len()))
+        })
     }
 
     fn num_tokens(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -867,29 +886,14 @@ impl Manager {
             &mut st.digests,
             &mut st.hashes,
         );
-        // Group 0's hit, then each further group's: the blocks its window still needs.
-        let mut blocks = Vec::with_capacity(tokens.len().div_ceil(bs));
-        let mut others = Vec::new();
-        let hashes = &st.hashes;
-        let mut hits = Vec::new(); // every group's hit blocks: what `touch` takes (hybrid)
-        let num_hit = if self.group_fields.is_empty() {
-            st.core.find_cached_prefix(hashes, &mut blocks);
-            blocks.len()
-        } else {
-            let n = self.hit(st, tokens.len());
-            let lookup = |g: usize, i: usize| st.core.lookup(g, hashes[i]).expect("a hit is held");
-            blocks.extend((0..n).map(|i| lookup(0, i)));
-            hits.extend_from_slice(&blocks);
-            for g in 1..self.group_fields.len() {
-                let skipped = st.core.skipped_blocks(g, n * bs);
-                let mut t = vec![NULL_BLOCK; skipped];
-                t.extend((skipped..n).map(|i| lookup(g, i)));
-                hits.extend_from_slice(&t[skipped..]);
-                others.push(Table { blocks: t, skipped });
-            }
-            n
-        };
+        let Lookup {
+            mut blocks,
+            mut others,
+            hits,
+            num_hit,
+        } = self.lookup(st, tokens.len());
         let num_new = tokens.len().div_ceil(bs) - num_hit;
+        let hashes = &st.hashes;
         let hits = if others.is_empty() {
             &blocks[..]
         } else {
@@ -970,6 +974,71 @@ impl Manager {
         };
         st.requests.bind(py).set_item(request_id, slot)?;
         Ok(Some(num_hit * bs))
+    }
+
+    /// `f(state, number of tokens)` with `token_ids`' full blocks hashed into `st.hashes` (a
+    /// new sequence's chain, LoRA-salted): the read-only queries' common start.
+    fn with_hashed<R>(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<&Bound<'_, PyString>>,
+        f: impl FnOnce(&mut State, usize) -> R,
+    ) -> PyResult<R> {
+        let token_list = as_token_list(token_ids)?;
+        let mut guard = lock(&self.state, py)?;
+        let st = &mut *guard;
+        let mut tokens = std::mem::take(&mut st.tokens);
+        let result = read_tokens(&token_list, self.layout, &mut tokens).and_then(|()| {
+            let num_full = tokens.len() / self.block_size;
+            let (mut chain, extras) = self.chain_for(py, st, lora_name, num_full)?;
+            let per_block = extras.as_ref().map(|(_, v)| v.as_slice());
+            let full = &tokens[..num_full * self.block_size];
+            hash_into(
+                py,
+                &mut chain,
+                full,
+                per_block,
+                &mut st.digests,
+                &mut st.hashes,
+            );
+            Ok(tokens.len())
+        });
+        let result = result.map(|n| f(st, n));
+        st.tokens = tokens;
+        result
+    }
+
+    /// The blocks a `num_tokens`-token sequence (hashed into `st.hashes`) would take from the
+    /// cache: group 0's hit, then each further group's (the blocks its window still needs).
+    fn lookup(&self, st: &State, num_tokens: usize) -> Lookup {
+        let hashes = &st.hashes;
+        let mut blocks = Vec::with_capacity(num_tokens.div_ceil(self.block_size));
+        let mut others = Vec::new();
+        let mut hits = Vec::new(); // every group's hit blocks: what `touch` takes (hybrid)
+        let num_hit = if self.group_fields.is_empty() {
+            st.core.find_cached_prefix(hashes, &mut blocks);
+            blocks.len()
+        } else {
+            let n = self.hit(st, num_tokens);
+            let lookup = |g: usize, i: usize| st.core.lookup(g, hashes[i]).expect("a hit is held");
+            blocks.extend((0..n).map(|i| lookup(0, i)));
+            hits.extend_from_slice(&blocks);
+            for g in 1..self.group_fields.len() {
+                let skipped = st.core.skipped_blocks(g, n * self.block_size);
+                let mut t = vec![NULL_BLOCK; skipped];
+                t.extend((skipped..n).map(|i| lookup(g, i)));
+                hits.extend_from_slice(&t[skipped..]);
+                others.push(Table { blocks: t, skipped });
+            }
+            n
+        };
+        Lookup {
+            blocks,
+            others,
+            hits,
+            num_hit,
+        }
     }
 
     /// The spec's `_retained`: which of blocks [start, end) window group `g` keeps under sparse

@@ -208,7 +208,10 @@ class PoolMachine(RuleBasedStateMachine):
             if h not in self.view.blocks:
                 break
             expected_hit += self.bs
+        fits = self.mgr.can_allocate(prompt, lora_name=lora_name)
+        assert fits == self.spec.can_allocate(prompt, lora_name=lora_name)
         got = self.mgr.allocate(rid, prompt, lora_name=lora_name, lora_id=lora_id)
+        assert (got is not None) == fits, "can_allocate said otherwise"
         assert got == self.spec.allocate(rid, prompt, lora_name=lora_name, lora_id=lora_id)
         assert got == self.ref.allocate(rid, prompt, lora_name, lora_id)
         if got is not None:
@@ -985,7 +988,9 @@ class HybridPoolMachine(RuleBasedStateMachine):
         hashes = chain(prompt, self.bs, lora_name)
         expected = self.view.hit(hashes, (len(prompt) - 1) // self.bs)
         assert self._both("hit_blocks", prompt, lora_name=lora_name) == expected
+        fits = self._both("can_allocate", prompt, lora_name=lora_name)
         got = self._both("allocate", rid, prompt, lora_name=lora_name, lora_id=lora_id)
+        assert (got is not None) == fits, "can_allocate said otherwise"
         if got is not None:
             assert got == expected * self.bs
             self.reqs[rid] = (list(prompt), lora_name)

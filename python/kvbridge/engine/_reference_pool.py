@@ -780,6 +780,26 @@ class PyKVCacheManager:
                 return len(pool.find_cached_prefix(hashes))
             return pool.longest_hit(hashes, (len(tokens) - 1) // self.block_size) if tokens else 0
 
+    def can_allocate(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> bool:
+        """Whether ``allocate(.., token_ids, lora_name=..)`` would succeed now -- the pool can hold
+        the whole sequence, its cached prefix counted -- changing nothing (a scheduler's admission
+        check before it allocates a long prompt chunk by chunk)."""
+        tokens = _as_token_list(token_ids)
+        with self._lock:
+            pool, bs = self.pool, self.block_size
+            hashes, _ = pool.hash_tokens(pool.new_hasher(lora_name), tokens, lora_name)
+            hits: list[list[Block | None]]
+            if self.groups is None:
+                hits = [list(pool.find_cached_prefix(hashes))]
+                n = len(hits[0])
+            else:
+                n = pool.longest_hit(hashes, (len(tokens) - 1) // bs)
+                skipped = [pool.skipped_blocks(g, n * bs) for g in range(len(self.groups))]
+                hits = [[pool.get_cached_block(hashes[i], g) for i in range(s, n)] for g, s in enumerate(skipped)]
+            num_new = -(-len(tokens) // bs) - n
+            evictable = sum(b.ref_cnt == 0 for hit in hits for b in hit)  # type: ignore[union-attr]
+            return num_new * len(hits) + evictable <= pool.num_free_blocks
+
     def append(self, request_id: Any, new_token_ids: Sequence[int]) -> bool:
         """Decode growth: add tokens to a running request, caching blocks as they fill.
         Returns False -- with nothing changed -- when there are not enough free blocks."""

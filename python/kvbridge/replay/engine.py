@@ -29,6 +29,7 @@ again) and goes back to the head of the waiting queue.
 
 from __future__ import annotations
 
+import heapq
 import math
 from array import array
 from collections import deque
@@ -89,8 +90,9 @@ class Seq:
     """A request's life in the replay: where it went, what it has computed and generated, when."""
 
     __slots__ = (
-        "req", "id", "worker", "target", "computed", "generated", "appended", "cached_first", "cached_total",
-        "admissions", "first_token_ms", "done_ms", "last_token_ms", "routed_ms", "decision",
+        "req", "id", "worker", "target", "computed", "generated", "appended", "cached_first",
+        "cached_best", "admissions", "first_token_ms", "done_ms", "routed_ms", "decision",
+        "order", "base", "gen", "tokens", "last_token_ms",
     )
 
     def __init__(self, req: Request) -> None:
@@ -99,21 +101,33 @@ class Seq:
         self.worker = -1
         self.target = 0  # tokens this admission prefills: the prompt (+ output after a preemption)
         self.computed = 0  # of those, tokens with KV
-        self.generated = 0  # output tokens produced
+        self.generated = 0  # output tokens produced (while decoding: the engine's tick - base)
         self.appended = 0  # output tokens handed to the pool (only when a block boundary needs it)
         self.cached_first = -1  # cached tokens at the first admission
-        self.cached_total = 0  # cached tokens summed over admissions
+        self.cached_best = 0  # the most cached tokens of any admission (Dynamo's reuse counts it)
         self.admissions = 0
         self.first_token_ms = -1.0
         self.done_ms = -1.0
-        self.last_token_ms = -1.0
         self.routed_ms = 0.0
         self.decision: Any = None  # what the policy keeps for this request
+        self.order = 0  # admission order on its engine: running order
+        self.base = 0  # while decoding, generated = engine tick - base
+        self.gen = 0  # incarnation: bumps at each preemption, voiding its scheduled decode events
+        self.tokens: array | None = None  # while prefilling: the tokens it computes
+        self.last_token_ms = -1.0  # set when it stops decoding (preempted)
 
 
 class Engine:
     """One worker: the scheduler and pool of the module doc. The loop calls :meth:`start_pass`
-    when the worker is idle and has work, and :meth:`end_pass` at the time it returned."""
+    when the worker is idle and has work, and :meth:`end_pass` at the time it returned.
+
+    Decoding is kept in aggregate, not walked per request per pass: every decoding request gets
+    one token per pass (seats <= 256 never exhaust the budget, and a request mid-prefill is
+    always last in running order: nobody is admitted behind it until its prompt is done), so
+    a decoder's output count is the engine's pass count (``tick``) minus its ``base``, the
+    decoders' context ``S`` is ``sum(L - base) + n * tick``, and the passes at which each
+    decoder needs its next block or finishes are known in advance (two heaps).
+    """
 
     def __init__(self, index: int, config: EngineConfig, *, events: bool = True) -> None:
         self.index = index
@@ -121,15 +135,25 @@ class Engine:
         self.pool = KVCacheManager(config.num_blocks, config.block_size, enable_events=events)
         self.capacity_tokens = config.num_blocks * config.block_size
         self.waiting: deque[Seq] = deque()
-        self.running: list[Seq] = []
+        self.running: list[Seq] = []  # admission order
         self.busy = False
+        self.tick = 0  # passes completed
         self.passes = 0
         self.preemptions = 0
-        # The pass in progress: who gets a first token, who decodes, its duration.
-        self._prefilled: list[Seq] = []
-        self._decoded: list[Seq] = []
         self.prefill_tokens = 0  # prompt tokens computed, over the whole replay
-        self.itl = array("d")  # every inter-token gap, ms
+        #: (duration ms, tokens) per pass with decode tokens: every decoder's gap is the pass.
+        self.itl: list[tuple[float, int]] = []
+        self.itl_extra = array("d")  # gaps of requests recomputed after a preemption
+        self._orders = 0
+        self._decoders = 0
+        self._context_base = 0  # sum over decoders of L - base
+        self._grow: list[tuple[int, int, int, Seq]] = []  # (tick, order, gen, seq): needs a block
+        self._finish: list[tuple[int, int, int, Seq]] = []  # (tick, order, gen, seq): last token
+        # The pass in progress: who gets a first token, its decode tokens, its duration.
+        self._prefilled: list[Seq] = []
+        self._pass_decoders = 0
+        self._pass_ms = 0.0
+        self._last_end = 0.0  # when the last pass ended
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -137,21 +161,64 @@ class Engine:
     def enqueue(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
-    # -- one pass --------------------------------------------------------------------------------
-
-    def _prompt(self, seq: Seq) -> array:
+    @staticmethod
+    def _prompt(seq: Seq) -> array:
         """The tokens a (re)admitted request prefills: its prompt, and after a preemption the
         output it had generated (vLLM recomputes both)."""
         tokens = seq.req.tokens
         if seq.generated:
-            tokens = tokens + array("I", [OUTPUT_TOKEN]) * seq.generated
+            tokens += array("I", (OUTPUT_TOKEN,)) * seq.generated
         return tokens
 
+    # -- decoders in aggregate -------------------------------------------------------------------
+
+    def _start_decoding(self, seq: Seq) -> None:
+        """``seq`` just got a token from its prefill (at the end of pass ``tick``): from the next
+        pass on it decodes."""
+        seq.base = self.tick - seq.generated
+        self._decoders += 1
+        self._context_base += seq.req.input_length - seq.base
+        left = seq.req.output_length - seq.generated
+        heapq.heappush(self._finish, (self.tick + left, seq.order, seq.gen, seq))
+        self._schedule_growth(seq)
+
+    def _schedule_growth(self, seq: Seq) -> None:
+        # The pass that starts with L + generated = (blocks held) * bs + 1 tokens needs a block.
+        bs = self.config.block_size
+        held = seq.req.input_length + seq.appended
+        tick = seq.base + (held + bs - 1) // bs * bs + 1 - seq.req.input_length
+        heapq.heappush(self._grow, (tick, seq.order, seq.gen, seq))
+
+    def _stop_decoding(self, seq: Seq) -> None:
+        seq.generated = self.tick - seq.base
+        seq.last_token_ms = self._last_end
+        self._decoders -= 1
+        self._context_base -= seq.req.input_length - seq.base
+        seq.gen += 1  # its scheduled growth and finish are void
+
     def _preempt(self, victim: Seq) -> None:
+        if victim.computed >= victim.target:
+            self._stop_decoding(victim)
         self.pool.free(victim.id)
         victim.computed = 0
         self.waiting.appendleft(victim)
         self.preemptions += 1
+
+    def _prefill(self, seq: Seq, before: int, chunk: int, sums: list[int]) -> None:
+        """``chunk`` tokens of ``seq`` computed from ``before`` on. The timing model counts the
+        prompt part only: output recomputed after a preemption takes budget, not time
+        (``aisimulate-core`` core.rs 2794-2820)."""
+        seq.computed = before + chunk
+        L = seq.req.input_length
+        lo = before if before < L else L
+        hi = seq.computed if seq.computed < L else L
+        if hi > lo:
+            sums[0] += lo
+            sums[1] += hi
+            sums[2] += 1
+        self.prefill_tokens += chunk
+
+    # -- one pass --------------------------------------------------------------------------------
 
     def start_pass(self) -> float:
         """Schedules one pass; returns its duration in ms."""
@@ -160,88 +227,99 @@ class Engine:
         pool = self.pool
         budget = cfg.max_num_batched_tokens
         running = self.running
-        prefilled: list[Seq] = []
-        decoded: list[Seq] = []
-        prefix_sum = 0  # sum of tokens computed before this pass, over the prefill requests
-        end_sum = 0  # ... and after
-        n_prefill = 0
-        context = 0
+        tick = self.tick
         preempted = False
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            if seq.computed < seq.target:  # chunked prefill continues
+        # 1. Decoders whose next token starts a block get it first (vLLM's allocate_slots, in
+        # running order); none free: the last running request is preempted (lifo), maybe itself.
+        grow = self._grow
+        while grow and grow[0][0] <= tick:
+            _, _, gen, seq = heapq.heappop(grow)
+            if gen != seq.gen:
+                continue
+            total = seq.req.input_length + tick - seq.base
+            need = total - seq.req.input_length - seq.appended
+            while not pool.append(seq.id, array("I", (OUTPUT_TOKEN,)) * need):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.gen == gen:
+                seq.appended += need
+                self._schedule_growth(seq)
+        decoders = self._decoders
+        budget -= decoders
+        prefilled: list[Seq] = []
+        sums = [0, 0, 0]  # over this pass's prompt chunks: tokens before, tokens after, chunks
+        # 2. The request mid-prefill, always last in running order, continues: its chunk's
+        # blocks are allocated now, and if they cannot be it gives way itself (lifo).
+        if running and budget > 0:
+            seq = running[-1]
+            if seq.computed < seq.target:
                 chunk = seq.target - seq.computed
                 if chunk > budget:
                     chunk = budget
-                prefix_sum += seq.computed
-                seq.computed += chunk
-                end_sum += seq.computed
-                n_prefill += 1
-                budget -= chunk
-                if seq.computed == seq.target:
-                    prefilled.append(seq)
-                i += 1
-                continue
-            total = seq.req.input_length + seq.generated
-            # Decoding: one token; its slot must exist before the step (vLLM allocate_slots).
-            # The pool is handed output tokens only when a block boundary needs them.
-            held = seq.req.input_length + seq.appended
-            if (total + bs - 1) // bs > (held + bs - 1) // bs:
-                need = total - held
-                victim = None
-                while not pool.append(seq.id, array("I", [OUTPUT_TOKEN]) * need):
-                    victim = running.pop()  # lifo: the last running request gives way
-                    self._preempt(victim)
+                assert seq.tokens is not None
+                if pool.append(seq.id, seq.tokens[seq.computed : seq.computed + chunk]):
+                    self._prefill(seq, seq.computed, chunk, sums)
+                    budget -= chunk
+                    if seq.computed == seq.target:
+                        prefilled.append(seq)
+                else:
+                    running.pop()
+                    self._preempt(seq)
                     preempted = True
-                    if victim is seq:
-                        break
-                if victim is seq:
-                    break  # it was the last running request: nothing after it
-                seq.appended += need
-            context += total
-            decoded.append(seq)
-            budget -= 1
-            i += 1
+        # 3. Admissions, first come first served, head-of-line blocking on blocks.
         if not preempted:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 seq = waiting[0]
-                tokens = seq.req.tokens if not seq.generated else self._prompt(seq)
-                total = len(tokens)
-                hit = pool.allocate(seq.id, tokens)
-                if hit is None:
-                    break  # head-of-line: everyone behind waits too
+                tokens = self._prompt(seq)
+                if not pool.can_allocate(tokens):
+                    break  # the whole sequence must fit; everyone behind waits too
                 waiting.popleft()
+                total = len(tokens)
                 cap = (total - 1) // bs * bs
+                hit = pool.hit_blocks(tokens) * bs
                 cached = hit if hit < cap else cap
-                seq.admissions += 1
-                if seq.cached_first < 0:
-                    seq.cached_first = cached
-                seq.cached_total += cached
-                seq.appended = seq.generated
-                seq.target = total
                 chunk = total - cached
                 if chunk > budget:
                     chunk = budget
-                prefix_sum += cached
-                seq.computed = cached + chunk
-                end_sum += seq.computed
-                n_prefill += 1
+                # Only the hit and the first chunk take blocks now; later chunks take theirs.
+                pool.allocate(seq.id, tokens[: cached + chunk])
+                seq.admissions += 1
+                if seq.cached_first < 0:
+                    seq.cached_first = cached
+                if cached > seq.cached_best:
+                    seq.cached_best = cached
+                seq.appended = seq.generated
+                seq.target = total
+                seq.tokens = tokens
+                self._orders += 1
+                seq.order = self._orders
+                seq.computed = cached
+                self._prefill(seq, cached, chunk, sums)
                 budget -= chunk
                 running.append(seq)
                 if seq.computed == total:
                     prefilled.append(seq)
-        new_tokens = 0
+        prefix_sum, end_sum, n_prefill = sums
+        # A request done recomputing after a preemption decodes in this pass's count too.
+        context = 0
+        for seq in prefilled:
+            if seq.generated:
+                decoders += 1
+                context += seq.req.input_length + seq.generated
+        duration = 0.0
         if n_prefill:
             # Dynamo's mean-based T (perf_model.rs: B * (floor(mean isl) - floor(mean prefix))).
-            new_tokens = n_prefill * (end_sum // n_prefill - prefix_sum // n_prefill)
-            self.prefill_tokens += end_sum - prefix_sum
-        duration = prefill_ms(new_tokens, cfg.speedup)
-        if decoded:
+            duration = prefill_ms(n_prefill * (end_sum // n_prefill - prefix_sum // n_prefill), cfg.speedup)
+        if decoders:
+            context += self._context_base + self._decoders * tick
             duration += decode_ms(context, self.capacity_tokens, cfg.speedup)
         self._prefilled = prefilled
-        self._decoded = decoded
+        self._pass_decoders = self._decoders
+        self._pass_ms = duration
         self.busy = True
         self.passes += 1
         return duration
@@ -250,24 +328,30 @@ class Engine:
         """The pass's tokens come out at ``now``: ``(first tokens, finished)``; the finished
         requests' blocks are released."""
         self.busy = False
+        self._last_end = now
+        self.tick += 1
+        tick = self.tick
+        if self._pass_decoders:
+            self.itl.append((self._pass_ms, self._pass_decoders))
         first: list[Seq] = []
         finished: list[Seq] = []
-        itl = self.itl
         for seq in self._prefilled:
+            seq.tokens = None
             seq.generated += 1
             if seq.first_token_ms < 0:
                 seq.first_token_ms = now
                 first.append(seq)
-            else:  # recomputed after a preemption
-                itl.append(now - seq.last_token_ms)
-            seq.last_token_ms = now
+            else:  # recomputed after a preemption: one gap since its last token
+                self.itl_extra.append(now - seq.last_token_ms)
             if seq.generated >= seq.req.output_length:
                 finished.append(seq)
-        for seq in self._decoded:
-            seq.generated += 1
-            itl.append(now - seq.last_token_ms)
-            seq.last_token_ms = now
-            if seq.generated >= seq.req.output_length:
+            else:
+                self._start_decoding(seq)
+        fin = self._finish
+        while fin and fin[0][0] <= tick:
+            _, _, gen, seq = heapq.heappop(fin)
+            if gen == seq.gen:
+                self._stop_decoding(seq)
                 finished.append(seq)
         if finished:
             done = set(map(id, finished))
@@ -275,5 +359,5 @@ class Engine:
             for seq in finished:
                 seq.done_ms = now
                 self.pool.free(seq.id)
-        self._prefilled = self._decoded = []
+        self._prefilled = []
         return first, finished

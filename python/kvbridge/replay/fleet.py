@@ -125,6 +125,7 @@ def simulate(
                 rec = e.pool.take_record()
                 if len(rec):
                     payload = encode_records([rec], now / 1000.0, None)
+                    assert payload is not None  # no LoRA, one group: the native encoder writes it
                     if lag:
                         pending_events.append((now + lag, i, payload))
                     else:

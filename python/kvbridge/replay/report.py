@@ -21,6 +21,19 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
     return float(sorted_values[math.floor((len(sorted_values) - 1) * p / 100 + 0.5)])
 
 
+def weighted_percentile(samples: Sequence[tuple[float, int]], p: float) -> float:
+    """:func:`percentile` of values given as ``(value, count)``."""
+    total = sum(n for _, n in samples)
+    if not total:
+        return 0.0
+    rank = math.floor((total - 1) * p / 100 + 0.5)
+    for value, n in sorted(samples):
+        if rank < n:
+            return float(value)
+        rank -= n
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class Summary:
     """One policy's replay."""
@@ -28,7 +41,7 @@ class Summary:
     policy: str
     requests: int
     completed: int
-    reuse: float  # cached prompt tokens at every admission / prompt tokens
+    reuse: float  # per request the most cached tokens of its admissions, over prompt tokens
     reuse_first_admission: float  # ... at the first admission only
     ttft_mean: float
     ttft_p50: float
@@ -52,7 +65,7 @@ def summarize(policy: str, seqs: Sequence[Seq], fleet: Any, wall_s: float) -> Su
     ttft = sorted(s.first_token_ms - s.routed_ms for s in done)
     e2e = [s.done_ms - s.routed_ms for s in done]
     isl = sum(s.req.input_length for s in done) or 1
-    itl = sorted(x for e in fleet.engines for x in e.itl)
+    itl = [(ms, n) for e in fleet.engines for ms, n in e.itl] + [(x, 1) for e in fleet.engines for x in e.itl_extra]
     span = (max((s.done_ms for s in done), default=0.0) - min((s.routed_ms for s in seqs), default=0.0)) / 1000.0
     per_worker = [0] * len(fleet.engines)
     for s in seqs:
@@ -63,14 +76,14 @@ def summarize(policy: str, seqs: Sequence[Seq], fleet: Any, wall_s: float) -> Su
         policy=policy,
         requests=len(seqs),
         completed=len(done),
-        reuse=sum(s.cached_total for s in done) / isl,
+        reuse=sum(s.cached_best for s in done) / isl,
         reuse_first_admission=sum(max(s.cached_first, 0) for s in done) / isl,
         ttft_mean=sum(ttft) / n,
         ttft_p50=percentile(ttft, 50),
         ttft_p90=percentile(ttft, 90),
         ttft_p99=percentile(ttft, 99),
-        itl_mean=sum(itl) / len(itl) if itl else 0.0,
-        itl_p99=percentile(itl, 99),
+        itl_mean=sum(ms * n for ms, n in itl) / max(1, sum(n for _, n in itl)),
+        itl_p99=weighted_percentile(itl, 99),
         e2e_mean=sum(e2e) / n,
         rps=len(done) / span if span > 0 else 0.0,
         preemptions=sum(e.preemptions for e in fleet.engines),

@@ -40,13 +40,26 @@ class TraceError(Error, ValueError):
 @dataclass(slots=True)
 class Request:
     """One request of a trace: arrival (ms from the trace's first), prompt and output lengths,
-    and the prompt's token ids (``array('I')``)."""
+    and the prompt as runs of one token id (``[(token, count), ...]``, compact for Mooncake's
+    prompts) or as a list of token ids."""
 
     index: int
     arrival_ms: float
     input_length: int
     output_length: int
-    tokens: array = field(repr=False)
+    prompt: list[tuple[int, int]] | list[int] = field(repr=False)
+    runs: bool = True
+
+    @property
+    def tokens(self) -> array:
+        """The prompt's token ids as an ``array('I')``, made on each call (the native pool, index
+        and hashing read it in place)."""
+        if not self.runs:
+            return array("I", self.prompt)
+        out = array("I")
+        for token, count in self.prompt:  # type: ignore[misc]
+            out += array("I", (token,)) * count
+        return out
 
 
 def _int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
@@ -101,26 +114,24 @@ def parse_trace(lines: Iterable[str], *, name: str = "<trace>", trace_block_size
             tokens = _token_ids(obj["tokens"], where)
             if "input_length" in obj and _int(obj, "input_length", where, 1) != len(tokens):
                 raise TraceError(f"{where}: input_length {obj['input_length']} != {len(tokens)} tokens")
+            yield Request(index, ts - first, len(tokens), out_len, tokens, runs=False)
         else:
             in_len = _int(obj, "input_length", where, 1)
-            tokens = _from_hash_ids(obj, in_len, trace_block_size, canon, where)
-        yield Request(index, ts - first, len(tokens), out_len, tokens)
+            runs = _from_hash_ids(obj, in_len, trace_block_size, canon, where)
+            yield Request(index, ts - first, in_len, out_len, runs)
         index += 1
 
 
-def _token_ids(v: Any, where: str) -> array:
+def _token_ids(v: Any, where: str) -> list[int]:
     if not isinstance(v, list) or not v:
         raise TraceError(f"{where}: tokens must be a non-empty list of token ids")
-    try:
-        return array("I", v)
-    except (TypeError, OverflowError):
-        for i, t in enumerate(v):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
-                raise TraceError(f"{where}: tokens[{i}] must be a token id in 0..2^32-1, got {t!r}") from None
-        raise
+    for i, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
+            raise TraceError(f"{where}: tokens[{i}] must be a token id in 0..2^32-1, got {t!r}")
+    return v
 
 
-def _from_hash_ids(obj: dict[str, Any], in_len: int, tbs: int, canon: dict[Any, int], where: str) -> array:
+def _from_hash_ids(obj: dict[str, Any], in_len: int, tbs: int, canon: dict[Any, int], where: str) -> list[tuple[int, int]]:
     if "hash_ids" not in obj:
         raise TraceError(f"{where}: missing key 'hash_ids' (or 'tokens')")
     ids = obj["hash_ids"]
@@ -134,16 +145,15 @@ def _from_hash_ids(obj: dict[str, Any], in_len: int, tbs: int, canon: dict[Any, 
         )
     if len(ids) < blocks:
         raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {in_len}: {blocks} expected (one per {tbs}-token block)")
-    tokens = array("I")
+    runs = []
     for i, h in enumerate(ids):
         if isinstance(h, bool) or not isinstance(h, (int, str)):
             raise TraceError(f"{where}: hash_ids[{i}] must be an integer or string, got {h!r}")
         c = canon.get(h)
         if c is None:
             c = canon[h] = len(canon)
-        n = min(tbs, in_len - tbs * i)
-        tokens.extend(array("I", [c]) * n)
-    return tokens
+        runs.append((c, min(tbs, in_len - tbs * i)))
+    return runs
 
 
 def load_trace(path: str | PathLike[str], *, trace_block_size: int = MOONCAKE_BLOCK, limit: int | None = None) -> list[Request]:
