@@ -1,12 +1,18 @@
 """kvbridge.routing.router: costs, choices and in-flight counting, with expectations worked out by hand."""
 
+import functools
 import math
 from collections import Counter
 
 import pytest
 
 from kvbridge import BlockStored, Index, KVEventBatch
-from kvbridge.routing.router import NoWorkersError, Router, softmax_probabilities
+from kvbridge.routing.router import NoWorkersError, softmax_probabilities
+from kvbridge.routing.router import Router as _Router
+
+#: These tests hold the requests-and-blocks cost (cost="blocks"); tests/test_router_time.py the
+#: time cost, the default.
+Router = functools.partial(_Router, cost="blocks")
 
 BS = 4
 PROMPT = list(range(100, 116))  # 4 full blocks

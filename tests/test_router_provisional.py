@@ -4,13 +4,19 @@ report, replicas sharing decisions over a real nats-server (issue 17)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
 
 import pytest
 
 from kvbridge import BlockStored, Index, KVEventBatch
 from kvbridge.routing.provisional import ProvisionalResidency
-from kvbridge.routing.router import Decision, Router, report_loads
+from kvbridge.routing.router import Decision, report_loads
+from kvbridge.routing.router import Router as _Router
+
+#: Worked out in the requests-and-blocks cost (cost="blocks"); the time cost has its own tests
+#: (tests/test_router_time.py).
+Router = functools.partial(_Router, cost="blocks")
 from kvbridge.routing.sync import RouteSync, decode_decision, encode_decision
 from kvbridge.wire.events import LoadReport
 

@@ -377,5 +377,5 @@ async def test_per_medium_answers_and_remote_blocks_over_nats(nats_server):
                 "gpu-cpu": {"GPU": 2, "CPU": 6}, "far": {"GPU": 8},
             }  # fmt: skip
             # a router weighing the service's per-medium answer: 2 blocks at 1.0 + 4 at 0.75
-            router = Router(block_size=BS, workers=["gpu-cpu", "other"], provisional_ttl_s=0)
+            router = Router(block_size=BS, workers=["gpu-cpu", "other"], provisional_ttl_s=0, cost="blocks")
             assert router.costs_from_scores(media, 8)["gpu-cpu"] == 8 - (2 + 4 * 0.75)

@@ -20,7 +20,9 @@ import random
 from typing import Any
 
 from kvbridge._native import Index
-from kvbridge.replay.engine import Seq
+from kvbridge.replay.engine import DECODE_A, DECODE_B, DECODE_C, PREFILL_A, PREFILL_B, PREFILL_C, Seq
+from kvbridge.routing.router import Router
+from kvbridge.routing.work import EngineModel
 from kvbridge.wire.hashing import hash_blocks
 
 __all__ = ["POLICIES", "make_policy"]
@@ -90,6 +92,51 @@ class _Indexed(Policy):
 
     def events(self, worker: int, payload: bytes) -> None:
         self.index.apply(self.names[worker], payload)
+
+
+class KvRouterPolicy(_Indexed):
+    """:class:`kvbridge.Router` with its defaults (as ``kvbridge proxy`` builds it), told the
+    engines' model, on the replay's virtual clock."""
+
+    name = "kv"
+
+    def __init__(self, seed: int = 0, loads: str = "flight") -> None:
+        if loads not in ("flight", "reports"):
+            raise ValueError(f"loads must be 'flight' or 'reports', got {loads!r}")
+        self.seed = seed
+        self.loads = loads
+        self.needs_reports = loads == "reports"
+        if loads == "reports":
+            self.name = "kv-reports"
+
+    def attach(self, fleet: Any) -> None:
+        super().attach(fleet)
+        cfg = fleet.config.engine
+        sp = cfg.speedup
+        engine = EngineModel(
+            prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp),
+            decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            kv_capacity_tokens=cfg.num_blocks * cfg.block_size,
+        )
+        self._reports: dict[str, Any] = {}
+        self.router = Router(
+            self.index, block_size=self.block_size, seed=self.seed, workers=self.names, engine=engine,
+            reports=self._reports.get if self.needs_reports else None, clock=lambda: fleet.now / 1000.0,
+        )
+
+    def route(self, seq: Seq) -> int:
+        worker, _ = self.router.choose(seq.req.tokens, request_id=seq.id)
+        return self._by_name[worker]
+
+    def first_token(self, seq: Seq) -> None:
+        self.router.first_token(self.names[seq.worker], seq.id)
+
+    def finished(self, seq: Seq) -> None:
+        self.router.done(self.names[seq.worker], seq.id)
+
+    def load_report(self, worker: int, report: Any) -> None:
+        self._reports[self.names[worker]] = report
 
 
 class DynamoDefault(_Indexed):
@@ -165,10 +212,10 @@ class DynamoDefault(_Indexed):
                 active[k] = c - 1
 
 
-POLICIES = ("rr", "random", "dynamo")
+POLICIES = ("kv", "kv-reports", "dynamo", "rr", "random")
 
 
-def make_policy(name: str, *, seed: int = 0, loads: str = "flight") -> Policy:
+def make_policy(name: str, *, seed: int = 0) -> Policy:
     """A fresh policy by name (one per replay: they keep state)."""
     if name == "rr":
         return RoundRobin()
@@ -176,4 +223,8 @@ def make_policy(name: str, *, seed: int = 0, loads: str = "flight") -> Policy:
         return RandomPolicy(seed)
     if name == "dynamo":
         return DynamoDefault(seed)
+    if name == "kv":
+        return KvRouterPolicy(seed)
+    if name == "kv-reports":
+        return KvRouterPolicy(seed, loads="reports")
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICIES)}")

@@ -1,26 +1,38 @@
-"""KV-aware worker choice, scored the way Dynamo's KV router scores workers.
+"""KV-aware worker choice: the worker that would give the prompt its first token soonest.
 
-For a request of ``B`` full blocks, a worker that already holds the first ``overlap`` of them
-costs::
+The default cost (``cost="time"``) is a predicted time to first token in ms
+(:mod:`kvbridge.routing.work`)::
 
-    cost = overlap_weight * (B - overlap) + load
+    cost(w) = T(queued(w) + overlap_weight * uncached(w))  [+ a penalty when w's KV cache is full]
 
--- the blocks it would still have to prefill, weighed against how busy it is. ``overlap`` counts a
-block at the best storage tier that holds it (``medium_weights``: GPU 1.0, CPU 0.75, DISK and
-STORAGE 0.25 by default, as Dynamo weighs them): a prefix held on the GPU for 2 blocks and in CPU
-memory for 6 counts ``2 * 1.0 + 4 * 0.75 = 5`` blocks, since loading from a slower tier is cheaper
-than recomputing but not free. Blocks an event marked ``locality="REMOTE"`` are not credited
-unless ``remote=True``. ``load`` is what
-``loads`` says for the worker (e.g. from its ``LoadReport`` s: requests running + waiting), else the
-router's own count of the requests it sent there that are not ``done`` yet. The lowest cost wins;
-ties go to a seeded random pick among the tied workers, so runs repeat. With ``temperature > 0``
-the choice is sampled instead, ``P(w) ∝ exp(-c'(w) / temperature)`` over the costs rescaled to
+``uncached(w)``: the prompt's tokens ``w`` does not hold, its hit counted as vLLM counts it
+(at most ``floor((L - 1) / block_size)`` blocks); ``queued(w)``: the prompt tokens routed to
+``w`` that have not produced their first token yet, drained at the engine's speed between
+signals; ``T``: the engine model's time for that many prompt tokens, its passes slowed by the
+decode steps of ``w``'s active requests. The signals are the production ones: the index's
+overlap scores (and provisional residency), the router's own decisions, each request's first
+token (:meth:`Router.first_token`) and end (:meth:`Router.done`), and, when given
+(``reports=``), the workers' LoadReports (KV-cache use, running requests).
+
+The cost before it (``cost="blocks"``, Dynamo-style): for a request of ``B`` full blocks, a
+worker that already holds the first ``overlap`` of them costs
+``overlap_weight * (B - overlap) + load``, load in requests. Requests against blocks: long
+prefills pile onto the worker holding their prefix, whatever its queue (docs/routing.md).
+
+``overlap`` counts a block at the best storage tier that holds it (``medium_weights``: GPU 1.0,
+CPU 0.75, DISK and STORAGE 0.25 by default, as Dynamo weighs them): a prefix held on the GPU for
+2 blocks and in CPU memory for 6 counts ``2 * 1.0 + 4 * 0.75 = 5`` blocks, since loading from a
+slower tier is cheaper than recomputing but not free. Blocks an event marked
+``locality="REMOTE"`` are not credited unless ``remote=True``. The lowest cost wins; ties go to a
+seeded random pick among the tied workers, so runs repeat. With ``temperature > 0`` the choice
+is sampled instead, ``P(w) ∝ exp(-c'(w) / temperature)`` over the costs rescaled to
 ``c' = (cost - min) / (max - min)`` in [0, 1] (as Dynamo's softmax sampling does), which spreads
 load among near-equal workers; still deterministic for a given ``seed``.
 
     >>> router = Router(index)                        # a kvbridge.Index fed by a KvEventSubscriber
     >>> with router.route(prompt_ids) as (worker, overlap):
     ...     send(worker, prompt)                       # in flight until the block exits
+    ...     router.first_token(worker)                 # when its first token streams back
 """
 
 from __future__ import annotations
@@ -33,13 +45,17 @@ import uuid
 from collections import deque
 from contextlib import contextmanager
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Literal, NamedTuple, Sequence, TypeGuard, cast
+from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Sequence, TypeGuard, cast
 
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
+from kvbridge.routing.work import EngineModel, Flight, WorkerWork
 from kvbridge.wire.hashing import hash_blocks
 
-__all__ = ["DEFAULT_MEDIUM_WEIGHTS", "Decision", "NoWorkersError", "ReportLoads", "Router", "report_loads", "softmax_probabilities", "tiered_overlap"]
+__all__ = [
+    "DEFAULT_MEDIUM_WEIGHTS", "Decision", "EngineModel", "NoWorkersError", "ReportLoads", "Router", "report_loads",
+    "softmax_probabilities", "tiered_overlap",
+]
 
 Loads = Mapping[str, float] | Callable[[str], "float | None"]
 #: ``{worker: leading blocks}`` or, per storage tier, ``{worker: {medium: leading blocks}}``.
@@ -53,6 +69,10 @@ DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 
 #: A peer's request still counts in its worker's load for at most this long without its "done"
 #: (the peer may have died with it in flight).
 PEER_IN_FLIGHT_MAX_S = 600.0
+
+#: What a worker whose KV cache cannot hold a prompt beside its active requests costs on top, per
+#: full cache of shortfall: vLLM admits the prompt only when a completion frees its blocks.
+MEMORY_PENALTY_MS = 100_000.0
 
 
 class Decision(NamedTuple):
@@ -126,6 +146,14 @@ class Router:
     (default :data:`DEFAULT_MEDIUM_WEIGHTS`); ``remote``: credit blocks whose events said
     ``locality="REMOTE"`` (default False: a block on another node is not this worker's).
 
+    ``cost``: ``"time"`` (default; the module doc) or ``"blocks"`` (the cost before it, with
+    ``loads``). ``engine``: the engines' :class:`EngineModel` for the time cost (default: Dynamo
+    1.6.1's replay model of a vLLM engine). ``reports``: for the time cost, a callable
+    ``report(worker)`` returning the worker's latest :class:`kvbridge.LoadReport` or None
+    (:meth:`ReportLoads.report`); its KV-cache use and running requests then weigh memory and
+    decode pressure beside the router's own accounting. ``clock``: the time in seconds
+    (default ``time.time``; a replay passes its virtual clock).
+
     ``provisional_ttl_s``: how long a choice counts as the chosen worker holding the request's
     full blocks before its own events say so (:mod:`kvbridge.routing.provisional`; 0 turns it
     off); ``max_provisional`` bounds those entries; a worker whose cache the index saw cleared
@@ -156,6 +184,10 @@ class Router:
         max_provisional: int = 100_000,
         subscriber: Any = None,
         model: str | None = None,
+        cost: Literal["time", "blocks"] = "time",
+        engine: EngineModel | None = None,
+        reports: Callable[[str], Any] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size is None:
             block_size = getattr(index, "block_size", None)
@@ -165,6 +197,21 @@ class Router:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if loads is not None and not (isinstance(loads, Mapping) or callable(loads)):
             raise TypeError(f"loads must be a mapping worker -> load or a callable, got {type(loads).__name__}")
+        if cost not in ("time", "blocks"):
+            raise ValueError(f"cost must be 'time' or 'blocks', got {cost!r}")
+        if cost == "time" and loads is not None:
+            raise ValueError(
+                "loads= (requests per worker) weighs the 'blocks' cost; the time cost reads LoadReports "
+                "through reports= (e.g. report_loads(subscriber).report): pass cost='blocks' to keep loads"
+            )
+        if engine is not None and not isinstance(engine, EngineModel):
+            raise TypeError(f"engine must be an EngineModel, got {type(engine).__name__}")
+        if reports is not None and not callable(reports):
+            raise TypeError(f"reports must be a callable worker -> LoadReport | None, got {type(reports).__name__}")
+        self.cost = cost
+        self.engine = EngineModel() if engine is None else engine
+        self.reports = reports
+        self.clock = clock
         self.index = index
         self.block_size = block_size
         self.overlap_weight = _check_number("overlap_weight", overlap_weight)
@@ -183,7 +230,7 @@ class Router:
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {remote!r}")
         self.remote = remote
-        self.provisional = ProvisionalResidency(provisional_ttl_s, max_entries=max_provisional)
+        self.provisional = ProvisionalResidency(provisional_ttl_s, max_entries=max_provisional, clock=clock)
         self.subscriber = subscriber
         self.model = model
         #: This router's name among replicas sharing decisions (RouteSync).
@@ -194,6 +241,11 @@ class Router:
         self.in_flight: dict[str, int] = {}
         # Per worker, this router's requests in flight, oldest first: (wall-clock time, decision id).
         self._sent: dict[str, deque[tuple[float, int]]] = {}
+        # Per worker, the same requests with their prompt work (the time cost's accounting).
+        self._work: dict[str, WorkerWork] = {}
+        # The uncached prompt tokens per worker of the last costs computed (the chosen one's is
+        # recorded with the decision).
+        self._uncached: dict[str, float] = {}
         # Peers' requests in flight: (replica, decision id) -> (worker, wall-clock time).
         self._peer_sent: dict[tuple[str, int], tuple[str, float]] = {}
         self._next_id = 0
@@ -264,12 +316,24 @@ class Router:
         return float(cast(int, score))
 
     def costs_from_scores(
-        self, scores: Scores, num_blocks: int, workers: Sequence[str] | None = None
+        self,
+        scores: Scores,
+        num_blocks: int,
+        workers: Sequence[str] | None = None,
+        *,
+        num_tokens: int | None = None,
     ) -> dict[str, float]:
-        """``{worker: cost}`` for a request of ``num_blocks`` full blocks with these overlaps
-        (per worker a block count, or ``{medium: block count}`` as ``by_medium`` answers give)."""
+        """``{worker: cost}`` for a request of ``num_blocks`` full blocks (``num_tokens`` tokens:
+        default ``num_blocks * block_size``) with these overlaps (per worker a block count, or
+        ``{medium: block count}`` as ``by_medium`` answers give)."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if self.cost == "time":
+            if num_tokens is None:
+                num_tokens = num_blocks * self.block_size
+            elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < num_blocks * self.block_size:
+                raise ValueError(f"num_tokens must be an int >= num_blocks * block_size, got {num_tokens!r}")
+            return self._time_costs(scores, num_tokens, self._candidates(scores, workers))
         weight, overlap = self.overlap_weight, self.overlap
         # Without load numbers or peers a worker's load is its in-flight count: read it here
         # rather than through load() (per worker, per decision, that call is most of the cost).
@@ -280,6 +344,43 @@ class Router:
             held = 0.0 if score is None else overlap(score)
             load = self.load(w) if in_flight is None else in_flight.get(w, 0)
             costs[w] = weight * (num_blocks - (held if held < num_blocks else num_blocks)) + load
+        return costs
+
+    def _time_costs(self, scores: Scores, num_tokens: int, candidates: Sequence[str]) -> dict[str, float]:
+        """The time cost of the module doc, per candidate; notes each one's uncached tokens."""
+        bs, engine, weight, overlap = self.block_size, self.engine, self.overlap_weight, self.overlap
+        # vLLM computes the last token for its logits: a hit stops one token short of the prompt.
+        cap = (num_tokens - 1) // bs if num_tokens else 0
+        capacity = engine.kv_capacity_tokens
+        now = self.clock()
+        reports = self.reports
+        uncached = self._uncached
+        uncached.clear()
+        costs = {}
+        for w in candidates:
+            score = scores.get(w)
+            held = 0.0 if score is None else overlap(score)
+            todo = num_tokens - (held if held < cap else cap) * bs
+            uncached[w] = todo
+            work = self._work.get(w)
+            decoding = in_use = 0.0
+            if work is not None and work.flights:
+                decoding, in_use = work.context()
+            report = reports(w) if reports is not None else None
+            if report is not None and capacity:
+                # The engine's own count of its KV cache in use, plus what was sent after it.
+                reported = report.kv_cache_usage * capacity
+                if work is not None:
+                    reported += sum(f.prompt for f in work.flights.values() if f.sent > report.ts)
+                in_use = max(in_use, reported)
+                if report.running:
+                    decoding = max(decoding, report.kv_cache_usage * capacity)
+            step = engine.decode_ms(decoding) if decoding else 0.0
+            queued = 0.0 if work is None else work.queued(now, engine.tokens_per_ms(step) * 1000.0)
+            c = engine.prompt_ms(queued + weight * todo, step)
+            if capacity and in_use + num_tokens > capacity:
+                c += MEMORY_PENALTY_MS * (in_use + num_tokens - capacity) / capacity
+            costs[w] = c
         return costs
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
@@ -348,29 +449,44 @@ class Router:
         lora_name: str | None = None,
         extra_keys: Any = None,
         workers: Sequence[str] | None = None,
+        request_id: Hashable | None = None,
     ) -> tuple[str, int]:
-        """Pick a worker for this prompt: ``(worker, leading blocks it holds)``. The worker's
-        in-flight count goes up by one until :meth:`done` (or use :meth:`route`), and it holds
-        the prompt's full blocks provisionally (``provisional_ttl_s``).
+        """Pick a worker for this prompt: ``(worker, leading blocks it holds)``. The request is in
+        flight there until :meth:`done` (or use :meth:`route`), its prompt queued until
+        :meth:`first_token`, and the worker holds the prompt's full blocks provisionally
+        (``provisional_ttl_s``).
 
         ``workers``: choose among exactly these (default: the index's workers and the router's
-        ``workers``). Raises :class:`NoWorkersError` when there is none."""
+        ``workers``). ``request_id``: names the request in :meth:`first_token` and :meth:`done`
+        (default: a worker's requests are taken to finish in the order sent). Raises
+        :class:`NoWorkersError` when there is none."""
         scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        n = len(tokens)
         if not (self.provisional.enabled or self.listeners):
-            return self.choose_scores(scores, len(tokens) // self.block_size, workers=workers)
+            return self.choose_scores(scores, n // self.block_size, workers=workers, num_tokens=n, request_id=request_id)
         keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
-        return self.choose_scores(scores, len(keys), workers=workers, keys=keys)
+        return self.choose_scores(scores, len(keys), workers=workers, keys=keys, num_tokens=n, request_id=request_id)
 
     def choose_scores(
-        self, scores: Scores, num_blocks: int, *, workers: Sequence[str] | None = None, keys: Sequence[int] | None = None
+        self,
+        scores: Scores,
+        num_blocks: int,
+        *,
+        workers: Sequence[str] | None = None,
+        keys: Sequence[int] | None = None,
+        num_tokens: int | None = None,
+        request_id: Hashable | None = None,
     ) -> tuple[str, int]:
         """:meth:`choose` from overlap scores obtained elsewhere (e.g. ``await
-        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks.
+        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks
+        (``num_tokens`` tokens: what the time cost weighs; default ``num_blocks * block_size``).
         ``keys``: the prompt's :meth:`block_keys`, for provisional residency (none without)."""
         with self._lock:
+            if request_id is not None and any(request_id in wk.flights for wk in self._work.values()):
+                raise ValueError(f"request {request_id!r} is already in flight")
             if keys is not None:
                 scores = self.with_provisional(scores, keys)
-            costs = self.costs_from_scores(scores, num_blocks, workers)
+            costs = self.costs_from_scores(scores, num_blocks, workers, num_tokens=num_tokens)
             if self.temperature > 0:
                 probs = softmax_probabilities(costs, self.temperature)
                 names = list(probs)
@@ -380,9 +496,17 @@ class Router:
                 tied = [w for w, c in costs.items() if c == best]
                 worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
             self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-            decision = Decision("route", self.replica, self._next_id, worker, time.time(), list(keys) if keys else [])
+            now = self.clock()
+            decision = Decision("route", self.replica, self._next_id, worker, now, list(keys) if keys else [])
             self._next_id += 1
             self._sent.setdefault(worker, deque()).append((decision.ts, decision.id))
+            tokens = num_blocks * self.block_size if num_tokens is None else num_tokens
+            work = self._work.get(worker)
+            if work is None:
+                work = self._work[worker] = WorkerWork()
+            flight = Flight(tokens, self._uncached.get(worker, float(tokens)), now, decision.id)
+            step = self.engine.decode_ms(0.0)
+            work.add(decision.id if request_id is None else request_id, flight, now, self.engine.tokens_per_ms(step) * 1000.0)
             if keys:
                 self.provisional.add(worker, keys)
                 if self.index is not None and hasattr(self.index, "clears"):
@@ -391,22 +515,38 @@ class Router:
         self._tell(decision)
         return worker, min(_leading(scores.get(worker, 0)), num_blocks)
 
-    def done(self, worker: str) -> None:
-        """A request sent to ``worker`` finished: its in-flight count goes down by one (the
-        oldest of its requests counts as the one that finished)."""
+    def first_token(self, worker: str, request_id: Hashable | None = None) -> None:
+        """A request sent to ``worker`` produced its first token (``request_id``; None: its
+        oldest request without one): its prompt, and any sent there before it, left the queue.
+        A request not known (already done, or never chosen here) is ignored."""
+        with self._lock:
+            work = self._work.get(worker)
+            if work is not None:
+                work.first_token(request_id, self.clock())
+
+    def done(self, worker: str, request_id: Hashable | None = None) -> None:
+        """A request sent to ``worker`` finished (``request_id``; None: the oldest of its
+        requests counts as the one that finished): it leaves the worker's load."""
         with self._lock:
             n = self.in_flight.get(worker, 0)
             if n <= 0:
                 raise ValueError(f"worker {worker!r} has no request in flight")
+            work = self._work[worker]
+            if request_id is not None and request_id not in work.flights:
+                raise ValueError(f"request {request_id!r} is not in flight on worker {worker!r}")
+            flight = work.done(request_id, self.clock())
+            if not work.flights:
+                del self._work[worker]
             if n == 1:
                 del self.in_flight[worker]
             else:
                 self.in_flight[worker] = n - 1
             sent = self._sent[worker]
-            ts, ident = sent.popleft()
+            ident = flight.id
+            sent.remove((flight.sent, ident))
             if not sent:
                 del self._sent[worker]
-        self._tell(Decision("done", self.replica, ident, worker, ts, []))
+        self._tell(Decision("done", self.replica, ident, worker, flight.sent, []))
 
     def _tell(self, decision: Decision) -> None:
         for listener in self.listeners:
@@ -523,30 +663,35 @@ class ReportLoads:
         self.model = model
         self.max_age_s = max_age_s
         self.refresh_s = refresh_s
-        self._cache: dict[str, tuple[float, float]] = {}
+        self._cache: dict[str, Any] = {}
         self._read_at = -math.inf
 
-    def _fresh(self) -> dict[str, tuple[float, float]]:
+    def _fresh(self) -> dict[str, Any]:
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
-            fresh: dict[str, tuple[float, float]] = {}
+            fresh: dict[str, Any] = {}
             for (m, w), (report, age) in self.subscriber.loads.items():
                 if (self.model is None or m == self.model) and age <= self.max_age_s:
                     if w in fresh and self.model is None:
                         raise ValueError(f"worker {w!r} reports load for several models: pass model=")
-                    fresh[w] = (float(report.running + report.waiting), report.ts)
+                    fresh[w] = report
             self._cache = fresh
             self._read_at = now
         return self._cache
 
     def __call__(self, worker: str) -> float | None:
         found = self._fresh().get(worker)
-        return None if found is None else found[0]
+        return None if found is None else float(found.running + found.waiting)
 
     def as_of(self, worker: str) -> float | None:
         """The wall-clock time of the report :meth:`__call__` answers from."""
         found = self._fresh().get(worker)
-        return None if found is None else found[1]
+        return None if found is None else found.ts
+
+    def report(self, worker: str) -> Any:
+        """The worker's latest :class:`kvbridge.LoadReport` younger than ``max_age_s``, or None
+        (``reports=`` of a time-cost :class:`Router`)."""
+        return self._fresh().get(worker)
 
 
 def report_loads(
