@@ -158,6 +158,15 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens this worker still has to compute: the waiting requests' and the rest of
+        the one mid-prefill."""
+        q = sum(s.req.input_length + s.generated for s in self.waiting)
+        if self.running:
+            last = self.running[-1]
+            q += last.target - last.computed
+        return q
+
     def enqueue(self, seq: Seq) -> None:
         self.waiting.append(seq)
 

@@ -65,6 +65,8 @@ class Fleet:
         self.engines = [Engine(i, config.engine, events=events) for i in range(config.workers)]
         self.names = [f"worker-{i}" for i in range(config.workers)]
         self.now = 0.0  # ms
+        #: (ms, [queued prompt tokens per worker]) when simulate() samples them
+        self.samples: list[tuple[float, list[int]]] = []
 
     def report(self, i: int) -> LoadReport:
         """What worker ``i``'s vLLM plugin would report now (``ts`` in virtual seconds)."""
@@ -82,9 +84,11 @@ def simulate(
     config: FleetConfig,
     *,
     progress: Callable[[int], None] | None = None,
+    sample_ms: float = 0.0,
 ) -> tuple[list[Seq], Fleet, float]:
     """Replays ``requests`` through ``policy``; ``(requests' outcomes, the fleet, wall seconds)``.
-    ``progress(n)`` is called as requests complete (every 1% or so)."""
+    ``progress(n)`` is called as requests complete (every 1% or so). ``sample_ms`` > 0: every
+    that many simulated ms, each worker's queued prompt tokens go to ``fleet.samples``."""
     started = time.perf_counter()
     fleet = Fleet(config, events=policy.needs_events)
     engines = fleet.engines
@@ -104,10 +108,14 @@ def simulate(
     completed = 0
     step = max(1, len(seqs) // 100)
     inf = float("inf")
+    next_sample = 0.0 if sample_ms > 0 else inf
     while arrivals or ends:
         t_arr = arrivals[0].req.arrival_ms / speed if arrivals else inf
         t_end = ends[0][0] if ends else inf
         now = t_arr if t_arr < t_end else t_end
+        while next_sample <= now:
+            fleet.samples.append((next_sample, [e.queued_tokens() for e in engines]))
+            next_sample += sample_ms
         if next_report <= now:
             # Reports are taken on their own clock; between two instants nothing changes, so
             # the fleet's state now is the state at each report time passed.

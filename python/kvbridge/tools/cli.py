@@ -1,6 +1,7 @@
 """``kvbridge`` command line: ``watch`` the event stream, ``relay`` a stock engine's ZMQ events to
 NATS, serve overlap queries from an ``index``, put a KV-aware OpenAI gateway in front of vLLM
-(``proxy``), run the end-to-end ``demo``, or print least-privilege NATS users (``auth-config``).
+(``proxy``), compare routing policies on a trace (``replay``), run the end-to-end ``demo``, or
+print least-privilege NATS users (``auth-config``).
 
 Connection options come from ``KVBRIDGE_*`` environment variables (see :class:`kvbridge.Config`);
 the flags below override them.
@@ -406,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--tokenize-cache", type=int, default=4096, help="prompts whose token ids are kept (default 4096)")
     _connection_args(x)
 
+    from kvbridge.tools import replay_cmd
+
+    replay_cmd.add_parser(sub)
+
     a = sub.add_parser(
         "auth-config",
         help="print a least-privilege nats-server authorization block for one model's workers and routers",
@@ -448,6 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_index(args))
         if args.command == "auth-config":
             return _auth_config(args)
+        if args.command == "replay":
+            from kvbridge.tools import replay_cmd
+
+            return replay_cmd.run(args)
         if args.command == "proxy":
             return asyncio.run(_proxy(args))
         if args.num_blocks is None:

@@ -1,0 +1,134 @@
+"""``kvbridge replay``: the parser and the runner of the subcommand (kvbridge.replay does the work)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_POLICY_HELP = (
+    "kv: kvbridge.Router with the proxy's defaults, told loads by its own accounting; kv-reports: the same "
+    "with the workers' LoadReports too (the proxy's mode); dynamo: a port of Dynamo 1.6.1's default KV router; "
+    "rr: round robin; random"
+)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def add_parser(sub: Any) -> None:
+    r = sub.add_parser(
+        "replay", help="replay a request trace through a simulated fleet and compare routing policies by time",
+        description="Replay a request trace (Mooncake JSONL: timestamp ms, input_length, output_length, hash_ids; "
+        "or JSONL of token ids: timestamp, output_length, tokens) through a simulated fleet in virtual time: per "
+        "worker a vLLM engine model (scheduler, prefix cache, chunked prefill, preemption) timed by NVIDIA Dynamo "
+        "1.6.1's polynomial model, the router fed the production signals (KV events as the pool emits them, load "
+        "reports, first token, completion). Prints per policy: prefix reuse, TTFT/ITL/e2e in simulated ms, "
+        "requests/s, preemptions, requests per worker, wall time. Deterministic for a --seed. docs/routing.md.",
+    )  # fmt: skip
+    r.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s), each replayed on its own")
+    r.add_argument("--policy", default="kv,kv-reports,dynamo,rr,random",
+                   help=f"comma-separated policies to compare (default all). {_POLICY_HELP}")  # fmt: skip
+    r.add_argument("--workers", type=_positive_int, default=4, help="simulated workers (default 4)")
+    r.add_argument("--speedup", type=_positive, default=1.0, help="divide the trace's arrival times by this (default 1)")
+    r.add_argument("--first", type=_positive_int, metavar="N", help="replay only the first N requests")
+    r.add_argument("--block-size", type=_positive_int, default=64, help="tokens per KV block (default 64)")
+    r.add_argument("--num-blocks", type=_positive_int, default=16384, help="KV blocks per worker (default 16384)")
+    r.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+                   help="the engine's token budget per pass (default 8192)")  # fmt: skip
+    r.add_argument("--max-num-seqs", type=_positive_int, default=256, help="the engine's seats (default 256)")
+    r.add_argument("--engine-speedup", type=_positive, default=1.0,
+                   help="divide the timing model's prefill and decode times by this (default 1)")  # fmt: skip
+    r.add_argument("--trace-block-size", type=_positive_int, default=512,
+                   help="tokens per hash_id in a Mooncake trace (default 512)")  # fmt: skip
+    r.add_argument("--event-lag-ms", type=_non_negative, default=0.0,
+                   help="KV events reach the router this long after their pass ends (default 0)")  # fmt: skip
+    r.add_argument("--report-interval-ms", type=_non_negative, default=100.0,
+                   help="load reports every this many ms, for kv-reports (default 100, the plugin's)")  # fmt: skip
+    r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    r.add_argument("--json", action="store_true", help="one JSON object per trace instead of tables")
+    r.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and per-worker queued work over time "
+                   "(needs matplotlib: the 'plot' extra); with several traces, one file each (FILE-<n>.png)")  # fmt: skip
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.replay.engine import EngineConfig
+    from kvbridge.replay.fleet import FleetConfig
+    from kvbridge.replay.policies import POLICIES
+    from kvbridge.replay.report import format_table
+    from kvbridge.replay.run import compare, plot
+    from kvbridge.replay.trace import TraceError, load_trace
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if not policies or unknown:
+        print(f"kvbridge replay: --policy: unknown {', '.join(unknown) or '(none given)'}; "
+              f"expected a comma-separated list of {', '.join(POLICIES)}", file=sys.stderr)  # fmt: skip
+        return 2
+    engine = EngineConfig(
+        num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, speedup=args.engine_speedup,
+    )
+    config = FleetConfig(
+        workers=args.workers, engine=engine, arrival_speedup=args.speedup, event_lag_ms=args.event_lag_ms,
+        report_interval_ms=args.report_interval_ms,
+    )
+    progress = not args.no_progress and sys.stderr.isatty()
+    out = []
+    for n, path in enumerate(args.traces):
+        try:
+            requests = load_trace(path, trace_block_size=args.trace_block_size, limit=args.first)
+        except OSError as exc:
+            print(f"kvbridge replay: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except TraceError as exc:
+            print(f"kvbridge replay: {exc}", file=sys.stderr)
+            return 2
+        if not requests:
+            print(f"kvbridge replay: {path}: no requests", file=sys.stderr)
+            return 2
+        too_long = next((r for r in requests if -(-r.input_length // args.block_size) > args.num_blocks), None)
+        if too_long is not None:
+            print(f"kvbridge replay: {path}: request {too_long.index} ({too_long.input_length} tokens) does not fit "
+                  f"a worker's {args.num_blocks} blocks of {args.block_size} tokens", file=sys.stderr)  # fmt: skip
+            return 2
+        summaries, runs = compare(requests, policies, config, seed=args.seed, progress=progress,
+                                  sample_ms=1000.0 if args.plot else 0.0)  # fmt: skip
+        title = (f"{path}: {len(requests)} requests, {args.workers} workers, arrivals x{args.speedup:g}, "
+                 f"{args.num_blocks} x {args.block_size}-token blocks")  # fmt: skip
+        if args.plot:
+            target = args.plot if len(args.traces) == 1 else args.plot.replace(".png", "") + f"-{n}.png"
+            plot(target, runs, title)
+        if args.json:
+            out.append({"trace": path, "requests": len(requests), "workers": args.workers, "speedup": args.speedup,
+                        "engine": {k: getattr(engine, k) for k in engine.__slots__},
+                        "policies": [s.as_dict() for s in summaries]})  # fmt: skip
+        else:
+            print(f"{title}; times in simulated ms\n")
+            print(format_table(summaries))
+            print()
+    if args.json:
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+    return 0
