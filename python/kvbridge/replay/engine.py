@@ -140,6 +140,7 @@ class Engine:
         self.tick = 0  # passes completed
         self.passes = 0
         self.preemptions = 0
+        self.rejected = 0
         self.prefill_tokens = 0  # prompt tokens computed, over the whole replay
         #: (duration ms, tokens) per pass with decode tokens: every decoder's gap is the pass.
         self.itl: list[tuple[float, int]] = []
@@ -167,8 +168,14 @@ class Engine:
             q += last.target - last.computed
         return q
 
-    def enqueue(self, seq: Seq) -> None:
+    def enqueue(self, seq: Seq) -> bool:
+        """Queues a routed request; False (refused, as Dynamo's engine refuses it) when its
+        prompt needs more blocks than the whole pool."""
+        if -(-seq.req.input_length // self.config.block_size) > self.config.num_blocks:
+            self.rejected += 1
+            return False
         self.waiting.append(seq)
+        return True
 
     @staticmethod
     def _prompt(seq: Seq) -> array:

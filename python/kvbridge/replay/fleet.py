@@ -156,7 +156,8 @@ def simulate(
                 seq.routed_ms = now
                 w = route(seq)
                 seq.worker = w
-                engines[w].enqueue(seq)
+                if not engines[w].enqueue(seq):
+                    finished_cb(seq)  # refused: the router hears its end at once
         # 3. idle workers with work start a pass
         for e in engines:
             if not e.busy and (e.waiting or e.running):

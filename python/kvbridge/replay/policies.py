@@ -154,19 +154,20 @@ class DynamoDefault(_Indexed):
         self.prefill = [0] * n  # active prefill tokens
         self.blocks = [0] * n  # distinct active prompt blocks
 
-    def route(self, seq: Seq) -> int:
+    def costs(self, seq: Seq) -> tuple[list[float], list[int], list[int]]:
+        """Per worker: Dynamo's cost for ``seq``, its overlap in blocks; and the prompt's block
+        keys (scorer.rs 215-224: ``max(0, (active_prefill + ISL) / bs - overlap) + active_blocks
+        + n - active_overlap``)."""
         bs = self.block_size
         tokens = seq.req.tokens
         isl = len(tokens)
         keys = hash_blocks(tokens, bs, algo="xxh3")
         n = len(keys)
-        overlaps = self.index.find_matches(tokens)
         by_name = self._by_name
         over = [0] * len(self.names)
-        for name, v in overlaps.items():
+        for name, v in self.index.find_matches(tokens).items():
             over[by_name[name]] = v
-        best: list[int] = []
-        best_cost = 0.0
+        costs = []
         for w, active in enumerate(self.active):
             shared = 0  # active_overlap: leading blocks shared with requests active here
             if active:
@@ -175,13 +176,16 @@ class DynamoDefault(_Indexed):
                         break
                     shared += 1
             prefill = (self.prefill[w] + isl) / bs - over[w]
-            cost = (prefill if prefill > 0 else 0.0) + self.blocks[w] + n - shared
-            if not best or cost < best_cost:
-                best, best_cost = [w], cost
-            elif cost == best_cost:
-                best.append(w)
-        w = best[0] if len(best) == 1 else self._rng.choice(best)
-        hint = isl - round(bs * over[w])
+            costs.append((prefill if prefill > 0 else 0.0) + self.blocks[w] + n - shared)
+        return costs, over, keys
+
+    def route(self, seq: Seq) -> int:
+        costs, over, keys = self.costs(seq)
+        best = min(costs)
+        tied = [w for w, c in enumerate(costs) if c == best]
+        w = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        # The prefill load hint: ISL less the chosen worker's overlap in tokens (mod.rs 1199-1233).
+        hint = seq.req.input_length - round(self.block_size * over[w])
         seq.decision = (keys, hint)
         self.prefill[w] += hint
         active = self.active[w]
@@ -200,7 +204,7 @@ class DynamoDefault(_Indexed):
     def finished(self, seq: Seq) -> None:
         w = seq.worker
         keys, hint = seq.decision
-        if seq.first_token_ms < 0:  # pragma: no cover - a request always has a first token first
+        if seq.first_token_ms < 0:  # refused by the engine: it never had a first token
             self.prefill[w] -= hint
         active = self.active[w]
         for k in keys:

@@ -52,6 +52,7 @@ class Summary:
     e2e_mean: float
     rps: float  # completed / (last completion - first arrival), simulated seconds
     preemptions: int
+    rejected: int  # prompts larger than a worker's whole pool, refused
     prefill_tokens: int  # prompt tokens the fleet computed
     per_worker: list[int] = field(default_factory=list)  # requests routed per worker
     wall_s: float = 0.0
@@ -87,6 +88,7 @@ def summarize(policy: str, seqs: Sequence[Seq], fleet: Any, wall_s: float) -> Su
         e2e_mean=sum(e2e) / n,
         rps=len(done) / span if span > 0 else 0.0,
         preemptions=sum(e.preemptions for e in fleet.engines),
+        rejected=sum(e.rejected for e in fleet.engines),
         prefill_tokens=sum(e.prefill_tokens for e in fleet.engines),
         per_worker=per_worker,
         wall_s=wall_s,
