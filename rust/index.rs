@@ -9,7 +9,9 @@
 //! GIL and the lock at once.
 
 pub(crate) mod core;
+mod events;
 mod holders;
+pub(crate) mod json;
 pub(crate) mod keys;
 pub(crate) mod parse;
 pub(crate) mod pipeline;
@@ -35,7 +37,7 @@ use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
 use crate::hash::value::Value;
-use crate::scan::{Hash, Reader};
+use crate::reader::{Hash, Reader};
 
 thread_local! {
     static KEYS: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };

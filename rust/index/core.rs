@@ -33,15 +33,16 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
+use super::events::{Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::holders::{
     entry, medium_of, worker_of, Bits, Entry, Filter, Holders, Removed, Slab, MAX_CLASSES,
     MAX_WORKERS,
 };
 use super::keys::QueryKeys;
-use super::parse::{eq_bytes, Batch, Event, Spare, Stored, BAD_GROUP, KINDS, NO_KIND};
 use super::table::Table;
 use crate::hash::algo::{index_keys, Algo, Chain, Digest};
 use crate::hash::value::Value;
+use crate::reader::eq_bytes;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// The keys are hashes already, but not always good ones (tests use 1, 2, 3): one folded
