@@ -10,6 +10,7 @@
 
 pub(crate) mod core;
 mod events;
+mod groups;
 mod holders;
 pub(crate) mod json;
 pub(crate) mod keys;
