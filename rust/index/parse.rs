@@ -417,9 +417,9 @@ impl<'a> Parser<'a> {
     }
 
     /// An extra-key value in its canonical form: nil, bool, int, str, bytes and arrays of
-    /// these (the form Python query arguments take too, see rust/index.rs `key_value`). Floats
-    /// and maps are skipped and flag the event: no engine writes them, and they have no
-    /// canonical form here.
+    /// these (the form Python query arguments take too, see rust/index/query_keys.rs
+    /// `key_value`). Floats and maps are skipped and flag the event: no engine writes them, and
+    /// they have no canonical form here.
     fn value(&mut self, depth: u32) -> Option<Value> {
         if depth > MAX_DEPTH {
             return None;
