@@ -24,7 +24,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use crate::cpython::{fresh_list_slots, layout, Layout};
-use crate::scan::{Hash, Reader};
+use crate::reader::{Hash, Reader};
 
 /// Token id values with a shared int: every vocabulary in use fits (Gemma's, the largest, is
 /// 262,144). Filled as values are seen, so a deployment pays for the ids its traffic holds

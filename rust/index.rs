@@ -1,41 +1,46 @@
 //! `kvbridge.Index`: which leading blocks of a prompt each worker holds, from KV event payloads.
 //!
-//! The rules live in `core` (pyo3-free), payload decoding in `parse`, holder sets in `holders`;
-//! this file is the Python face: argument checks, the lock, the GIL.
+//! The rules live in `core` and `groups` (pyo3-free), payload decoding in `parse` (the events it
+//! makes in `events`, JSON in `json`), holder sets in `holders`, the block table in `table`.
+//! The Python face is this file (the class, the lock, the GIL), with `args` (what callers pass),
+//! `query_keys` (a query's keys from Python) and `answer` (answers as Python objects).
 //!
 //! Locking: one `RwLock` around the state. Queries take it shared, `apply` exclusive. Nothing
 //! touches Python while holding it, and a call that would wait for it (or is long) waits with
 //! the GIL released, so a query thread and an applying thread never block each other on the
 //! GIL and the lock at once.
 
+mod answer;
+mod args;
 pub(crate) mod core;
+mod events;
+mod groups;
 mod holders;
+pub(crate) mod json;
 pub(crate) mod keys;
 pub(crate) mod parse;
 pub(crate) mod pipeline;
+mod query_keys;
 pub(crate) mod table;
 
 use std::cell::Cell;
 use std::sync::{Arc, Mutex, RwLock, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
-use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 
+use self::answer::{inline_layout, keep_top, lists_answer, name_obj, NameCache};
+use self::args::{format_arg, opt_str, payload_bytes, type_error, unpack_query_ints};
 use self::core::{Core, Mode};
 use self::keys::TokenKeys;
-use self::parse::{detect, reduce_bytes, Format};
+use self::parse::detect;
 use self::pipeline::{apply_many, apply_one};
-use crate::cpython;
-use crate::decode::{incref, new_list, set_item};
+use self::query_keys::{keys_from_py, read_block_hashes, Keys, Query};
+use crate::decode::incref;
 use crate::hash::algo::{index_keys, salted, xxh3_chain};
-use crate::hash::buffer::Buffer;
 use crate::hash::scratch::Recycled;
 use crate::hash::tokens;
-use crate::hash::value::Value;
-use crate::scan::{Hash, Reader};
 
 thread_local! {
     static KEYS: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
@@ -45,88 +50,11 @@ thread_local! {
 /// Payloads and queries at least this long are handled with the GIL released.
 const DETACH_MIN_BYTES: usize = 64 << 10;
 const DETACH_MIN_TOKENS: usize = 1 << 16;
-const KEY_NESTING_LIMIT: usize = 64;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Index>()?;
     m.add_function(wrap_pyfunction!(unpack_query_ints, m)?)
 }
-
-/// A query field's msgpack array of ints, as the index service receives it (a `msgspec.Raw`),
-/// as a memoryview of packed native ints ('I' for `tokens`, 'Q' otherwise), which
-/// `Index.find_matches` reads without a Python int per item; None for an absent field or nil.
-/// ValueError in msgspec's words (the service's error replies read the same either way).
-#[pyfunction]
-fn unpack_query_ints<'py>(
-    raw: &Bound<'py, PyAny>,
-    field: &str,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let py = raw.py();
-    let buffer = Buffer::get(raw, pyo3::ffi::PyBUF_ND)?;
-    let b: &[u8] = if buffer.len() == 0 {
-        &[]
-    } else {
-        // SAFETY: a contiguous (PyBUF_ND) export of len() bytes (Raw is bytes-like).
-        unsafe { std::slice::from_raw_parts(buffer.ptr(), buffer.len() * buffer.itemsize()) }
-    };
-    let mut r = Reader { b, p: 0 };
-    if b.is_empty() || r.nil() {
-        return Ok(None);
-    }
-    let tokens = field == "tokens";
-    let bad = |at: String, what: String| {
-        PyValueError::new_err(format!("Expected {what} - at `$.{field}{at}`"))
-    };
-    let Some(n) = r.array_len() else {
-        return Err(bad(
-            String::new(),
-            format!("`array | null`, got `{}`", msgpack_type(b[0])),
-        ));
-    };
-    let mut out: Vec<u8> = Vec::with_capacity(n * if tokens { 4 } else { 8 });
-    for i in 0..n {
-        let marker = r.peek().unwrap_or(0xc1);
-        let v = match r.int() {
-            Some(Hash::U(v)) => v,
-            Some(Hash::I(v)) if v >= 0 => v as u64,
-            Some(_) => return Err(bad(format!("[{i}]"), "`int` >= 0".into())),
-            None => {
-                return Err(bad(
-                    format!("[{i}]"),
-                    format!("`int`, got `{}`", msgpack_type(marker)),
-                ))
-            }
-        };
-        if tokens {
-            let t = u32::try_from(v)
-                .map_err(|_| bad(format!("[{i}]"), "`int` <= 4294967295".into()))?;
-            out.extend_from_slice(&t.to_ne_bytes());
-        } else {
-            out.extend_from_slice(&v.to_ne_bytes());
-        }
-    }
-    let view = PyMemoryView::from(PyBytes::new(py, &out).as_any())?;
-    Ok(Some(
-        view.call_method1("cast", (if tokens { "I" } else { "Q" },))?,
-    ))
-}
-
-/// msgspec's name for the type of the msgpack value starting with `marker`.
-fn msgpack_type(marker: u8) -> &'static str {
-    match marker {
-        0xa0..=0xbf | 0xd9..=0xdb => "str",
-        0xca | 0xcb => "float",
-        0xc2 | 0xc3 => "bool",
-        0xc0 => "null",
-        0x90..=0x9f | 0xdc | 0xdd => "array",
-        0x80..=0x8f | 0xde | 0xdf => "object",
-        0xc4..=0xc6 => "bytes",
-        0xc7..=0xc9 | 0xd4..=0xd8 => "ext",
-        _ => "int",
-    }
-}
-
-type NameCache = (Arc<str>, Py<PyString>);
 
 /// A global KV-cache index: per worker, medium and KV-cache group, which blocks it holds; per
 /// query, how many leading blocks of a prompt each worker would hit.
@@ -665,488 +593,4 @@ fn pooled_keys(
         hash(full, &mut keys);
     }
     keys
-}
-
-/// The largest `top_k` that `keep_top` keeps by insertion.
-const KEEP_BY_INSERTION: usize = 16;
-
-/// Keeps the `k` pairs with the longest hits, longest first, ties in worker id order: one pass
-/// that inserts into the kept prefix only what beats its last (a router's k is small, and most
-/// workers do not), where a sort of every pair cost as much as the query's lookups.
-fn keep_top(found: &mut Vec<(u32, u32)>, k: usize) {
-    if k > KEEP_BY_INSERTION {
-        // Inserting costs up to k moves a pair: a large k sorts (ids are unique, so an
-        // unstable sort gives the same order).
-        found.sort_unstable_by_key(|&(w, n)| (std::cmp::Reverse(n), w));
-        found.truncate(k);
-        return;
-    }
-    let before = |a: (u32, u32), b: (u32, u32)| a.1 > b.1 || (a.1 == b.1 && a.0 < b.0);
-    let mut kept = 0;
-    for i in 0..found.len() {
-        let x = found[i];
-        if kept == k {
-            if k == 0 || !before(x, found[k - 1]) {
-                continue;
-            }
-            kept -= 1;
-        }
-        // Slots kept..=i hold pairs already passed over (or x itself), free to overwrite.
-        let mut j = kept;
-        while j > 0 && before(x, found[j - 1]) {
-            found[j] = found[j - 1];
-            j -= 1;
-        }
-        found[j] = x;
-        kept += 1;
-    }
-    found.truncate(kept);
-}
-
-/// Counts below this come from one table of int objects (CPython's own small ints up to 256),
-/// so a count costs a reference, not a call; longer hits are made as ints.
-const COUNT_INTS: usize = 1024;
-
-fn count_ints(py: Python<'_>) -> &[Py<PyAny>] {
-    static INTS: PyOnceLock<Vec<Py<PyAny>>> = PyOnceLock::new();
-    INTS.get_or_init(py, || {
-        (0..COUNT_INTS)
-            .map(|n| n.into_pyobject(py).expect("an int").into_any().unbind())
-            .collect()
-    })
-}
-
-/// The layout for inline reference counts (`decode::incref`), which read a 32-bit half as the
-/// low one.
-fn inline_layout(py: Python<'_>) -> cpython::Layout {
-    if cfg!(target_endian = "little") {
-        cpython::layout(py)
-    } else {
-        cpython::Layout::Api
-    }
-}
-
-/// `(workers, counts)` as two lists filled slot by slot (no call per item where
-/// `crate::cpython` knows the list layout).
-fn lists_answer<'py>(
-    py: Python<'py>,
-    found: &[(u32, u32)],
-    names: Vec<Bound<'py, PyString>>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let layout = inline_layout(py);
-    let ints = count_ints(py);
-    let workers = new_list(py, found.len())?;
-    let counts = new_list(py, found.len())?;
-    let count = |n: u32| -> PyResult<*mut ffi::PyObject> {
-        Ok(match ints.get(n as usize) {
-            Some(int) => {
-                // SAFETY: a live int the table holds a reference to; the GIL is held.
-                unsafe { incref(layout, int.as_ptr()) };
-                int.as_ptr()
-            }
-            None => n.into_pyobject(py)?.into_ptr(),
-        })
-    };
-    // SAFETY: both lists are fresh, with found.len() slots each; no Python code runs while the
-    // slots are in use (making an int runs none).
-    let slots = unsafe {
-        (
-            cpython::fresh_list_slots(layout, workers.as_ptr()),
-            cpython::fresh_list_slots(layout, counts.as_ptr()),
-        )
-    };
-    if let (Some(worker_slots), Some(count_slots)) = slots {
-        // One loop over the three arrays, no per-item test of which way to set a slot.
-        let items = names.into_iter().zip(found);
-        for ((w, c), (name, &(_, n))) in worker_slots.iter_mut().zip(count_slots).zip(items) {
-            *w = name.into_ptr();
-            *c = count(n)?;
-        }
-    } else {
-        for (i, (name, &(_, n))) in names.into_iter().zip(found).enumerate() {
-            set_item(&workers, None, i, name.into_ptr());
-            set_item(&counts, None, i, count(n)?);
-        }
-    }
-    Ok(PyTuple::new(py, [workers, counts])?.into_any())
-}
-
-/// The Python str for worker `w`'s name, made once per worker (the Arc tells whether the id
-/// still names the same worker).
-fn name_obj<'py>(
-    py: Python<'py>,
-    cache: &mut Vec<Option<NameCache>>,
-    w: u32,
-    name: Arc<str>,
-) -> Bound<'py, PyString> {
-    let w = w as usize;
-    if cache.len() <= w {
-        cache.resize_with(w + 1, || None);
-    }
-    match &cache[w] {
-        Some((known, s)) if Arc::ptr_eq(known, &name) => s.bind(py).clone(),
-        _ => {
-            let s = PyString::new(py, &name);
-            cache[w] = Some((name, s.clone().unbind()));
-            s
-        }
-    }
-}
-
-/// `format=`: "msgpack", "json" or None (detected per payload).
-fn format_arg(format: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Format>> {
-    let Some(f) = format.filter(|f| !f.is_none()) else {
-        return Ok(None);
-    };
-    match f
-        .cast::<PyString>()
-        .map_err(|_| type_error("format", "str", f))?
-        .to_str()?
-    {
-        "msgpack" => Ok(Some(Format::Msgpack)),
-        "json" => Ok(Some(Format::Json)),
-        other => Err(PyValueError::new_err(format!(
-            "format must be 'msgpack', 'json' or None, got '{other}'"
-        ))),
-    }
-}
-
-/// A payload's bytes: bytes as they are, a copy of a bytearray or memoryview (another thread
-/// may change a mutable buffer while the GIL is released), a KVEventBatch's exact msgpack.
-fn payload_bytes<'py>(py: Python<'py>, data: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
-    if let Ok(b) = data.cast::<PyBytes>() {
-        Ok(b.clone())
-    } else if data.is_instance_of::<PyByteArray>() || data.is_instance_of::<PyMemoryView>() {
-        py.get_type::<PyBytes>()
-            .call1((data,))?
-            .cast_into::<PyBytes>()
-            .map_err(Into::into)
-    } else if data.is_instance(kv_event_batch(py)?)? {
-        // Already decoded: its exact msgpack bytes take the same path as a payload.
-        encode_batch(py)?
-            .call1((data,))?
-            .cast_into::<PyBytes>()
-            .map_err(Into::into)
-    } else {
-        Err(type_error(
-            "data",
-            "bytes, bytearray, memoryview or a KVEventBatch",
-            data,
-        ))
-    }
-}
-
-fn type_error(arg: &str, want: &str, got: &Bound<'_, PyAny>) -> PyErr {
-    let kind = got
-        .get_type()
-        .name()
-        .map_or_else(|_| "?".to_string(), |n| n.to_string());
-    PyTypeError::new_err(format!("{arg} must be {want}, not {kind}"))
-}
-
-fn opt_str<'a>(arg: &str, v: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a str>> {
-    match v.filter(|v| !v.is_none()) {
-        None => Ok(None),
-        Some(v) => Ok(Some(
-            v.cast::<PyString>()
-                .map_err(|_| type_error(arg, "str or None", v))?
-                .to_str()?,
-        )),
-    }
-}
-
-fn kv_event_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static CLS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    CLS.import(py, "kvbridge.wire.events", "KVEventBatch")
-}
-
-fn encode_batch(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static F: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    F.import(py, "kvbridge.wire.events", "encode_batch")
-}
-
-/// Block hashes as a router passes them: ints (-2**63..2**64-1, negatives as two's complement,
-/// as a signed 64-bit engine writes them) or bytes (reduced like vLLM: the last 8 bytes), in a
-/// list or any iterable; or a buffer, read without a Python object per hash: 64-bit ints
-/// (array('Q'), numpy), or bytes-like (bytes, bytearray, memoryview of bytes) of packed
-/// native-endian 64-bit ints.
-fn read_block_hashes<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Keys<'a>> {
-    const WANT: &str = "a list of int or bytes, or a buffer of 64-bit ints";
-    if obj.is_instance_of::<PyString>() {
-        return Err(type_error("block_hashes", WANT, obj));
-    }
-    // bytes read as they are: no buffer export (an allocation and two calls) for the common case.
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        let bytes = b.as_bytes();
-        if bytes.len() % 8 == 0 {
-            return Ok(match words_in_place(bytes.as_ptr(), bytes.len() / 8) {
-                // SAFETY: the bytes' words, inside the object the caller's frame holds; bytes
-                // never change.
-                Some((p, n)) => Keys::Frozen(unsafe { std::slice::from_raw_parts(p, n) }),
-                None => Keys::Owned(words_from_ne_bytes(bytes)),
-            });
-        }
-    }
-    let is_seq = obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>();
-    // SAFETY: obj is a live object.
-    if !is_seq && unsafe { pyo3::ffi::PyObject_CheckBuffer(obj.as_ptr()) } != 0 {
-        return hashes_from_buffer(obj, WANT);
-    }
-    let iter = obj
-        .try_iter()
-        .map_err(|_| type_error("block_hashes", WANT, obj))?;
-    let mut out = Vec::new();
-    for (i, item) in iter.enumerate() {
-        let item = item?;
-        if let Ok(b) = item.cast::<PyBytes>() {
-            out.push(reduce_bytes(b.as_bytes()));
-        } else if item.is_instance_of::<PyInt>() && !item.is_instance_of::<pyo3::types::PyBool>() {
-            let v = match item.extract::<u64>() {
-                Ok(v) => v,
-                Err(_) => item.extract::<i64>().map_err(|_| {
-                    PyValueError::new_err(format!(
-                        "block_hashes[{i}] is {item}, outside -2**63..2**64-1"
-                    ))
-                })? as u64,
-            };
-            out.push(v);
-        } else {
-            return Err(type_error(
-                &format!("block_hashes[{i}]"),
-                "int or bytes",
-                &item,
-            ));
-        }
-    }
-    Ok(Keys::Owned(out))
-}
-
-fn hashes_from_buffer(obj: &Bound<'_, PyAny>, want: &str) -> PyResult<Keys<'static>> {
-    let buffer = Buffer::get(obj, pyo3::ffi::PyBUF_RECORDS_RO)?;
-    let (n, stride, base) = (buffer.len(), buffer.stride(), buffer.ptr() as *const u8);
-    if let Some(layout) = buffer.int_layout().filter(|l| l.size == 8) {
-        if stride == 8 && !layout.swap {
-            if n == 0 {
-                return Ok(Keys::Owned(Vec::new()));
-            }
-            return Ok(match words_in_place(base, n) {
-                Some((words, n)) => Keys::Exported {
-                    _held: buffer,
-                    words,
-                    n,
-                },
-                // SAFETY: n contiguous 8-byte items (n > 0 means a non-null pointer).
-                None => Keys::Owned(words_from_ne_bytes(unsafe {
-                    std::slice::from_raw_parts(base, n * 8)
-                })),
-            });
-        }
-        return Ok(Keys::Owned(
-            (0..n)
-                .map(|i| {
-                    // SAFETY: item i of n lies `stride` bytes apart inside the export, 8 bytes long.
-                    let v = unsafe {
-                        base.offset(i as isize * stride)
-                            .cast::<u64>()
-                            .read_unaligned()
-                    };
-                    if layout.swap {
-                        v.swap_bytes()
-                    } else {
-                        v
-                    }
-                })
-                .collect(),
-        ));
-    }
-    if buffer.itemsize() == 1 && stride == 1 && n % 8 == 0 {
-        let bytes = if n == 0 {
-            &[][..]
-        } else {
-            // SAFETY: n contiguous bytes inside the export (n > 0 means a non-null pointer).
-            unsafe { std::slice::from_raw_parts(base, n) }
-        };
-        return Ok(Keys::Owned(words_from_ne_bytes(bytes)));
-    }
-    Err(PyTypeError::new_err(format!(
-        "block_hashes must be {want}, not a buffer of format '{}' ({} bytes{})",
-        buffer.format(),
-        n * buffer.itemsize(),
-        if buffer.itemsize() == 1 {
-            ", not a multiple of 8"
-        } else {
-            ""
-        }
-    )))
-}
-
-/// A query's keys: read in place from the caller's object where its words are aligned (no
-/// copy, no allocation), copied otherwise.
-enum Keys<'a> {
-    Owned(Vec<u64>),
-    /// Hashed here, into a vector of this thread's pool.
-    Pooled(Recycled<u64>),
-    /// A bytes object's words: it never changes, so they may be read with the GIL released.
-    Frozen(&'a [u64]),
-    /// A mutable buffer's words, held exported (it cannot be resized meanwhile), but another
-    /// thread could write them: read only while the GIL is held and no Python code runs.
-    Exported {
-        _held: Buffer,
-        words: *const u64,
-        n: usize,
-    },
-    /// Token ids of a query without extra keys: hashed as the walk reaches them (`seed`: the
-    /// key before the first block's).
-    Tokens {
-        tokens: tokens::Tokens,
-        seed: u64,
-    },
-}
-
-/// A query's keys as the core walks them: given, or made from token ids on the way.
-enum Query<'k> {
-    Given(&'k [u64]),
-    Tokens(TokenKeys<'k>),
-}
-
-impl Keys<'_> {
-    /// The keys as given or made (token ids go through `query`, or are made first).
-    fn as_slice(&self) -> &[u64] {
-        match self {
-            Keys::Owned(v) => v,
-            Keys::Pooled(v) => v,
-            Keys::Frozen(s) => s,
-            // SAFETY: n aligned words inside the held export.
-            Keys::Exported { words, n, .. } => unsafe { std::slice::from_raw_parts(*words, *n) },
-            Keys::Tokens { .. } => unreachable!("token ids are walked through Keys::query"),
-        }
-    }
-
-    /// How many blocks the query has.
-    fn blocks(&self, block_size: usize) -> usize {
-        match self {
-            Keys::Tokens { tokens, .. } => tokens.as_slice().len() / block_size,
-            keys => keys.as_slice().len(),
-        }
-    }
-
-    /// The walk's view of these keys (`made`: room for keys made from token ids, which
-    /// `Keys::Tokens` needs).
-    fn query<'k>(&'k self, block_size: usize, made: Option<&'k mut Vec<u64>>) -> Query<'k> {
-        match self {
-            Keys::Tokens { tokens, seed } => {
-                let made = made.expect("room for the keys made from token ids");
-                Query::Tokens(TokenKeys::new(tokens.as_slice(), block_size, *seed, made))
-            }
-            keys => Query::Given(keys.as_slice()),
-        }
-    }
-
-    /// Keys that may be read with the GIL released: a copy of an exported buffer's.
-    fn shared(&self) -> std::borrow::Cow<'_, [u64]> {
-        match self {
-            Keys::Exported { .. } => std::borrow::Cow::Owned(self.as_slice().to_vec()),
-            _ => std::borrow::Cow::Borrowed(self.as_slice()),
-        }
-    }
-}
-
-/// `n` native-endian words at `p` as a `u64` pointer when `p` is aligned for them.
-fn words_in_place(p: *const u8, n: usize) -> Option<(*const u64, usize)> {
-    let words = p.cast::<u64>();
-    (n > 0 && words.is_aligned()).then_some((words, n))
-}
-
-/// Packed native-endian 64-bit ints (a multiple of 8 bytes), copied in one go.
-fn words_from_ne_bytes(bytes: &[u8]) -> Vec<u64> {
-    let n = bytes.len() / 8;
-    let mut out = Vec::<u64>::with_capacity(n);
-    // SAFETY: the vector has room for n words, which the copy fills (any bit pattern is a u64).
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), n * 8);
-        out.set_len(n);
-    }
-    out
-}
-
-/// Query extra keys, one entry per full block, in the canonical form payloads decode to:
-/// None, bool, int, str, bytes, and tuples or lists (both arrays) of these.
-fn keys_from_py(obj: &Bound<'_, PyAny>, n_blocks: usize) -> PyResult<Vec<Option<Value>>> {
-    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
-        return Err(type_error(
-            "extra_keys",
-            "a list with one entry per full block",
-            obj,
-        ));
-    }
-    let len = obj.len()?;
-    if len != n_blocks {
-        return Err(PyValueError::new_err(format!(
-            "extra_keys has {len} entries but the tokens make {n_blocks} full blocks"
-        )));
-    }
-    let mut out = Vec::with_capacity(len);
-    for (i, entry) in obj.try_iter()?.enumerate() {
-        let entry = entry?;
-        let path = format!("extra_keys[{i}]");
-        if entry.is_none() {
-            out.push(None);
-            continue;
-        }
-        if !(entry.is_instance_of::<PyList>() || entry.is_instance_of::<PyTuple>()) {
-            return Err(type_error(&path, "None or a tuple", &entry));
-        }
-        match key_value(&entry, &path, 0)? {
-            // An empty tuple salts nothing, like None (and like a LoRA-only entry once the
-            // LoRA name is left out).
-            Value::Tuple(items, _) if items.is_empty() => out.push(None),
-            v => out.push(Some(v)),
-        }
-    }
-    Ok(out)
-}
-
-fn key_value(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Value> {
-    if depth > KEY_NESTING_LIMIT {
-        return Err(PyValueError::new_err(format!("{path}: nested too deeply")));
-    }
-    if obj.is_none() {
-        Ok(Value::None)
-    } else if let Ok(b) = obj.cast::<pyo3::types::PyBool>() {
-        Ok(Value::Bool(b.is_true()))
-    } else if obj.is_instance_of::<PyInt>() {
-        match obj.extract::<i64>() {
-            Ok(v) => Ok(Value::Int(v)),
-            Err(_) => match obj.extract::<u64>() {
-                Ok(v) => {
-                    let mut le = v.to_le_bytes().to_vec();
-                    le.push(0);
-                    Ok(Value::BigInt(le))
-                }
-                Err(_) => Err(PyValueError::new_err(format!(
-                    "{path} is {obj}, outside -2**63..2**64-1"
-                ))),
-            },
-        }
-    } else if let Ok(s) = obj.cast::<PyString>() {
-        let s = s
-            .to_str()
-            .map_err(|_| PyValueError::new_err(format!("{path}: a str with lone surrogates")))?;
-        Ok(Value::Str(s.as_bytes().to_vec(), 0))
-    } else if let Ok(b) = obj.cast::<PyBytes>() {
-        Ok(Value::Bytes(b.as_bytes().to_vec(), 0))
-    } else if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        let items = obj
-            .try_iter()?
-            .enumerate()
-            .map(|(i, item)| key_value(&item?, &format!("{path}[{i}]"), depth + 1))
-            .collect::<PyResult<Vec<_>>>()?;
-        Ok(Value::Tuple(items, 0))
-    } else {
-        Err(type_error(
-            path,
-            "None, bool, int, str, bytes or a tuple of these",
-            obj,
-        ))
-    }
 }

@@ -15,6 +15,7 @@ pub mod native;
 mod natsproto;
 mod pool;
 mod prefetch;
+mod reader;
 mod scan;
 mod view;
 mod wake;

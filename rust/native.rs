@@ -219,7 +219,7 @@ mod tests {
                 1 => b"\xc1 not a batch".to_vec(),
                 _ => {
                     let mut m = Vec::new();
-                    crate::index::parse::json_to_msgpack(json.as_bytes(), &mut m).expect("json");
+                    crate::index::json::json_to_msgpack(json.as_bytes(), &mut m).expect("json");
                     if rand(40) == 0 {
                         m.truncate(m.len() / 2);
                     }

@@ -28,7 +28,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
 
 use crate::index::table::Table;
-use crate::scan::{Attrs, Hash, Reader, Template, CLEARED, REMOVED, STORED};
+use crate::reader::{Hash, Reader};
+use crate::scan::{Attrs, Template, CLEARED, REMOVED, STORED};
 
 /// Payloads at least this long are applied with the GIL released.
 const DETACH_MIN_BYTES: usize = 16 << 10;

@@ -1,124 +1,25 @@
 //! Payload bytes -> the events an index needs, with no Python object in between.
 //!
-//! msgpack is read with the batch scanner's `Reader` (rust/scan.rs). It takes every shape
+//! msgpack is read with the shared `Reader` (rust/reader.rs). It takes every shape
 //! `kvbridge.wire.events.decode_batch` takes: vLLM 0.33's tagged-map events (unknown fields skipped),
 //! the older positional events (`["BlockStored", hashes, parent, tokens, block_size, lora_id,
 //! medium, lora_name | metadata]`), SGLang's map events without medium / lora_name, and
-//! map-encoded batches. JSON is transcoded to msgpack first (serde_json), so one reader decides
+//! map-encoded batches. JSON is transcoded to msgpack first (`json`), so one reader decides
 //! both; a JSON string where a block hash goes is base64 bytes, as msgspec writes bytes.
 //!
 //! A payload either parses whole or not at all (`None`): the index applies none of a payload it
 //! cannot read.
 
-use std::mem::MaybeUninit;
 use std::ops::Range;
 
-use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
-
+use super::events::{
+    Batch, Event, Spare, Stored, BAD_GROUP, KINDS, MAX_GROUPS, NO_KIND, UNKNOWN_KIND,
+};
+use super::json::json_to_msgpack;
 use crate::hash::value::Value;
-use crate::scan::{Hash, Reader};
+use crate::reader::{eq_bytes, fast_skip, fast_tokens, other_token, Hash, Reader};
 
 const MAX_DEPTH: u32 = 32;
-
-pub struct Stored<'a> {
-    pub hashes: Range<usize>,
-    pub parent: Option<u64>,
-    /// The token ids in `Batch::tokens`; parsed with `Spare::count_tokens` (key="engine", which
-    /// reads only how many there are) they are checked but not kept: only its length is theirs.
-    pub tokens: Range<usize>,
-    pub block_size: i64,
-    pub medium: Option<&'a str>,
-    pub lora_name: Option<&'a str>,
-    pub extra_keys: Option<Vec<Option<Value>>>,
-    /// A token id outside 0..2**32-1: the blocks cannot be hashed.
-    pub bad_tokens: bool,
-    /// An extra key of a type no engine writes (float, map): the blocks cannot be keyed.
-    pub bad_extra_keys: bool,
-    pub group: u8,
-    /// `kv_cache_spec_kind`: `NO_KIND`, 1 + its index in `KINDS`, or `UNKNOWN_KIND`. A byte,
-    /// not the name, so an event stays small enough to move without a memcpy call.
-    pub kind: u8,
-    /// `kv_cache_spec_sliding_window`; 0 when absent, nil or not an int (no window is 0).
-    pub window: i64,
-    pub remote: bool,
-}
-
-/// vLLM's `KVCacheSpecKind` values (v1/kv_cache_interface.py).
-pub const KINDS: [&[u8]; 10] = [
-    b"full_attention",
-    b"mla_attention",
-    b"sliding_window",
-    b"sliding_window_mla",
-    b"mamba",
-    b"chunked_local_attention",
-    b"sink_full_attention",
-    b"encoder_only_attention",
-    b"cross_attention",
-    b"unknown",
-];
-pub const NO_KIND: u8 = 0;
-pub const UNKNOWN_KIND: u8 = u8::MAX;
-
-/// `group_idx` that is not an int in 0..=63 (a bool, a float, a negative): the event is skipped.
-pub const BAD_GROUP: u8 = u8::MAX;
-/// Groups a worker may have: its group bits fit a u64.
-pub const MAX_GROUPS: u8 = 64;
-
-pub enum Event<'a> {
-    Stored(Stored<'a>),
-    Removed {
-        hashes: Range<usize>,
-        medium: Option<&'a str>,
-        group: u8,
-        remote: bool,
-    },
-    Cleared,
-}
-
-/// A payload's events; their hashes and token ids live in two flat vectors.
-#[derive(Default)]
-pub struct Batch<'a> {
-    pub events: Vec<Event<'a>>,
-    pub hashes: Vec<u64>,
-    pub tokens: Vec<u32>,
-}
-
-/// A batch's vectors, emptied, kept by the index from one payload to the next: a payload's
-/// worth of malloc and free saved each time.
-#[derive(Default)]
-pub struct Spare {
-    events: Vec<Event<'static>>,
-    hashes: Vec<u64>,
-    tokens: Vec<u32>,
-    /// Token ids are checked and counted, not kept (see `Stored::tokens`).
-    pub count_tokens: bool,
-}
-
-/// Larger vectors are freed, so one huge payload does not pin its memory.
-const KEEP_MAX_ITEMS: usize = 1 << 18;
-
-impl Spare {
-    pub fn keep(&mut self, mut batch: Batch<'_>) {
-        if batch
-            .hashes
-            .capacity()
-            .max(batch.tokens.capacity())
-            .max(batch.events.capacity())
-            > KEEP_MAX_ITEMS
-        {
-            return;
-        }
-        batch.events.clear();
-        batch.hashes.clear();
-        batch.tokens.clear();
-        // SAFETY: the vector is empty, so it holds no borrow of the payload; the types differ
-        // only in that lifetime (same layout).
-        self.events =
-            unsafe { std::mem::transmute::<Vec<Event<'_>>, Vec<Event<'static>>>(batch.events) };
-        self.hashes = batch.hashes;
-        self.tokens = batch.tokens;
-    }
-}
 
 /// A 64-bit block hash: ints as two's complement, bytes reduced as vLLM reduces a digest to
 /// its int event hash (`int.from_bytes(h, "big") & (2**64 - 1)`: the last 8 bytes).
@@ -516,9 +417,9 @@ impl<'a> Parser<'a> {
     }
 
     /// An extra-key value in its canonical form: nil, bool, int, str, bytes and arrays of
-    /// these (the form Python query arguments take too, see rust/index.rs `key_value`). Floats
-    /// and maps are skipped and flag the event: no engine writes them, and they have no
-    /// canonical form here.
+    /// these (the form Python query arguments take too, see rust/index/query_keys.rs
+    /// `key_value`). Floats and maps are skipped and flag the event: no engine writes them, and
+    /// they have no canonical form here.
     fn value(&mut self, depth: u32) -> Option<Value> {
         if depth > MAX_DEPTH {
             return None;
@@ -625,29 +526,6 @@ fn field(key: &[u8]) -> Field {
     }
 }
 
-/// Byte-string equality for the short names a payload repeats per event (field names, kinds,
-/// media): a few overlapping word compares instead of a call to memcmp.
-#[inline(always)]
-pub fn eq_bytes(a: &[u8], b: &[u8]) -> bool {
-    let n = a.len();
-    if n != b.len() {
-        return false;
-    }
-    let w8 = |s: &[u8], i: usize| u64::from_le_bytes(s[i..i + 8].try_into().unwrap());
-    let w4 = |s: &[u8], i: usize| u32::from_le_bytes(s[i..i + 4].try_into().unwrap());
-    match n {
-        0 => true,
-        // The first, middle and last bytes: every byte of a 1-3 byte string.
-        1..=3 => a[0] == b[0] && a[n / 2] == b[n / 2] && a[n - 1] == b[n - 1],
-        4..=7 => w4(a, 0) == w4(b, 0) && w4(a, n - 4) == w4(b, n - 4),
-        8..=24 => {
-            let mid = 8.min(n - 8);
-            w8(a, 0) == w8(b, 0) && w8(a, mid) == w8(b, mid) && w8(a, n - 8) == w8(b, n - 8)
-        }
-        _ => a == b,
-    }
-}
-
 impl<'a> Fields<'a> {
     fn into_event(self) -> Option<Event<'a>> {
         Some(match self.kind? {
@@ -676,137 +554,6 @@ impl<'a> Fields<'a> {
             _ => return None,
         })
     }
-}
-
-/// Decodes token ids from `b[p..]` into `out` while they are fixints or uint8/16/32 and 8
-/// bytes can be read; returns how many and the position after them.
-///
-/// A token is at most 5 bytes: one 8-byte little-endian load at its marker holds it whole (the
-/// marker is the word's low byte, the value the big-endian bytes after it). The loads sit on
-/// the chain from one token's position to the next; a 16-byte window shifted by each width
-/// (three tokens a load) kept them off it but cost more in u128 shifts: 2.4 vs 2.8 ns a token.
-#[inline]
-fn fast_tokens(b: &[u8], mut p: usize, out: &mut [MaybeUninit<u32>]) -> (usize, usize) {
-    let mut i = 0;
-    // Eight tokens at a time while their 8 x 5 bytes and a last load's 8 fit: no bounds test
-    // per token, and one validity test per chunk (a chunk with a form not read here is read
-    // again one by one below, which stops at it).
-    const CHUNK: usize = 8;
-    while i + CHUNK <= out.len() && p + 5 * (CHUNK - 1) + 8 <= b.len() {
-        let start = p;
-        let mut valid = true;
-        for slot in &mut out[i..i + CHUNK] {
-            // SAFETY: p <= start + 5 * 7 and start + 43 <= b.len() (a width is at most 5,
-            // an invalid marker's too).
-            let word = unsafe { b.as_ptr().add(p).cast::<u64>().read_unaligned() };
-            let (t, width, ok) = one_token(u64::from_le(word));
-            slot.write(t);
-            valid &= ok;
-            p += width as usize;
-        }
-        if !valid {
-            p = start;
-            break;
-        }
-        i += CHUNK;
-    }
-    while i < out.len() {
-        let Some(word) = b.get(p..p + 8) else { break };
-        let (t, width, valid) = one_token(u64::from_le_bytes(word.try_into().unwrap()));
-        if !valid {
-            break;
-        }
-        out[i].write(t);
-        i += 1;
-        p += width as usize;
-    }
-    (i, p)
-}
-
-/// The widths of the token ids `fast_tokens` reads, by marker byte (0: not one of its forms).
-const FAST_WIDTHS: [u8; 256] = {
-    let mut t = [0u8; 256];
-    let mut m = 0;
-    while m < 0x80 {
-        t[m] = 1;
-        m += 1;
-    }
-    (t[0xcc], t[0xcd], t[0xce]) = (2, 3, 5);
-    t
-};
-
-/// `fast_tokens` for ids that are only counted: how many of up to `n` it would read from
-/// `b[p..]`, and where they end. It stops where `fast_tokens` does (a marker with 8 bytes
-/// readable), so the rest goes to `other_token` alike; a width from a table, not a value, is
-/// all that is on the chain from one token to the next. The batch scanner's `ints` (rust/scan.rs)
-/// skips with it too.
-pub(crate) fn fast_skip(b: &[u8], mut p: usize, n: usize) -> (usize, usize) {
-    let end = b.len().saturating_sub(7);
-    let mut i = 0;
-    // Eight tokens at a time while 8 x 5 bytes fit before `end`: no bounds or marker test per
-    // token, just the marker, its width and the add. A marker that is not a fast form has width
-    // 0, so the position stops there and every later width in the chunk is 0 too: the last
-    // width alone says whether the chunk was all fast forms (if not, it is read again below).
-    const CHUNK: usize = 8;
-    while i + CHUNK <= n && p + 5 * CHUNK <= end {
-        let start = p;
-        let mut width = 0;
-        for _ in 0..CHUNK {
-            // SAFETY: p <= start + 5 * 7 < end <= b.len() (a width is at most 5).
-            width = FAST_WIDTHS[unsafe { *b.get_unchecked(p) } as usize] as usize;
-            p += width;
-        }
-        if width == 0 {
-            p = start;
-            break;
-        }
-        i += CHUNK;
-    }
-    while i < n && p < end {
-        let width = FAST_WIDTHS[b[p] as usize];
-        if width == 0 {
-            break;
-        }
-        p += width as usize;
-        i += 1;
-    }
-    (i, p)
-}
-
-/// The token at the low end of `v`: (value, width in bytes, whether it is one of the fast
-/// forms). Branch-free: widths mix at random in a payload. The width (on the chain to the next
-/// token) comes from the marker's low two bits and a constant: uint8/16/32 (0xcc..0xce) are
-/// 2, 3 and 5 bytes, a fixint 1.
-#[inline(always)]
-fn one_token(v: u64) -> (u32, u32, bool) {
-    const UINT_WIDTHS: u32 = 0x05_03_02;
-    let m = v as u8 as u32;
-    let fix = m < 0x80;
-    let valid = fix | (m.wrapping_sub(0xcc) < 3);
-    let uint_width = (UINT_WIDTHS >> (8 * (m & 3))) & 0xff;
-    let width = if fix { 1 } else { uint_width };
-    // The bytes after the marker, big-endian: the value is the top (width - 1) of the next four.
-    let after = ((v >> 8) as u32).swap_bytes() >> ((40 - 8 * uint_width) & 31);
-    (if fix { m } else { after }, width, valid)
-}
-
-/// A token id at the payload's very end, or in a width msgspec does not write for one (or out
-/// of range: `Some(None)`).
-fn other_token(r: &mut Reader) -> Option<Option<u32>> {
-    Some(match r.byte()? {
-        t @ 0x00..=0x7f => Some(t as u32),
-        0xcc => Some(r.be(1)? as u32),
-        0xcd => Some(r.be(2)? as u32),
-        0xce => Some(r.be(4)? as u32),
-        0xcf => u32::try_from(r.be(8)?).ok(),
-        0xe0..=0xff => None,
-        // Signed markers may hold non-negative values (msgspec never writes these).
-        0xd0 => u32::try_from(r.be(1)? as u8 as i8).ok(),
-        0xd1 => u32::try_from(r.be(2)? as u16 as i16).ok(),
-        0xd2 => u32::try_from(r.be(4)? as u32 as i32).ok(),
-        0xd3 => u32::try_from(r.be(8)? as i64).ok(),
-        _ => return None,
-    })
 }
 
 fn base64_reduced(s: &[u8]) -> Option<u64> {
@@ -838,109 +585,6 @@ fn base64_reduced(s: &[u8]) -> Option<u64> {
         }
     }
     Some(acc)
-}
-
-// --- JSON -> msgpack ---------------------------------------------------------------------------
-
-/// Writes the msgpack form of one JSON document to `out`; `None` if it is not JSON.
-pub(crate) fn json_to_msgpack(b: &[u8], out: &mut Vec<u8>) -> Option<()> {
-    let mut de = serde_json::Deserializer::from_slice(b);
-    Transcode { out }.deserialize(&mut de).ok()?;
-    de.end().ok()
-}
-
-struct Transcode<'w> {
-    out: &'w mut Vec<u8>,
-}
-
-impl Transcode<'_> {
-    /// Writes a 32-bit container header and returns where to patch in its length.
-    fn open(&mut self, marker: u8) -> usize {
-        self.out.push(marker);
-        self.out.extend_from_slice(&[0; 4]);
-        self.out.len() - 4
-    }
-
-    fn close(&mut self, at: usize, n: u32) {
-        self.out[at..at + 4].copy_from_slice(&n.to_be_bytes());
-    }
-}
-
-impl<'de> DeserializeSeed<'de> for Transcode<'_> {
-    type Value = ();
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Transcode<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
-        self.out.push(0xc0);
-        Ok(())
-    }
-
-    fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<(), E> {
-        self.out.push(if v { 0xc3 } else { 0xc2 });
-        Ok(())
-    }
-
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<(), E> {
-        self.out.push(0xcf);
-        self.out.extend_from_slice(&v.to_be_bytes());
-        Ok(())
-    }
-
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<(), E> {
-        if v >= 0 {
-            return self.visit_u64(v as u64);
-        }
-        self.out.push(0xd3);
-        self.out.extend_from_slice(&v.to_be_bytes());
-        Ok(())
-    }
-
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<(), E> {
-        self.out.push(0xcb);
-        self.out.extend_from_slice(&v.to_be_bytes());
-        Ok(())
-    }
-
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
-        self.out.push(0xdb);
-        self.out.extend_from_slice(&(v.len() as u32).to_be_bytes());
-        self.out.extend_from_slice(v.as_bytes());
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<(), A::Error> {
-        let at = self.open(0xdd);
-        let mut n = 0u32;
-        while seq
-            .next_element_seed(Transcode { out: self.out })?
-            .is_some()
-        {
-            n += 1;
-        }
-        self.close(at, n);
-        Ok(())
-    }
-
-    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
-        let at = self.open(0xdf);
-        let mut n = 0u32;
-        while map.next_key_seed(Transcode { out: self.out })?.is_some() {
-            map.next_value_seed(Transcode { out: self.out })?;
-            n += 1;
-        }
-        self.close(at, n);
-        Ok(())
-    }
 }
 
 #[cfg(test)]
@@ -1102,43 +746,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn short_byte_strings_compare_exactly() {
-        let names: [&[u8]; 9] = [
-            b"",
-            b"a",
-            b"GPU",
-            b"type",
-            b"medium",
-            b"token_ids",
-            b"block_hashes",
-            b"parent_block_hash",
-            b"a_name_longer_than_twenty_four_bytes",
-        ];
-        for a in names {
-            for b in names {
-                assert_eq!(eq_bytes(a, b), a == b);
-            }
-            let mut c = a.to_vec();
-            for i in 0..c.len() {
-                c[i] ^= 1;
-                assert!(!eq_bytes(a, &c), "{a:?} vs a change at {i}");
-                c[i] ^= 1;
-            }
-        }
-    }
-
-    /// Events are moved a few times per payload: past 128 bytes the compiler calls memcpy for
-    /// each move (measured: ~5% more instructions per block event).
-    #[test]
-    fn an_event_stays_small() {
-        assert!(
-            std::mem::size_of::<Event>() <= 128,
-            "{}",
-            std::mem::size_of::<Event>()
-        );
     }
 
     #[test]

@@ -10,7 +10,8 @@
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 use super::core::{Core, Mode};
-use super::parse::{detect, parse, parse_msgpack, Batch, Format, Spare};
+use super::events::{Batch, Spare};
+use super::parse::{detect, parse, parse_msgpack, Format};
 
 /// Below this many payload bytes in all, the second thread costs more (its start, the
 /// hand-offs) than it saves: applied one by one on the caller's thread.
@@ -174,7 +175,7 @@ mod tests {
             "parent_block_hash": null, "token_ids": [1, 2, 3, 4], "block_size": 2,
             "lora_id": null, "medium": "GPU"}]]"#;
         let mut msgpack = Vec::new();
-        super::super::parse::json_to_msgpack(json, &mut msgpack).expect("json");
+        super::super::json::json_to_msgpack(json, &mut msgpack).expect("json");
         let items: Vec<(&str, &[u8])> = vec![
             ("a", &msgpack[..]),
             ("b", b"\xc1 not a batch"),
