@@ -185,7 +185,7 @@ class RelayView:
         """Applies decoded (or hand-built) events: encoded in vLLM 0.33's shape, then read as any
         payload. ValueError, applying none, for events whose bytes the view cannot read."""
         if self.residency.apply(view_payload(events)) is None:
-            # The one case: an extra key nested deeper than the reader goes (rust/scan.rs).
+            # The one case: an extra key nested deeper than the reader goes (rust/reader.rs).
             raise ValueError("events the view cannot read (values nested too deep)")
 
     @property

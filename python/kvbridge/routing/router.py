@@ -418,7 +418,7 @@ class Router:
         keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
         with self._lock:
             scores = self.with_provisional(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys), keys)
-            return self.costs_from_scores(scores, len(keys), workers)
+            return self.costs_from_scores(scores, len(keys), workers, num_tokens=len(tokens))
 
     def with_provisional(self, scores: Scores, keys: Sequence[int]) -> dict[str, Any]:
         """``scores`` as this router should weigh them: a worker whose stream is being repaired

@@ -1,0 +1,130 @@
+"""kvbridge.Router's default cost: a predicted time to first token (routing/work.py), with
+expectations computed from the engine model by hand: the hit as vLLM counts it, the queued
+prompt work of each worker (drained by time, reset by first tokens), decode and memory pressure
+from the router's own requests and from LoadReports."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge import BlockStored, Index, KVEventBatch
+from kvbridge.wire.events import LoadReport
+from kvbridge.routing.router import Router
+from kvbridge.routing.work import EngineModel
+
+BS = 16
+ENGINE = EngineModel()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _store(index: Index, worker: str, tokens: list[int]) -> None:
+    n = len(tokens) // BS
+    ev = BlockStored(list(range(1, n + 1)), None, tokens[: n * BS], BS, None, "GPU", None, None)
+    index.apply(worker, KVEventBatch(0.0, [ev]))
+
+
+def _router(index: Index | None = None, **kw) -> tuple[Router, Clock]:
+    clock = Clock()
+    r = Router(index if index is not None else Index(BS), block_size=BS, workers=["a", "b"], clock=clock,
+               provisional_ttl_s=0, **kw)  # fmt: skip
+    return r, clock
+
+
+def test_idle_workers_cost_the_time_of_their_uncached_tokens():
+    prompt = list(range(1000))
+    index = Index(BS)
+    _store(index, "a", prompt[:320])  # 20 blocks
+    router, _ = _router(index)
+    costs = router.costs(prompt)
+    assert costs["a"] == pytest.approx(ENGINE.prefill_ms(1000 - 320))
+    assert costs["b"] == pytest.approx(ENGINE.prefill_ms(1000))
+    assert router.choose(prompt) == ("a", 20)
+
+
+def test_a_hit_stops_one_token_short_as_vllm_counts_it():
+    # A block-aligned prompt held whole: vLLM recomputes its last block (the last token's logits).
+    prompt = list(range(64))
+    index = Index(BS)
+    _store(index, "a", prompt)
+    router, _ = _router(index)
+    assert router.costs(prompt)["a"] == pytest.approx(ENGINE.prefill_ms(BS))
+    assert router.costs(prompt + [7])["a"] == pytest.approx(ENGINE.prefill_ms(1))
+
+
+def test_queued_prompt_work_is_waited_for_drains_with_time_and_ends_at_the_first_token():
+    router, clock = _router()
+    long = list(range(20_000))
+    assert router.choose(long, workers=["a"], request_id="r1") == ("a", 0)
+    short = list(range(50_000, 50_100))
+    costs = router.costs(short)
+    assert costs["a"] == pytest.approx(ENGINE.prompt_ms(20_000 + 100, 0.0))
+    assert costs["b"] == pytest.approx(ENGINE.prefill_ms(100))
+    assert router.choose(short) == ("b", 0)
+    # 200 ms later the engine has computed ~ tokens_per_ms * 200 of the long prompt
+    clock.t += 0.2
+    drained = 20_000 - ENGINE.tokens_per_ms(0.0) * 200
+    assert router.costs(short, workers=["a"])["a"] == pytest.approx(ENGINE.prompt_ms(drained + 100, 0.0))
+    # its first token: nothing queued there any more, a decode step per pass instead
+    router.first_token("a", "r1")
+    step = ENGINE.decode_ms(20_000)
+    assert router.costs(short, workers=["a"])["a"] == pytest.approx(ENGINE.prefill_ms(100) + step)
+    router.done("a", "r1")
+    assert router.costs(short, workers=["a"])["a"] == pytest.approx(ENGINE.prefill_ms(100))
+    assert router.in_flight == {"b": 1}
+
+
+def test_long_prefills_spread_instead_of_piling_onto_the_prefix_holder():
+    # Four 12k-token prompts sharing a 1,024-token prefix that only a holds arrive together.
+    # The blocks cost sends them all to a (1 request of load against 64 blocks of overlap); in
+    # time the third already waits longer on a than it takes to prefill elsewhere.
+    prefix = list(range(1024))
+    index = Index(BS)
+    _store(index, "a", prefix)
+    prompts = [prefix + list(range(10**6 * (i + 1), 10**6 * (i + 1) + 11_000)) for i in range(4)]
+    timed, _ = _router(index)
+    chosen = [timed.choose(p)[0] for p in prompts]
+    assert chosen.count("a") == 2 and chosen.count("b") == 2
+    blocks = Router(index, block_size=BS, workers=["a", "b"], provisional_ttl_s=0, cost="blocks")
+    assert [blocks.choose(p)[0] for p in prompts] == ["a"] * 4
+
+
+def test_a_full_kv_cache_in_a_load_report_costs_a_wait_for_memory():
+    reports = {"a": LoadReport(ts=1000.0, kv_cache_usage=0.999, running=40), "b": LoadReport(ts=1000.0)}
+    router, _ = _router(reports=reports.get)
+    prompt = list(range(5000))
+    costs = router.costs(prompt)
+    capacity = ENGINE.kv_capacity_tokens
+    assert costs["b"] == pytest.approx(ENGINE.prefill_ms(5000))
+    assert costs["a"] > 4 * costs["b"]  # the penalty for a prompt that does not fit beside the rest
+    assert costs["a"] == pytest.approx(
+        ENGINE.prefill_ms(5000) + ENGINE.decode_ms(0.999 * capacity) + 100_000 * (0.999 * capacity + 5000 - capacity) / capacity
+    )
+    assert router.choose(prompt)[0] == "b"
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="loads= .* weighs the 'blocks' cost"):
+        Router(Index(BS), loads={"a": 1})
+    with pytest.raises(ValueError, match="cost must be 'time' or 'blocks'"):
+        Router(Index(BS), cost="tokens")
+    with pytest.raises(TypeError, match="engine must be an EngineModel"):
+        Router(Index(BS), engine={"prefill": 1})
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive int"):
+        EngineModel(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="prefill must be three finite coefficients"):
+        EngineModel(prefill=(1.0, 2.0))
+    router, _ = _router()
+    router.choose([1] * 40, request_id="x")
+    with pytest.raises(ValueError, match="request 'x' is already in flight"):
+        router.choose([1] * 40, request_id="x")
+    with pytest.raises(ValueError, match="request 'y' is not in flight on worker"):
+        router.done(router.choose([2] * 40, request_id="z")[0], "y")
+    with pytest.raises(ValueError, match="num_tokens must be an int >= num_blocks"):
+        router.costs_from_scores({}, 3, num_tokens=10)
