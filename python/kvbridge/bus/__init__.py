@@ -6,8 +6,9 @@ with native header parsing). On the publishing side ``framer`` cuts events into 
 engine threads' side), ``coalescer`` (hand-offs to numbered messages), ``sender`` (core NATS;
 ``jetstream.acks`` in JetStream mode) and ``answers`` (replay and snapshot replies). On the
 receiving side ``sequencer`` holds one worker's ``(epoch, seq)`` rules, ``update`` what is
-delivered (``Update``, ``WorkerView``) and ``loads`` the load reports, all with no I/O, and
-``subscriber`` applies them to what arrives (``jetstream.reader`` when it comes from the stream),
-with replay and snapshots. The public names are re-exported by ``kvbridge``; see
-docs/delivery.md.
+delivered (``Update``, ``WorkerView``), ``loads`` the load reports and ``worker`` the record of one
+worker, all with no I/O; ``subscriber`` applies them to what arrives (``jetstream.reader`` when it
+comes from the stream), built in rooms too: ``delivery`` (each update applied and handed on),
+``resync`` (replay and snapshot requests) and ``liveness`` (expiry, which incarnation speaks).
+The public names are re-exported by ``kvbridge``; see docs/delivery.md.
 """
