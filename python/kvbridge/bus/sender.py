@@ -2,9 +2,10 @@
 
 The write path: what can go at once goes in few writes (``_send_now``: up to ``_SEND_BATCH``
 messages a write, straight to the socket); the rest, and everything while the connection is
-being replaced, one message at a time through nats-py (``_send``), each held in the ring until
-it is sent. JetStream mode hands the same ring to :mod:`kvbridge.bus.jetstream.acks`, which sends
-with ``_send`` and re-sends what the stream has not acknowledged.
+being replaced, one message at a time through nats-py (``_send``). A message NATS refuses stays
+unsent in the ring and goes after the reconnect. JetStream mode hands the same ring to
+:mod:`kvbridge.bus.jetstream.acks`, which sends with ``_send`` and re-sends what the stream has
+not acknowledged.
 
 The schedule: the sender task polls the hand-off queue while hand-offs keep coming, and sleeps
 until the next ``publish()`` wakes it (the :class:`~kvbridge.bus.handoff.Waker`'s eventfd; a
