@@ -288,7 +288,7 @@ async def _publisher(url: str, payloads: list[tuple[int, bytes]], conn) -> None:
     from kvbridge.wire.subjects import REPLY_UNAVAILABLE
 
     def headers(w: int, seq: int) -> dict[str, str]:
-        """What kvbridge's publisher sends with every event message (KvEventPublisher._headers)."""
+        """What kvbridge's publisher sends with every event message (its header block: kvbridge.bus.coalescer)."""
         s = str(seq)
         return {HDR_SEQ: s, HDR_EPOCH: epoch, HDR_MSG_ID: f"w{w}:{epoch}:{s}", HDR_CONTENT_TYPE: "application/msgpack",
                 HDR_HEARTBEAT: "1"}  # fmt: skip

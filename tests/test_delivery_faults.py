@@ -27,7 +27,7 @@ from kvbridge import (
     decode_batch,
 )
 from kvbridge.wire.events import BlockRemoved, BlockStored, KVEventBatch
-from kvbridge.bus.subscriber import _Worker
+from kvbridge.bus.worker import Worker
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.tools.server import NatsServer
 from kvbridge.wire.subjects import FORMATS, HDR_CONTENT_TYPE, HDR_COUNT, HDR_EPOCH, HDR_HEARTBEAT, HDR_REPLY, HDR_SEQ
@@ -640,7 +640,7 @@ async def test_a_reconnect_gives_the_followed_epoch_a_full_timeout_again(nats_se
     """After the subscriber's own outage, nobody's silence counts (expiry), nor the followed
     epoch's against a given-up one that speaks first (the revival rule above)."""
     sub = KvEventSubscriber(Config(servers=nats_server.url, worker_timeout_s=1.0))
-    w = _Worker("kv", MODEL, "w", track_view=False)
+    w = Worker("kv", MODEL, "w", track_view=False)
     w.seq.snapshot_taken("A", 0)
     w.last_heard = w.followed_heard = time.monotonic() - 60
     sub._workers[(MODEL, "w")] = w

@@ -5,7 +5,8 @@ vLLM: it is valid bash; a `kvbridge` command names a subcommand whose `--help` (
 installed entry point) lists every option it uses, and parses with those values; a `make` target
 exists; a glob matches the file it is written for (in a directory holding such a file, with `pip`
 a shell function that prints what it was given); a JSON argument is JSON. The subcommand and
-options of every `kvbridge ...` the README quotes inline."""
+options of every `kvbridge ...` the README quotes inline. And the rules the "Index" section gives
+for block sizes and windows, each as the README words it, held against the index."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge import AllBlocksCleared, BlockStored, Index, KVEventBatch
 from kvbridge.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,3 +138,96 @@ def test_the_install_line_make_wheel_prints_works(tmp_path):
     command = shown.split("dist/: ", 1)[1]
     assert command.startswith("pip install "), shown
     _check_wheel_install(command, tmp_path)
+
+
+# --- the Index section's block-size and window rules ---------------------------------------------
+# Each check's docstring is the claim as the README words it: rewording one is changing the other.
+
+# The section with its lines joined: a claim may wrap anywhere.
+INDEX_SECTION = " ".join(README.split("\n## Index", 1)[1].split("\n## ", 1)[0].split())
+PROMPT = list(range(64))  # four blocks of the index's 16 tokens
+
+
+def _stored(hashes: list[int], n_tokens: int, block_size: int, **group: object) -> BlockStored:
+    return BlockStored(hashes, None, list(range(n_tokens)), block_size, None, "GPU", None, **group)
+
+
+def _index(*events: object, key: str = "tokens") -> Index:
+    idx = Index(block_size=16, key=key)
+    idx.apply("v", KVEventBatch(0.0, list(events)))
+    return idx
+
+
+def _claim(check: object) -> str:
+    return " ".join(check.__doc__.split())  # type: ignore[union-attr]
+
+
+def multiples_are_read_at_their_own_size() -> None:
+    """A `block_size` that is a multiple m of the index's, up to 4096 of its blocks (a group of larger
+    blocks, as hybrid models have), is read at its own size: its block i is the index's block
+    (i + 1) * m - 1"""
+    idx = _index(_stored([31, 32], 64, 32))
+    assert idx.stats["block_size_mismatches"] == 0 and idx.find_matches(PROMPT) == {"v": 4}
+    # Its hashes stand at the index's blocks 1 and 3, whatever a query has at 0 and 2.
+    assert _index(_stored([31, 32], 64, 32), key="engine").find_matches(block_hashes=[5, 31, 6, 32]) == {"v": 4}
+    assert _index(_stored([7], 16 * 4096, 16 * 4096)).stats["block_size_mismatches"] == 0
+
+
+def hits_are_multiples_of_the_lcm() -> None:
+    """a hit is a multiple of the lcm of the m of the worker's groups"""
+    idx = _index(_stored([1, 2, 3, 4], 64, 16, group_idx=0), _stored([2, 4], 64, 32, group_idx=1))
+    assert idx.find_matches(PROMPT[:48]) == {"v": 2}  # three blocks held in both groups
+
+
+def clearing_forgets_kinds_and_sizes() -> None:
+    """`AllBlocksCleared` clears that worker in every medium and group (and forgets the groups'
+    kinds and block sizes)"""
+    idx = _index(_stored([1, 2, 3, 4], 64, 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+                 _stored([2, 4], 64, 32, group_idx=1, kv_cache_spec_kind="sliding_window",
+                         kv_cache_spec_sliding_window=32))  # fmt: skip
+    idx.apply("v", KVEventBatch(0.0, [AllBlocksCleared(), _stored([1, 2, 3], 48, 16, group_idx=0),
+                                      _stored([1], 16, 16, group_idx=1)]))  # fmt: skip
+    # A window group of 32-token blocks would cut this to 2; a group without a kind is not scored.
+    assert idx.find_matches(PROMPT[:48]) == {"v": 3}
+
+
+def a_window_needs_one_block_at_least() -> None:
+    """a sliding-window group of W tokens only the last cdiv(W - 1, block_size) blocks of its own
+    size (at least one) before the hit's end"""
+
+    def hit(window: int, holds: list[int]) -> dict[str, int]:
+        # key="engine": the window group lists only the blocks it retains, as vLLM's do.
+        window_group = _stored([[1, 2, 3, 4][b] for b in holds], 64, 16, group_idx=1,
+                               kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=window)  # fmt: skip
+        full = _stored([1, 2, 3, 4], 64, 16, group_idx=0, kv_cache_spec_kind="full_attention")
+        return _index(full, window_group, key="engine").find_matches(block_hashes=[1, 2, 3, 4])
+
+    assert hit(window=1, holds=[0]) == {"v": 1}  # cdiv(0, 16) = 0, yet the hit's last block is needed
+    assert hit(window=17, holds=[3]) == {"v": 4}
+    assert hit(window=18, holds=[3]) == {}  # two blocks before the hit's end
+    assert hit(window=18, holds=[2, 3]) == {"v": 4}
+
+
+@pytest.mark.parametrize("check", [
+    multiples_are_read_at_their_own_size, hits_are_multiples_of_the_lcm, clearing_forgets_kinds_and_sizes,
+    a_window_needs_one_block_at_least,
+], ids=lambda check: check.__name__)  # fmt: skip
+def test_readme_index_rule(check):
+    assert _claim(check) in INDEX_SECTION, "the README no longer says this: change the check with it"
+    check()
+
+
+@pytest.mark.parametrize("hashes, n_tokens, block_size", [
+    pytest.param([31, 32], 48, 24, id="not-a-multiple"),
+    pytest.param([31, 32], 32, 0, id="0-with-token-ids"),
+    pytest.param([31, 32], 32, -16, id="negative"),
+    pytest.param([7], 16 * 4097, 16 * 4097, id="over-4096-blocks"),
+    pytest.param([31, 32], 48, 32, id="token-ids-not-block_size-per-block"),
+])  # fmt: skip
+def test_readme_index_rule_other_block_sizes(hashes, n_tokens, block_size):
+    """Any other `block_size` (0 on a store with token ids, negative, not a multiple, or over 4096
+    blocks), or token ids not `block_size` per block, is counted (`block_size_mismatches`) and
+    skipped"""
+    assert _claim(test_readme_index_rule_other_block_sizes) in INDEX_SECTION
+    idx = _index(_stored(hashes, n_tokens, block_size))
+    assert idx.stats["block_size_mismatches"] == 1 and len(idx) == 0

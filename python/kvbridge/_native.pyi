@@ -307,8 +307,8 @@ class Index:
     re-announce) in a worker without window or mamba groups. Token-less placeholders (``block_size`` 0) and sparse window/mamba stores are
     keyed through the worker's earlier stores of the same engine hash (key="tokens"). A worker's
     hit is vLLM's: the blocks all its full-attention groups hold, cut back to the largest n
-    where each sliding-window group holds its last cdiv(W - 1, block_size) blocks before n (a
-    mamba group: block n - 1); other kinds are kept, not scored. A group whose ``block_size`` is a
+    where each sliding-window group holds its last max(1, cdiv(W - 1, block_size)) blocks before
+    n (a mamba group: block n - 1); other kinds are kept, not scored. A group whose ``block_size`` is a
     multiple m of the index's is read at its own size (its block i is the index's block
     (i + 1) * m - 1, windows counted in its blocks) and hits are multiples of the lcm of the
     groups' m, as vLLM aligns them (docs/hybrid.md); other sizes are ``block_size_mismatches``.

@@ -1,6 +1,6 @@
 """The publisher's numbered send log: seqs, the replay ring, holes, and the send cursor.
 
-One owner for the rules every sender follows (the core sender in :mod:`kvbridge.bus.publisher` and
+One owner for the rules every sender follows (the core sender in :mod:`kvbridge.bus.sender` and
 the JetStream one in :mod:`kvbridge.bus.jetstream.acks` drive it through these methods, and neither
 touches its state):
 

@@ -43,7 +43,7 @@ It keeps the engine's seq:
 
 Everything runs on one asyncio loop, the publisher's: the view changes and the batch is handed
 over in one step under ``publisher.lock``, so a snapshot always matches a seq (the threading
-contract of :mod:`kvbridge.bus.publisher`).
+contract of :mod:`kvbridge.bus.handoff`).
 """
 
 from __future__ import annotations
