@@ -67,10 +67,12 @@ def test_queued_prompt_work_is_waited_for_drains_with_time_and_ends_at_the_first
     assert costs["a"] == pytest.approx(ENGINE.prompt_ms(20_000 + 100, 0.0))
     assert costs["b"] == pytest.approx(ENGINE.prefill_ms(100))
     assert router.choose(short) == ("b", 0)
-    # 200 ms later the engine has computed ~ tokens_per_ms * 200 of the long prompt
+    # 200 ms later the engine has computed ~ tokens_per_ms * 200 of the long prompt (a's
+    # backlog, the only candidate's, weighs the short prompt's own tokens: 1 + 2 * passes)
     clock.t += 0.2
     drained = 20_000 - ENGINE.tokens_per_ms(0.0) * 200
-    assert router.costs(short, workers=["a"])["a"] == pytest.approx(ENGINE.prompt_ms(drained + 100, 0.0))
+    weight = 1 + 2 * drained / 8192
+    assert router.costs(short, workers=["a"])["a"] == pytest.approx(ENGINE.prompt_ms(drained + weight * 100, 0.0))
     # its first token: nothing queued there any more, a decode step per pass instead
     router.first_token("a", "r1")
     step = ENGINE.decode_ms(20_000)
@@ -95,18 +97,33 @@ def test_long_prefills_spread_instead_of_piling_onto_the_prefix_holder():
     assert [blocks.choose(p)[0] for p in prompts] == ["a"] * 4
 
 
-def test_a_full_kv_cache_in_a_load_report_costs_a_wait_for_memory():
-    reports = {"a": LoadReport(ts=1000.0, kv_cache_usage=0.999, running=40), "b": LoadReport(ts=1000.0)}
+def test_a_load_report_s_kv_cache_use_slows_the_decode_steps_a_prompt_shares():
+    # a reports a full KV cache with requests running: each pass of a prompt sent there also
+    # runs their decode step (34 ms at full use, against none on the idle b).
+    reports = {"a": LoadReport(ts=1000.0, kv_cache_usage=1.0, running=40), "b": LoadReport(ts=1000.0)}
     router, _ = _router(reports=reports.get)
     prompt = list(range(5000))
     costs = router.costs(prompt)
-    capacity = ENGINE.kv_capacity_tokens
     assert costs["b"] == pytest.approx(ENGINE.prefill_ms(5000))
-    assert costs["a"] > 4 * costs["b"]  # the penalty for a prompt that does not fit beside the rest
-    assert costs["a"] == pytest.approx(
-        ENGINE.prefill_ms(5000) + ENGINE.decode_ms(0.999 * capacity) + 100_000 * (0.999 * capacity + 5000 - capacity) / capacity
-    )
+    assert costs["a"] == pytest.approx(ENGINE.prefill_ms(5000) + ENGINE.decode_ms(ENGINE.kv_capacity_tokens))
+    assert round(costs["a"] - costs["b"], 1) == 34.0
     assert router.choose(prompt)[0] == "b"
+
+
+def test_with_every_worker_backlogged_the_prompt_s_own_work_weighs_more():
+    # Both workers have queued work; the lighter backlog (b: 8192 tokens, one pass) scales the
+    # prompt's uncached tokens by 1 + backlog_weight * 1.
+    router, _ = _router()
+    router.choose(list(range(10**6, 10**6 + 16_384)), workers=["a"])
+    router.choose(list(range(2 * 10**6, 2 * 10**6 + 8192)), workers=["b"])
+    prompt = list(range(3 * 10**6, 3 * 10**6 + 1000))
+    costs = router.costs(prompt)
+    assert costs["b"] == pytest.approx(ENGINE.prompt_ms(8192 + 3 * 1000, 0.0))
+    assert costs["a"] == pytest.approx(ENGINE.prompt_ms(16_384 + 3 * 1000, 0.0))
+    flat = Router(Index(BS), block_size=BS, workers=["a", "b"], clock=lambda: 1000.0, backlog_weight=0)
+    flat.choose(list(range(10**6, 10**6 + 8192)), workers=["a"])
+    flat.choose(list(range(2 * 10**6, 2 * 10**6 + 8192)), workers=["b"])
+    assert flat.costs(prompt)["b"] == pytest.approx(ENGINE.prompt_ms(8192 + 1000, 0.0))
 
 
 def test_clear_errors():

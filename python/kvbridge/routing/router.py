@@ -3,13 +3,15 @@
 The default cost (``cost="time"``) is a predicted time to first token in ms
 (:mod:`kvbridge.routing.work`)::
 
-    cost(w) = T(queued(w) + overlap_weight * uncached(w))  [+ a penalty when w's KV cache is full]
+    cost(w) = T(queued(w) + weight * uncached(w)),  weight = overlap_weight * (1 + backlog_weight * backlog)
 
 ``uncached(w)``: the prompt's tokens ``w`` does not hold, its hit counted as vLLM counts it
 (at most ``floor((L - 1) / block_size)`` blocks); ``queued(w)``: the prompt tokens routed to
 ``w`` that have not produced their first token yet, drained at the engine's speed between
 signals; ``T``: the engine model's time for that many prompt tokens, its passes slowed by the
-decode steps of ``w``'s active requests. The signals are the production ones: the index's
+decode steps of ``w``'s active requests; ``backlog``: the shortest queue among the candidates, in
+passes (when every worker has one, prefill added anywhere also delays the requests that will
+queue behind it, so the prompt's own work weighs more). The signals are the production ones: the index's
 overlap scores (and provisional residency), the router's own decisions, each request's first
 token (:meth:`Router.first_token`) and end (:meth:`Router.done`), and, when given
 (``reports=``), the workers' LoadReports (KV-cache use, running requests).
@@ -70,9 +72,6 @@ DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 
 #: (the peer may have died with it in flight).
 PEER_IN_FLIGHT_MAX_S = 600.0
 
-#: What a worker whose KV cache cannot hold a prompt beside its active requests costs on top, per
-#: full cache of shortfall: vLLM admits the prompt only when a completion frees its blocks.
-MEMORY_PENALTY_MS = 100_000.0
 
 
 class Decision(NamedTuple):
@@ -151,7 +150,10 @@ class Router:
     1.6.1's replay model of a vLLM engine). ``reports``: for the time cost, a callable
     ``report(worker)`` returning the worker's latest :class:`kvbridge.LoadReport` or None
     (:meth:`ReportLoads.report`); its KV-cache use and running requests then weigh memory and
-    decode pressure beside the router's own accounting. ``clock``: the time in seconds
+    decode pressure beside the router's own accounting. ``backlog_weight``: how much more the
+    prompt's own uncached work weighs per pass of backlog on the least loaded worker (when every
+    worker has a backlog, work added anywhere delays the requests queueing behind it; 0: the
+    plain predicted TTFT). ``clock``: the time in seconds
     (default ``time.time``; a replay passes its virtual clock).
 
     ``provisional_ttl_s``: how long a choice counts as the chosen worker holding the request's
@@ -186,6 +188,7 @@ class Router:
         model: str | None = None,
         cost: Literal["time", "blocks"] = "time",
         engine: EngineModel | None = None,
+        backlog_weight: float = 2.0,
         reports: Callable[[str], Any] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -209,6 +212,7 @@ class Router:
         if reports is not None and not callable(reports):
             raise TypeError(f"reports must be a callable worker -> LoadReport | None, got {type(reports).__name__}")
         self.cost = cost
+        self.backlog_weight = _check_number("backlog_weight", backlog_weight)
         self.engine = EngineModel() if engine is None else engine
         self.reports = reports
         self.clock = clock
@@ -356,31 +360,30 @@ class Router:
         reports = self.reports
         uncached = self._uncached
         uncached.clear()
-        costs = {}
+        rows = []
         for w in candidates:
             score = scores.get(w)
             held = 0.0 if score is None else overlap(score)
             todo = num_tokens - (held if held < cap else cap) * bs
             uncached[w] = todo
             work = self._work.get(w)
-            decoding = in_use = 0.0
-            if work is not None and work.flights:
-                decoding, in_use = work.context()
+            # The decode step's context: the prompts of the requests decoding there, or the KV
+            # cache the engine reports in use while it says requests are running.
+            decoding = 0.0 if work is None else float(work.decoding_tokens())
             report = reports(w) if reports is not None else None
-            if report is not None and capacity:
-                # The engine's own count of its KV cache in use, plus what was sent after it.
-                reported = report.kv_cache_usage * capacity
-                if work is not None:
-                    reported += sum(f.prompt for f in work.flights.values() if f.sent > report.ts)
-                in_use = max(in_use, reported)
-                if report.running:
-                    decoding = max(decoding, report.kv_cache_usage * capacity)
+            if report is not None and capacity and report.running:
+                decoding = max(decoding, report.kv_cache_usage * capacity)
             step = engine.decode_ms(decoding) if decoding else 0.0
             queued = 0.0 if work is None else work.queued(now, engine.tokens_per_ms(step) * 1000.0)
-            c = engine.prompt_ms(queued + weight * todo, step)
-            if capacity and in_use + num_tokens > capacity:
-                c += MEMORY_PENALTY_MS * (in_use + num_tokens - capacity) / capacity
-            costs[w] = c
+            rows.append((w, todo, queued, step))
+        # When every worker has a backlog, a token of prefill added anywhere also delays the
+        # requests that will queue behind it there: the prompt's own work weighs more, by the
+        # fleet's shortest backlog in passes.
+        backlog = min((r[2] for r in rows), default=0.0) / engine.max_num_batched_tokens
+        weight *= 1.0 + self.backlog_weight * backlog
+        costs = {}
+        for w, todo, queued, step in rows:
+            costs[w] = engine.prompt_ms(queued + weight * todo, step)
         return costs
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:

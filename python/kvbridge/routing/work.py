@@ -16,10 +16,6 @@ For a prompt of ``L`` tokens of which worker ``w`` holds a prefix, it predicts::
   ``max_num_batched_tokens`` (:class:`EngineModel`), each pass also running a decode step of the
   worker's active requests (longer as their context fills the KV cache).
 
-A worker whose KV cache cannot hold the prompt beside its active requests would make it wait for
-a completion (vLLM admits a request only when its blocks fit): such a worker costs
-``memory_penalty_ms`` per full cache of shortfall on top.
-
 The default :class:`EngineModel` is the polynomial one NVIDIA Dynamo 1.6.1's replay uses for a
 vLLM engine (``aisimulate-core`` ``engine/common/perf_model.rs``); give a router the engines'
 own constants (or measure them: ``kvbridge replay`` reports what a fleet of them does).
@@ -41,7 +37,7 @@ class EngineModel:
     new prompt tokens (``prefill``), ``decode_ms(u) = max(1, d0 + d1 u + d2 u^2)`` for a decode
     step at KV-cache use ``u`` (``decode``), at most ``max_num_batched_tokens`` tokens a pass,
     ``kv_capacity_tokens`` tokens of KV cache per worker (None: unknown, then the decode step
-    costs ``decode_ms(0)`` and memory is not weighed). Defaults: Dynamo 1.6.1's replay model
+    costs ``decode_ms(0)``). Defaults: Dynamo 1.6.1's replay model
     of a vLLM engine (16,384 blocks of 64 tokens)."""
 
     prefill: tuple[float, float, float] = (16.50142, 1.518344e-02, 4.209989e-07)
@@ -165,15 +161,10 @@ class WorkerWork:
             self._anchor = now
         return flight
 
-    def context(self) -> tuple[int, int]:
-        """``(prompt tokens of the requests decoding, of all requests in flight)``: what their KV
-        cache holds, output left out (a few hundred tokens against prompts of thousands)."""
-        decoding = total = 0
-        for f in self.flights.values():
-            total += f.prompt
-            if f.first_token is not None:
-                decoding += f.prompt
-        return decoding, total
+    def decoding_tokens(self) -> int:
+        """Prompt tokens of the requests past their first token: what their KV cache holds
+        (output left out: a few hundred tokens against prompts of thousands)."""
+        return sum(f.prompt for f in self.flights.values() if f.first_token is not None)
 
     def _still_waiting(self) -> Iterator[Flight]:
         return (f for f in self.flights.values() if f.first_token is None)
