@@ -113,8 +113,16 @@ class Seq:
         self.order = 0  # admission order on its engine: running order
         self.base = 0  # while decoding, generated = engine tick - base
         self.gen = 0  # incarnation: bumps at each preemption, voiding its scheduled decode events
-        self.tokens: array | None = None  # while prefilling: the tokens it computes
+        self.tokens: array | None = None  # from routing to the end of its prefill: its tokens
         self.last_token_ms = -1.0  # set when it stops decoding (preempted)
+
+
+    def prompt(self) -> array:
+        """The prompt's token ids, made once and kept until the prefill is done (the router
+        and the engine both read them)."""
+        if self.tokens is None:
+            self.tokens = self.req.tokens
+        return self.tokens
 
 
 class Engine:
@@ -181,10 +189,9 @@ class Engine:
     def _prompt(seq: Seq) -> array:
         """The tokens a (re)admitted request prefills: its prompt, and after a preemption the
         output it had generated (vLLM recomputes both)."""
-        tokens = seq.req.tokens
-        if seq.generated:
-            tokens += array("I", (OUTPUT_TOKEN,)) * seq.generated
-        return tokens
+        if not seq.generated:
+            return seq.prompt()
+        return seq.req.tokens + array("I", (OUTPUT_TOKEN,)) * seq.generated
 
     # -- decoders in aggregate -------------------------------------------------------------------
 

@@ -126,7 +126,7 @@ class KvRouterPolicy(_Indexed):
         )
 
     def route(self, seq: Seq) -> int:
-        worker, _ = self.router.choose(seq.req.tokens, request_id=seq.id)
+        worker, _ = self.router.choose(seq.prompt(), request_id=seq.id)
         return self._by_name[worker]
 
     def first_token(self, seq: Seq) -> None:
@@ -159,7 +159,7 @@ class DynamoDefault(_Indexed):
         keys (scorer.rs 215-224: ``max(0, (active_prefill + ISL) / bs - overlap) + active_blocks
         + n - active_overlap``)."""
         bs = self.block_size
-        tokens = seq.req.tokens
+        tokens = seq.prompt()
         isl = len(tokens)
         keys = hash_blocks(tokens, bs, algo="xxh3")
         n = len(keys)
