@@ -360,17 +360,22 @@ class Router:
         reports = self.reports
         uncached = self._uncached
         uncached.clear()
+        works = self._work
         rows = []
+        idle: list[str] = []  # nothing cached, nothing sent, nothing reported running: one cost
         for w in candidates:
             score = scores.get(w)
+            work = works.get(w)
+            report = reports(w) if reports is not None else None
+            if score is None and work is None and (report is None or not report.running):
+                idle.append(w)
+                continue
             held = 0.0 if score is None else overlap(score)
             todo = num_tokens - (held if held < cap else cap) * bs
             uncached[w] = todo
-            work = self._work.get(w)
             # The decode step's context: the prompts of the requests decoding there, or the KV
             # cache the engine reports in use while it says requests are running.
-            decoding = 0.0 if work is None else float(work.decoding_tokens())
-            report = reports(w) if reports is not None else None
+            decoding = 0.0 if work is None else float(work.decoding)
             if report is not None and capacity and report.running:
                 decoding = max(decoding, report.kv_cache_usage * capacity)
             step = engine.decode_ms(decoding) if decoding else 0.0
@@ -379,11 +384,17 @@ class Router:
         # When every worker has a backlog, a token of prefill added anywhere also delays the
         # requests that will queue behind it there: the prompt's own work weighs more, by the
         # fleet's shortest backlog in passes.
-        backlog = min((r[2] for r in rows), default=0.0) / engine.max_num_batched_tokens
-        weight *= 1.0 + self.backlog_weight * backlog
+        if not idle:
+            backlog = min((r[2] for r in rows), default=0.0) / engine.max_num_batched_tokens
+            weight *= 1.0 + self.backlog_weight * backlog
         costs = {}
         for w, todo, queued, step in rows:
             costs[w] = engine.prompt_ms(queued + weight * todo, step)
+        if idle:
+            c = engine.prompt_ms(weight * num_tokens, 0.0)
+            for w in idle:
+                costs[w] = c
+                uncached[w] = num_tokens
         return costs
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:

@@ -111,10 +111,13 @@ class WorkerWork:
     uncached tokens, time drains it at the engine's speed, a first token resets it to what
     the requests still waiting for theirs were expected to compute."""
 
-    __slots__ = ("flights", "_queued", "_anchor", "_waiting")
+    __slots__ = ("flights", "decoding", "_queued", "_anchor", "_waiting")
 
     def __init__(self) -> None:
         self.flights: OrderedDict[Hashable, Flight] = OrderedDict()
+        #: Prompt tokens of the requests past their first token: what their KV cache holds
+        #: (output left out: a few hundred tokens against prompts of thousands).
+        self.decoding = 0
         self._queued = 0.0
         self._anchor = 0.0
         self._waiting = 0  # flights without a first token
@@ -145,6 +148,7 @@ class WorkerWork:
         if flight is None:
             return None
         flight.first_token = now
+        self.decoding += flight.prompt
         self._waiting -= 1
         self._queued = sum(f.uncached for f in self._still_waiting())
         self._anchor = now
@@ -155,16 +159,13 @@ class WorkerWork:
         if key is None:
             key = next(iter(self.flights))
         flight = self.flights.pop(key)
-        if flight.first_token is None:  # ended without a first token seen (an error, a cancel)
+        if flight.first_token is not None:
+            self.decoding -= flight.prompt
+        else:  # ended without a first token seen (an error, a cancel)
             self._waiting -= 1
             self._queued = sum(f.uncached for f in self._still_waiting())
             self._anchor = now
         return flight
-
-    def decoding_tokens(self) -> int:
-        """Prompt tokens of the requests past their first token: what their KV cache holds
-        (output left out: a few hundred tokens against prompts of thousands)."""
-        return sum(f.prompt for f in self.flights.values() if f.first_token is not None)
 
     def _still_waiting(self) -> Iterator[Flight]:
         return (f for f in self.flights.values() if f.first_token is None)
