@@ -185,8 +185,8 @@ async def _measure(args: argparse.Namespace, paths: list[tuple[str, str, bool, l
 
 async def _own_work(n: int) -> float:
     """CPU microseconds per request of what kvbridge proxy does beyond forwarding, without HTTP:
-    the body check, the prompt's tokens from the LRU, the index lookup, the choice, the header
-    copy and the metrics."""
+    the body check, the prompt's tokens from the LRU, the index lookup, the choice (the time
+    cost, with provisional residency), its first token and end, the header copy and the metrics."""
     from kvbridge import Index
     from kvbridge.routing.proxy import KvProxy, _copy_headers
 
@@ -202,12 +202,16 @@ async def _own_work(n: int) -> float:
         tokens = await proxy._tokens("completions", body)
         assert tokens is not None
         blocks = len(tokens) // 16
-        scores = index.find_matches(tokens)
-        worker, overlap = proxy.router.choose_scores(scores, blocks, workers=list(proxy.upstreams.up()))
+        scores = index.find_matches(tokens, by_medium=True)
+        keys = proxy.router.block_keys(tokens)  # provisional residency, as with NATS up
+        rid = next(proxy._request_ids)
+        worker, overlap = proxy.router.choose_scores(scores, blocks, workers=list(proxy.upstreams.up()), keys=keys,
+                                                     num_tokens=len(tokens), request_id=rid)  # fmt: skip
         proxy.metrics.choices.labels(worker).inc()
         proxy.metrics.overlap.observe(overlap)
         _copy_headers(headers)
-        proxy.router.done(worker)
+        proxy.router.first_token(worker, rid)
+        proxy.router.done(worker, rid)
         proxy.metrics.ttfb.observe(0.001)
         proxy.metrics.requests.labels("completions", "200").inc()
     elapsed = time.process_time() - start

@@ -215,15 +215,18 @@ async def test_5xx_before_streaming_is_retried_on_the_next_best_worker(nats_serv
 
 
 async def test_killed_engine_mid_run(nats_server):
+    # A prefix long enough that its hit outweighs the decode step of the stream running beside it
+    # (the router's time cost: ~300 cached tokens save about one decode step, no more).
+    prefix = SYSTEM * 4
     async with fleet(nats_server, token_delay_s=0.05) as f:
-        home = await _warm(f, SYSTEM)
-        streaming = await f.client.completions.create(model=f.model, prompt=SYSTEM + "stream", max_tokens=100,
+        home = await _warm(f, prefix)
+        streaming = await f.client.completions.create(model=f.model, prompt=prefix + "stream", max_tokens=100,
                                                       stream=True)  # fmt: skip
         first = await anext(aiter(streaming))
         assert f.engine_of(first.id) is home
         # a request waiting for its (non-streamed) answer when the engine dies: not started to stream
         waiting = asyncio.create_task(
-            f.client.completions.create(model=f.model, prompt=SYSTEM + "waiting", max_tokens=100)
+            f.client.completions.create(model=f.model, prompt=prefix + "waiting", max_tokens=100)
         )
         await wait_until(lambda: home.running == 2, 5, "the second request to reach the home engine")
         for e in f.engines:
@@ -285,11 +288,16 @@ async def test_nats_down_keeps_serving(own_nats_server):
         await wait_until(lambda: not f.proxy.nats_up, 10, "the proxy to notice NATS is down")
         for e in f.engines:
             e.token_delay_s = 0.05  # each request stays in flight while the others are routed
-        answers = await asyncio.gather(*(
-            f.client.completions.create(model=f.model, prompt=SYSTEM + f"q{i}", max_tokens=4) for i in range(9)
-        ))  # fmt: skip
-        # least loaded among the last known: 9 at once, 3 to each (the proxy's own in-flight count)
-        assert sorted(Counter(f.engine_of(a.id).worker_id for a in answers).values()) == [3, 3, 3]
+        async def streamed(i: int) -> str:
+            # ~4,000 tokens: a prompt's prefill weighs more than the HTTP between two requests
+            stream = await f.client.completions.create(model=f.model, prompt=SYSTEM * 14 + f"q{i}", max_tokens=4,
+                                                       stream=True)  # fmt: skip
+            return [chunk.id async for chunk in stream][0]
+
+        answers = await asyncio.gather(*(streamed(i) for i in range(9)))
+        # least loaded among the last known: 9 at once, 3 to each (the router's own accounting: the
+        # prompts sent and not through their first token, then the decode steps of those streaming)
+        assert sorted(Counter(f.engine_of(a).worker_id for a in answers).values()) == [3, 3, 3]
         async with aiohttp.ClientSession() as s:
             async with s.get(f.proxy.url + "/health") as r:
                 health = await r.json()
@@ -494,3 +502,141 @@ def test_worker_specs_and_token_lru():
     assert lru.get("a") == [1]  # now the most recent: "b" goes first
     lru.put("c", [3])
     assert (lru.get("a"), lru.get("b"), lru.get("c"), len(lru)) == ([1], None, [3], 2)
+
+
+async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
+    """--record: one Mooncake line per routed request; the replay's loader reads it, lengths are the
+    engines' own, and prompts sharing a prefix share exactly its leading 512-token blocks' ids."""
+    from kvbridge.replay.trace import load_trace
+    from kvbridge.routing.record import TRACE_BLOCK
+    from kvbridge.tools.standin import render_chat
+
+    path = tmp_path / "trace.jsonl"
+    system = "Answer as a pirate would, in one sentence, about the sea and ships. " * 30  # ~2,000 tokens
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": "What is a brig?"}],
+        [{"role": "system", "content": system}, {"role": "user", "content": "And a sloop, how does it sail?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": system}, {"role": "user", "content": "What is a brig?"},
+         {"role": "assistant", "content": " w0 w1 w2"}, {"role": "user", "content": "Go on."}],
+    ]  # fmt: skip
+    max_tokens = [3, 7, 1, 5]
+    async with fleet(nats_server, record=str(path)) as f:
+        for i, (messages, n) in enumerate(zip(chats, max_tokens)):
+            if i % 2:  # streamed: the output length from the stream's usage chunk
+                stream = await f.client.chat.completions.create(model=f.model, messages=messages, max_tokens=n,
+                                                                stream=True)  # fmt: skip
+                async for _ in stream:
+                    pass
+            else:
+                await f.client.chat.completions.create(model=f.model, messages=messages, max_tokens=n)
+        # a request that is refused before routing is not recorded
+        with pytest.raises(openai.BadRequestError):
+            await f.client.chat.completions.create(model=f.model, messages=[])
+    text = path.read_text()
+    assert "pirate" not in text and "brig" not in text  # no prompt text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert [set(line) for line in lines] == [{"timestamp", "input_length", "output_length", "hash_ids"}] * 4
+    assert lines[0]["timestamp"] == 0 and all(a["timestamp"] <= b["timestamp"] for a, b in zip(lines, lines[1:]))
+    prompts = [render_chat(m).encode() for m in chats]
+    assert [line["input_length"] for line in lines] == [len(p) for p in prompts]
+    assert [line["output_length"] for line in lines] == max_tokens
+    assert [len(line["hash_ids"]) for line in lines] == [-(-len(p) // TRACE_BLOCK) for p in prompts]
+
+    def common(a: bytes, b: bytes) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    ids = [line["hash_ids"] for line in lines]
+    for i in range(4):
+        for j in range(4):
+            if i != j:
+                shared = common(prompts[i], prompts[j]) // TRACE_BLOCK
+                assert ids[i][:shared] == ids[j][:shared]
+                assert len(ids[i]) == shared or len(ids[j]) == shared or ids[i][shared] != ids[j][shared]
+    assert common(prompts[0], prompts[1]) // TRACE_BLOCK >= 3  # the system prompt's blocks are shared
+
+    requests = load_trace(path)
+    assert [(r.input_length, r.output_length) for r in requests] == [(len(p), n) for p, n in zip(prompts, max_tokens)]
+    # the replay's prompts share exactly the recorded blocks
+    tokens = [r.tokens for r in requests]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            shared = common(prompts[i], prompts[j]) // TRACE_BLOCK * TRACE_BLOCK
+            k = next((t for t, (x, y) in enumerate(zip(tokens[i], tokens[j])) if x != y), None)
+            assert k == shared or (k is None and shared == min(len(tokens[i]), len(tokens[j])))
+
+
+def test_record_appends_on_its_timeline_and_refuses_a_bad_path(tmp_path, capsys):
+    from kvbridge.config import ConfigError
+    from kvbridge.replay.trace import load_trace
+    from kvbridge.routing.record import TraceRecorder, prompt_hash_ids
+    from kvbridge.tools.cli import main
+
+    now = [100.0]
+    path = tmp_path / "t.jsonl"
+    for run in range(2):  # a proxy restarted on the same file continues its timeline
+        rec = TraceRecorder(path, clock=lambda: now[0])
+        a = rec.arrive()
+        now[0] += 0.25
+        b = rec.arrive()
+        rec.finish(b, list(range(600)), 2)  # ends first: held back until a is written
+        assert rec.written == 0
+        rec.finish(a, list(range(1100)), 0)
+        assert rec.written == 2
+        c = rec.arrive()  # still in flight at close: left out
+        rec.close()
+        assert c == 2
+    requests = load_trace(path)
+    assert [r.arrival_ms for r in requests] == [0, 250, 250, 500]
+    assert [(r.input_length, r.output_length) for r in requests] == [(1100, 1), (600, 2)] * 2
+    # 600 tokens: one full block and a partial one; 1100: two full blocks and a partial one
+    assert prompt_hash_ids(list(range(600)))[0] == prompt_hash_ids(list(range(1100)))[0]
+    assert prompt_hash_ids(list(range(600)))[1] != prompt_hash_ids(list(range(1100)))[1]
+    assert prompt_hash_ids([5] * 100) != prompt_hash_ids([5] * 101)
+
+    bad = tmp_path / "no-such-dir" / "trace.jsonl"
+    with pytest.raises(ConfigError, match="--record .*no-such-dir.*cannot open it for appending"):
+        KvProxy(None, model="m", port=0, workers={"a": "http://127.0.0.1:1"}, record=bad)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(ConfigError, match="not a trace line"):
+        TraceRecorder(tmp_path / "notes.txt")
+    assert main(["proxy", "--model", "m", "--worker", "a=http://127.0.0.1:1", "--listen", "127.0.0.1:0",
+                 "--record", str(bad)]) == 2  # fmt: skip
+    assert "--record" in capsys.readouterr().err
+
+
+def test_answer_counts_output_tokens():
+    from kvbridge.routing.proxy import _Answer
+
+    a = _Answer()  # a stream without usage: the chunks that carried text
+    a.read_events(b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+                  b'data: {"choices": [{"delta": {"content": " a"}}]}\n\ndata: {"choices": [{"text": " b"}]}\n\n'
+                  b'data: [DONE]\n\n')  # fmt: skip
+    assert a.output_tokens == 2
+    a.read_events(b'data: {"choices": [], "usage": {"completion_tokens": 9}}\n\n')
+    assert a.output_tokens == 9
+    b = _Answer()
+    b.read_body(b'{"choices": [{"text": "x"}], "usage": {"completion_tokens": 4}}')
+    assert b.output_tokens == 4
+    c = _Answer()
+    c.read_body(b"not json")
+    assert c.output_tokens == 0  # recorded as 1
+
+
+def test_cli_policy_seed_and_engine_model_flags():
+    from kvbridge.routing.work import EngineModel
+    from kvbridge.tools.cli import _engine_model, build_parser
+
+    parse = build_parser().parse_args
+    args = parse(["proxy", "--model", "m"])
+    assert (args.policy, args.seed, args.record, _engine_model(args)) == ("kv", None, None, None)
+    args = parse(["proxy", "--model", "m", "--policy", "rr", "--seed", "7", "--engine-prefill", "1,0.5,0",
+                  "--engine-decode", "2,0,0", "--engine-max-batched-tokens", "2048", "--engine-kv-tokens", "0"])  # fmt: skip
+    assert (args.policy, args.seed) == ("rr", 7)
+    assert _engine_model(args) == EngineModel(prefill=(1, 0.5, 0), decode=(2, 0, 0), max_num_batched_tokens=2048,
+                                              kv_capacity_tokens=None)  # fmt: skip
+    for bad in (["--engine-prefill", "1,2"], ["--policy", "dynamo"]):
+        with pytest.raises(SystemExit):
+            parse(["proxy", "--model", "m", *bad])
+    with pytest.raises(ValueError, match="policy"):
+        KvProxy(None, model="m", port=0, policy="fastest")  # type: ignore[arg-type]

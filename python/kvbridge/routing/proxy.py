@@ -8,8 +8,12 @@ Per request (``POST /v1/completions``, ``POST /v1/chat/completions``):
 2. the prompt's token ids -- the ones the engine will hash -- come from a local ``tokenizers``
    tokenizer (completions, when one is given) or from an engine's ``POST /tokenize`` (chat: with
    its chat template applied), remembered per prompt in a bounded LRU;
-3. :class:`kvbridge.Router` weighs each worker's cached leading blocks, per storage tier (an
-   in-process :class:`kvbridge.Index` fed from NATS, or an index service), against its load;
+3. :class:`kvbridge.Router` predicts each worker's time to first token: the prompt's tokens it
+   does not hold (its cached leading blocks, per storage tier, from an in-process
+   :class:`kvbridge.Index` fed from NATS or from an index service) behind the prompt work already
+   sent there, from the signals a router has in production: its own decisions, each request's
+   first streamed chunk and end, and the workers' load reports (``policy="rr"`` / ``"random"``:
+   round robin or a seeded random pick instead, for comparison);
 4. the body goes unchanged to the chosen worker's URL (with ``X-data-parallel-rank`` for a DP
    rank), and the answer comes back with the upstream's status and bytes; a stream is passed on
    event by event as it arrives.
@@ -23,6 +27,9 @@ when it was given workers, and connects in the background.
 
 Workers and their URLs come from the load reports of the vLLM plugin (``LoadReport.url`` and
 ``dp_rank``) and from ``workers=`` (``--worker ID=URL[@RANK]``), which win.
+
+``record=FILE`` appends each routed request to a trace ``kvbridge replay`` reads
+(:mod:`kvbridge.routing.record`: arrival, lengths, the prompt's block hashes; no text).
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import asyncio
 import itertools
 import logging
 import math
+import random
 import socket
 import time
-from typing import Any, Mapping
+from os import PathLike
+from typing import Any, Literal, Mapping
 
 import aiohttp
 import msgspec
@@ -44,8 +53,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from kvbridge.bus.connection import AuthenticationError, ConnectError
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.config import Config
+from kvbridge.routing.record import TraceRecorder
 from kvbridge.routing.router import Router, report_loads
 from kvbridge.routing.upstreams import ProxyMetrics, Target, TokenCache, Upstreams, parse_worker
+from kvbridge.routing.work import EngineModel
 
 __all__ = ["KvProxy"]
 
@@ -62,6 +73,8 @@ _TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_tem
 _REFRESH_S = 0.25  # how stale the worker table and gauges may be
 
 _json = msgspec.json.Encoder()
+#: Routing policies: the time-cost Router, and two blind ones to compare it with.
+POLICIES = ("kv", "rr", "random")
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -89,6 +102,63 @@ class _Failed(Exception):
         self.response = response
 
 
+class _Answer:
+    """What the client got from the chosen worker: the completion's tokens (``usage``, else the
+    streamed chunks that carried text), for ``record=``."""
+
+    __slots__ = ("chunks", "usage")
+
+    def __init__(self) -> None:
+        self.chunks = 0
+        self.usage: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage if self.usage is not None else self.chunks
+
+    def read_body(self, data: bytes) -> None:
+        """A whole (non-streamed) answer."""
+        try:
+            body = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return
+        self._read(body)
+        if self.usage is None and isinstance(body, dict) and body.get("choices"):
+            self.chunks = 1
+
+    def read_events(self, data: bytes) -> None:
+        """Whole server-sent events of a stream."""
+        for event in data.split(b"\n\n"):
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if not payload or payload == b"[DONE]":
+                    continue
+                try:
+                    body = msgspec.json.decode(payload)
+                except msgspec.DecodeError:
+                    continue
+                if self._read(body):
+                    self.chunks += 1
+
+    def _read(self, body: Any) -> bool:
+        """Takes ``usage``; whether a choice carries generated text."""
+        if not isinstance(body, dict):
+            return False
+        usage = body.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.usage = usage["completion_tokens"]
+        for choice in body.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if choice.get("text") or (isinstance(delta, dict) and any(
+                    delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls"))):  # fmt: skip
+                return True
+        return False
+
+
 class KvProxy:
     """The gateway (module doc). An async context manager; ``url`` once started.
 
@@ -97,7 +167,14 @@ class KvProxy:
     ``tokenizer``: a ``tokenizers.Tokenizer`` or the path of its JSON file, for completions'
     prompts. ``index_service``: ask ``kvbridge index`` replicas instead of keeping an index here.
     Timeouts: ``connect_timeout_s`` to an upstream, ``read_timeout_s`` between its bytes (a long
-    prefill included), ``tokenize_timeout_s`` for ``/tokenize`` and index-service queries."""
+    prefill included), ``tokenize_timeout_s`` for ``/tokenize`` and index-service queries.
+
+    ``policy``: ``"kv"`` (the :class:`kvbridge.Router`'s time cost), ``"rr"`` (round robin over
+    the live workers) or ``"random"`` (seeded by ``seed``). ``engine``: the engines'
+    :class:`kvbridge.routing.work.EngineModel` the router predicts with (default: Dynamo 1.6.1's
+    replay model of a vLLM engine). ``overlap_weight``: the weight of the prompt's own uncached
+    tokens against the work queued ahead of it. ``record``: a file to append the routed requests
+    to, as a trace (:mod:`kvbridge.routing.record`)."""
 
     def __init__(
         self,
@@ -118,7 +195,12 @@ class KvProxy:
         down_s: float = 5.0,
         tokenize_cache: int = 4096,
         seed: int | None = None,
+        policy: Literal["kv", "rr", "random"] = "kv",
+        engine: EngineModel | None = None,
+        record: str | PathLike[str] | None = None,
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         static = {w: t if isinstance(t, Target) else parse_worker(f"{w}={t}")[1] for w, t in (workers or {}).items()}
         self.model, self.block_size, self.max_body_bytes = model, block_size, max_body_bytes
         self.config = None if config is None else config.replace(model=model)
@@ -141,14 +223,25 @@ class KvProxy:
             self.subscriber = KvEventSubscriber(self.config, model=model, index=self.index, track_views=False)
         reported = None if self.subscriber is None else report_loads(self.subscriber, model=model)
 
-        def load(worker: str) -> float | None:
-            # Reports stop with NATS: then the proxy's own count of requests in flight decides.
-            return reported(worker) if reported is not None and self.nats_up else None
+        def report(worker: str) -> Any:
+            # Reports stop with NATS: then the router's own accounting of what it sent decides.
+            return reported.report(worker) if reported is not None and self.nats_up else None
 
-        self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, loads=load, seed=seed)
+        self.policy = policy
+        self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, seed=seed, engine=engine,
+                             reports=report)  # fmt: skip
+        self._rng = random.Random(seed)  # policy="random"
+        self._turn = itertools.count()  # policy="rr"
+        self._request_ids = itertools.count()
+        self.recorder = None if record is None else TraceRecorder(record)
         self._timeouts = (connect_timeout_s, read_timeout_s, tokenize_timeout_s)
         # Bound now, so that ``url`` is known (port 0: any free port) before start().
-        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except BaseException:
+            if self.recorder is not None:
+                self.recorder.close()
+            raise
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self._sock.getsockname()[1]}"
         self._session: aiohttp.ClientSession | None = None
         self._connecting: asyncio.Task | None = None
@@ -233,6 +326,8 @@ class KvProxy:
             await self.index_client.close()
         if self.subscriber is not None:
             await self.subscriber.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     async def __aenter__(self) -> KvProxy:
         return await self.start()
@@ -280,8 +375,23 @@ class KvProxy:
             self.metrics.errors.labels("bad_request").inc()
             return problem
         self._refresh()
-        tokens = await self._tokens(kind, body)
-        return await self._route(request, raw, tokens)
+        recorder = self.recorder
+        if recorder is None:
+            # Blind policies need no token ids (unless recording).
+            tokens = await self._tokens(kind, body) if self.policy == "kv" else None
+            return await self._route(request, raw, tokens, _Answer())
+        slot = recorder.arrive()
+        tokens = None
+        answer = _Answer()
+        try:
+            tokens = await self._tokens(kind, body)
+            return await self._route(request, raw, tokens, answer)
+        finally:
+            if tokens:
+                recorder.finish(slot, tokens, answer.output_tokens)
+            else:
+                recorder.skip(slot)
+                self.metrics.errors.labels("record_no_tokens").inc()
 
     def _check(self, raw: bytes, kind: str) -> tuple[Any, web.Response | None]:
         """The request's JSON body, or the 4xx that answers it."""
@@ -303,27 +413,40 @@ class KvProxy:
             return None, _error(400, f"'{field}' is required: {what}", field)
         return body, None
 
-    async def _route(self, request: web.Request, raw: bytes, tokens: list[int] | None) -> web.StreamResponse:
+    async def _route(self, request: web.Request, raw: bytes, tokens: list[int] | None,
+                     answer: _Answer) -> web.StreamResponse:  # fmt: skip
         candidates = self.upstreams.up()
         if not candidates:
             return _error(503, f"no worker serves {self.model!r} yet: none has sent a load report with its URL "
                           "(vLLM plugin) and none was given (--worker ID=URL)")  # fmt: skip
-        n_blocks = len(tokens) // self.block_size if tokens else 0
-        scores = await self._scores(tokens) if n_blocks else {}
+        kv = self.policy == "kv"
+        n_tokens = len(tokens) if tokens else 0
+        n_blocks = n_tokens // self.block_size
+        scores = await self._scores(tokens) if kv and n_blocks else {}
+        # Provisional residency (the chosen worker holds the prompt's blocks until its own events
+        # say so) while the index is live; with NATS down, the work sent alone decides.
+        keys = None
+        if kv and tokens and n_blocks and self.nats_up and self.router.provisional.enabled:
+            keys = self.router.block_keys(tokens)
         failed: list[str] = []
         last: _Failed | None = None
         for attempt in range(2):
             names = [w for w in candidates if w not in failed]
             if not names:
                 break
-            worker, overlap = self.router.choose_scores(scores, n_blocks, workers=names)
+            rid = next(self._request_ids)
+            if kv:
+                worker, overlap = self.router.choose_scores(scores, n_blocks, workers=names, keys=keys,
+                                                            num_tokens=n_tokens, request_id=rid)  # fmt: skip
+            else:
+                worker, overlap = self._blind_choice(names), 0
             self.metrics.choices.labels(worker).inc()
             if attempt:
                 self.metrics.retries.inc()
-            else:
+            elif kv:
                 self.metrics.overlap.observe(overlap)
             try:
-                return await self._forward(request, raw, worker, candidates[worker])
+                return await self._forward(request, raw, worker, candidates[worker], rid if kv else None, answer)
             except _Failed as exc:
                 last = exc
                 failed.append(worker)
@@ -332,11 +455,19 @@ class KvProxy:
                 log.warning("kvbridge proxy: worker %s failed before streaming (%s): down for %gs", worker, exc,
                             self.upstreams.down_s)  # fmt: skip
             finally:
-                self.router.done(worker)
+                if kv:
+                    self.router.done(worker, rid)
         assert last is not None
         if last.response is not None:
             return last.response
         return _error(502, f"no worker could take the request: {last}")
+
+    def _blind_choice(self, names: list[str]) -> str:
+        """``policy="rr"``: the next worker in turn; ``"random"``: a seeded uniform pick."""
+        names = sorted(names)
+        if self.policy == "rr":
+            return names[next(self._turn) % len(names)]
+        return self._rng.choice(names)
 
     async def _scores(self, tokens: Any) -> Mapping[str, Any]:
         """Each worker's cached leading blocks of the prompt; nothing while NATS is down (the
@@ -357,7 +488,10 @@ class KvProxy:
                 log.warning("kvbridge proxy: no overlap scores, routing by load alone: %r", exc)
             return {}
 
-    async def _forward(self, request: web.Request, raw: bytes, worker: str, target: Target) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, raw: bytes, worker: str, target: Target, rid: int | None,
+                       answer: _Answer) -> web.StreamResponse:  # fmt: skip
+        """Sends the request to ``worker``; tells the router (request ``rid``; None: not routed
+        by it) when the first token is out: the first streamed chunk, or the whole answer."""
         assert self._session is not None
         headers = CIMultiDict(_copy_headers(request.headers))  # the rank below replaces a client's, in any case
         if target.dp_rank is not None:
@@ -369,7 +503,7 @@ class KvProxy:
             raise _Failed(f"{target.url}: {exc!r}") from None
         try:
             if resp.content_type == "text/event-stream" and resp.status < 500:
-                return await self._stream(request, resp, start)
+                return await self._stream(request, resp, start, worker, rid, answer)
             data = await resp.read()
         except _UPSTREAM_ERRORS as exc:
             resp.close()
@@ -379,16 +513,22 @@ class KvProxy:
             raise
         resp.release()
         self.metrics.ttfb.observe(time.perf_counter() - start)
-        answer = web.Response(status=resp.status, body=data, headers=_copy_headers(resp.headers))
+        if rid is not None:
+            self.router.first_token(worker, rid)
+        out = web.Response(status=resp.status, body=data, headers=_copy_headers(resp.headers))
         if resp.status >= 500:
-            raise _Failed(f"{target.url} answered {resp.status}", answer)
-        return answer
+            raise _Failed(f"{target.url} answered {resp.status}", out)
+        if self.recorder is not None and resp.status < 300:
+            answer.read_body(data)
+        return out
 
-    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, start: float) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, start: float, worker: str,
+                      rid: int | None, answer: _Answer) -> web.StreamResponse:  # fmt: skip
         """Pass server-sent events on as they come, whole events only: if the upstream breaks, the
         client's stream ends with an error event rather than half of one."""
         out = web.StreamResponse(status=resp.status, headers=_copy_headers(resp.headers))
         completed = False
+        count = self.recorder is not None
         try:
             await out.prepare(request)
             tail = b""
@@ -405,6 +545,8 @@ class KvProxy:
                 if first:
                     self.metrics.ttfb.observe(time.perf_counter() - start)
                     first = False
+                    if rid is not None and chunk:
+                        self.router.first_token(worker, rid)
                 if not chunk:
                     if tail:
                         await out.write(tail)
@@ -416,6 +558,8 @@ class KvProxy:
                     tail = data
                     continue
                 tail = data[cut:]
+                if count:
+                    answer.read_events(data[:cut])
                 await out.write(data[:cut])
             await out.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
@@ -521,6 +665,8 @@ class KvProxy:
             status, state, routing = "ok", "connected", "kv-aware"
         else:
             status, state, routing = "degraded", "down", "least-loaded among the last known workers"
+        if self.policy != "kv":
+            routing = "round-robin" if self.policy == "rr" else "random"
         body = {"status": "unavailable" if not workers else status, "model": self.model, "nats": state,
                 "routing": routing, "workers": workers}  # fmt: skip
         return web.Response(status=503 if not workers else 200, body=_json.encode(body), content_type="application/json")

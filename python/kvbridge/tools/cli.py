@@ -256,22 +256,50 @@ async def _proxy(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     host, port = args.listen
     config = _config(args)
+    try:
+        engine = _engine_model(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     proxy = KvProxy(
         config, model=args.model, host=host, port=port, workers=workers, block_size=args.block_size,
         tokenizer=args.tokenizer, index_service=args.index_service, overlap_weight=args.overlap_weight,
         max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
-        tokenize_cache=args.tokenize_cache,
+        tokenize_cache=args.tokenize_cache, seed=args.seed, policy=args.policy, engine=engine, record=args.record,
     )  # fmt: skip
     stop = _stop_on_signals()
     async with proxy:
         index = "index service" if args.index_service else "in-process index"
-        print(f"kvbridge proxy for {args.model} on {proxy.url} ({index}, NATS {', '.join(config.servers)}); "
-              f"workers from load reports{' and --worker' if workers else ''} (Ctrl-C to stop)",
+        routing = {"kv": f"kv-aware, {index}", "rr": "round robin", "random": "random"}[args.policy]
+        record = f"; recording to {args.record}" if args.record else ""
+        print(f"kvbridge proxy for {args.model} on {proxy.url} ({routing}, NATS {', '.join(config.servers)}); "
+              f"workers from load reports{' and --worker' if workers else ''}{record} (Ctrl-C to stop)",
               file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
-    print("proxy stopped", file=sys.stderr)
+    written = f"; {proxy.recorder.written} requests recorded to {args.record}" if proxy.recorder is not None else ""
+    print(f"proxy stopped{written}", file=sys.stderr)
     return 0
+
+
+def _coefficients(value: str) -> tuple[float, float, float]:
+    try:
+        parts = tuple(float(x) for x in value.split(","))
+    except ValueError:
+        parts = ()
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected three numbers C0,C1,C2, got {value!r}")
+    return parts
+
+
+def _engine_model(args: argparse.Namespace) -> Any:
+    """The proxy's EngineModel from the --engine-* flags (None: the default model)."""
+    from kvbridge.routing.work import EngineModel
+
+    given = {k: v for k, v in (("prefill", args.engine_prefill), ("decode", args.engine_decode),
+                               ("max_num_batched_tokens", args.engine_max_batched_tokens)) if v is not None}  # fmt: skip
+    if args.engine_kv_tokens is not None:
+        given["kv_capacity_tokens"] = args.engine_kv_tokens or None
+    return EngineModel(**given) if given else None
 
 
 # --- entry point -----------------------------------------------------------------------------------
@@ -381,9 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser(
         "proxy", help="an OpenAI-compatible gateway that sends each request to the vLLM server caching its prompt",
         description="Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, streaming or not; GET "
-        "/v1/models, /health, /metrics) and forward each request, unchanged, to the worker with the lowest cost = "
-        "blocks still to prefill + load. Workers and their URLs come from the vLLM plugin's load reports on NATS "
-        "(KVBRIDGE_ADVERTISE_URL, or vllm serve's --host/--port) and from --worker. Runs until SIGINT/SIGTERM.",
+        "/v1/models, /health, /metrics) and forward each request, unchanged, to the worker predicted to give it "
+        "its first token soonest: the prompt's tokens it does not hold cached, behind the prompt work already sent "
+        "there, timed by an engine model (docs/proxy.md). Workers and their URLs come from the vLLM plugin's load "
+        "reports on NATS (KVBRIDGE_ADVERTISE_URL, or vllm serve's --host/--port) and from --worker. Runs until "
+        "SIGINT/SIGTERM.",
     )  # fmt: skip
     x.add_argument("--model", required=True, help="the served model name clients ask for (and the subjects' <model>)")
     x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8000), metavar="HOST:PORT",
@@ -396,8 +426,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
     x.add_argument("--index-service", action="store_true",
                    help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process")
-    x.add_argument("--overlap-weight", type=float, default=1.0, help="cost of one block to prefill against one request "
-                   "of load (default 1)")  # fmt: skip
+    x.add_argument("--policy", choices=("kv", "rr", "random"), default="kv",
+                   help="kv (default): the KV-aware router; rr: round robin; random: a seeded random pick (to "
+                   "compare, or to --record traffic as a blind policy sees it)")  # fmt: skip
+    x.add_argument("--seed", type=int, help="seed of the router's tie-breaks and of --policy random (default: random)")
+    x.add_argument("--record", metavar="FILE", help="append each routed request to FILE as a Mooncake trace line "
+                   "(arrival ms, input and output tokens, the prompt's 512-token block hashes; no text) for "
+                   "`kvbridge replay`")  # fmt: skip
+    x.add_argument("--overlap-weight", type=float, default=1.0, help="weight of the prompt's own uncached tokens "
+                   "against the prompt work queued ahead of it on a worker (default 1)")  # fmt: skip
+    e = x.add_argument_group("engine model: how the router times a worker's work (default: Dynamo 1.6.1's replay "
+                             "model of a vLLM engine; docs/proxy.md)")  # fmt: skip
+    e.add_argument("--engine-prefill", type=_coefficients, metavar="C0,C1,C2",
+                   help="a pass's prefill ms for T new prompt tokens: C0 + C1 T + C2 T^2 (default "
+                   "16.50142,0.01518344,4.209989e-07)")  # fmt: skip
+    e.add_argument("--engine-decode", type=_coefficients, metavar="D0,D1,D2",
+                   help="a decode step's ms at KV-cache use u in [0, 1]: D0 + D1 u + D2 u^2 (default 5.74,54.01,-25.74)")
+    e.add_argument("--engine-max-batched-tokens", type=int, metavar="N",
+                   help="prompt tokens per pass, vLLM's max_num_batched_tokens (default 8192)")
+    e.add_argument("--engine-kv-tokens", type=int, metavar="N",
+                   help="tokens of KV cache per worker (default 1048576; 0: unknown, memory not weighed)")
     x.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
     x.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (default 5)")
     x.add_argument("--read-timeout", type=float, default=600.0,

@@ -15,7 +15,15 @@ What is simulated, and how:
   a content given as parts is its text parts joined;
 * prefill: ``prefill_s_per_block`` seconds per prompt block not found cached, before the first
   token; decode: ``token_delay_s`` per generated token (``max_tokens``, default 16, words
-  ``" w0" " w1"``...). ``usage.prompt_tokens_details.cached_tokens`` says what was cached.
+  ``" w0" " w1"``...). ``usage.prompt_tokens_details.cached_tokens`` says what was cached;
+* or, with ``engine=EngineConfig(...)``, the engine model ``kvbridge replay`` simulates
+  (:class:`kvbridge.replay.engine.Engine`: vLLM's scheduler, a first-come-first-served queue,
+  passes of at most ``max_num_batched_tokens`` prompt tokens, admission only when the whole prompt
+  fits in the pool, Dynamo's polynomial pass time divided by ``speedup``), run in real time: a
+  pass is scheduled, slept, ended; a prompt's first token streams at the end of the pass that
+  completes it, and each later pass streams one more token of each decoding request. Its pool is
+  the engine's own, and its KV events are published at the end of each pass. A request the
+  client abandons runs on (the model has no abort).
 
 For tests, each response's bytes as sent are kept in ``sent`` (by response id), handlers the
 client abandoned are counted in ``cancelled``, ``fail_next`` answers that many requests with a 500,
@@ -28,7 +36,7 @@ import asyncio
 import itertools
 import socket
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
 from aiohttp import web
@@ -41,6 +49,9 @@ from kvbridge.wire.events import LoadReport, encode_load_report
 from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE, load_subject
 
 __all__ = ["StandinEngine", "render_chat"]
+
+if TYPE_CHECKING:
+    from kvbridge.replay.engine import EngineConfig
 
 _json = msgspec.json.Encoder()
 _KEEP_SENT = 4096
@@ -69,6 +80,22 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
 
 
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
 class StandinEngine:
     """One stand-in engine (module doc) listening on ``host:port`` (0: any free port).
 
@@ -90,10 +117,19 @@ class StandinEngine:
         host: str = "127.0.0.1",
         port: int = 0,
         load_interval_s: float = 0.2,
+        engine: EngineConfig | None = None,
     ) -> None:
         self.model, self.worker_id, self.dp_rank = model, worker_id, dp_rank
-        self.block_size = block_size
-        self.manager = KVCacheManager(num_blocks, block_size)
+        self.sim: Any = None
+        if engine is None:
+            self.block_size = block_size
+            self.manager: Any = KVCacheManager(num_blocks, block_size)
+        else:
+            from kvbridge.replay.engine import Engine
+
+            self.block_size = engine.block_size
+            self.sim = Engine(0, engine, events=config is not None)
+            self.manager = self.sim.pool
         self.prefill_s_per_block, self.token_delay_s = prefill_s_per_block, token_delay_s
         self.tokenizer = tokenizer
         self.load_interval_s = load_interval_s
@@ -120,6 +156,14 @@ class StandinEngine:
         self._server: asyncio.Server | None = None
         self._nc: Any = None
         self._reporter: asyncio.Task | None = None
+        # engine= mode: the pass loop, woken by new requests; per request (by Seq id) its
+        # first-token and finished events; one event per pass for the decoding streams.
+        self._looper: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._first: dict[int, asyncio.Event] = {}
+        self._finished: dict[int, asyncio.Event] = {}
+        self._pass_done = asyncio.Event()
+        self._seq_ids = itertools.count()
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -136,6 +180,8 @@ class StandinEngine:
         await self._runner.setup()
         assert self._runner.server is not None
         self._server = await asyncio.get_running_loop().create_server(self._runner.server, sock=self._sock)
+        if self.sim is not None:
+            self._looper = asyncio.create_task(self._engine_loop(), name=f"kvbridge-standin-engine-{self.worker_id}")
         if self.config is not None:
             assert self.publisher is not None
             await self.publisher.start()
@@ -166,6 +212,10 @@ class StandinEngine:
         await self._stop_background()
 
     async def _stop_background(self) -> None:
+        if self._looper is not None:
+            self._looper.cancel()
+            await asyncio.gather(self._looper, return_exceptions=True)
+            self._looper = None
         if self._reporter is not None:
             self._reporter.cancel()
             await asyncio.gather(self._reporter, return_exceptions=True)
@@ -185,7 +235,13 @@ class StandinEngine:
 
     async def _report(self) -> None:
         assert self.config is not None
-        report = LoadReport(ts=time.time(), running=self.running, kv_cache_usage=self.manager.pool.usage,
+        if self.sim is None:
+            running, waiting, usage = self.running, 0, self.manager.pool.usage
+        else:  # what vLLM's scheduler stats say
+            sim = self.sim
+            running, waiting = len(sim.running), len(sim.waiting)
+            usage = 1.0 - sim.pool.num_free_blocks / sim.config.num_blocks
+        report = LoadReport(ts=time.time(), running=running, waiting=waiting, kv_cache_usage=usage,
                             dp_rank=self.dp_rank, url=self.url)  # fmt: skip
         subject = load_subject(self.config.subject_prefix, self.model, self.worker_id)
         fmt = self.config.encoding
@@ -229,7 +285,8 @@ class StandinEngine:
             tokens = self._prompt(body, "messages" in body)
         except (KeyError, ValueError, TypeError) as exc:
             return _error(400, f"cannot tokenize: {exc!r}")
-        return web.json_response({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens})
+        return web.Response(body=_json.encode({"count": len(tokens), "max_model_len": 1 << 20, "tokens": tokens}),
+                            content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -253,6 +310,8 @@ class StandinEngine:
         if body.get("model") != self.model:
             return _error(404, f"The model `{body.get('model')}` does not exist.")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.worker_id}-{next(self._ids)}"
+        if self.sim is not None:
+            return await self._generate_modelled(request, body, rid, chat, tokens)
         lock = self.publisher.lock if self.publisher is not None else None
         cached = self._allocate(rid, tokens, lock)
         if cached is None:
@@ -271,6 +330,118 @@ class StandinEngine:
         finally:
             self.running -= 1
             self._free(rid, lock)
+
+    # -- engine= mode ---------------------------------------------------------------------------------
+
+    async def _engine_loop(self) -> None:
+        """Passes back to back while there is work, each lasting the model's time: its end is
+        kept on the ideal schedule (the previous end + its duration), so event-loop delays do not
+        add up."""
+        sim = self.sim
+        lock = self.publisher.lock if self.publisher is not None else None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            end = loop.time()
+            while sim.has_work():
+                start = max(end, loop.time())
+                with lock if lock is not None else _NO_LOCK:
+                    end = start + sim.start_pass() / 1000.0
+                await asyncio.sleep(max(0.0, end - loop.time()))
+                with lock if lock is not None else _NO_LOCK:
+                    first, finished = sim.end_pass(end * 1000.0)
+                    if self.publisher is not None:
+                        self.publisher.step()
+                for seq in first:
+                    if (ev := self._first.get(seq.id)) is not None:
+                        ev.set()
+                for seq in finished:
+                    if (ev := self._finished.get(seq.id)) is not None:
+                        ev.set()
+                self._pass_done.set()
+                self._pass_done = asyncio.Event()
+
+    async def _generate_modelled(self, request: web.Request, body: dict[str, Any], rid: str, chat: bool,
+                                 tokens: list[int]) -> web.StreamResponse:  # fmt: skip
+        from kvbridge.replay.engine import Seq
+        from kvbridge.replay.trace import Request
+
+        sim = self.sim
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        if not tokens or -(-(len(tokens) + n) // self.block_size) > sim.config.num_blocks:
+            return _error(400, f"the prompt ({len(tokens)} tokens) and its {n} output tokens do not fit the KV cache")
+        seq = Seq(Request(next(self._seq_ids), 0.0, len(tokens), n, tokens, runs=False))
+        first, finished = self._first[seq.id], self._finished[seq.id] = asyncio.Event(), asyncio.Event()
+        sim.enqueue(seq)
+        self._wake.set()
+        self.running += 1
+        try:
+            words = [f" w{i}" for i in range(n)]
+            head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                    "model": self.model}  # fmt: skip
+            if not body.get("stream"):
+                await finished.wait()
+                cached = max(seq.cached_first, 0)
+                self._count(len(tokens), cached)
+                text = "".join(words)
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+                data = _json.encode({**head, "choices": [{**choice, "finish_reason": "length"}],
+                                     "usage": _usage(len(tokens), n, cached)})  # fmt: skip
+                self._record(rid, data)
+                return web.Response(body=data, content_type="application/json")
+            # vLLM's headers go out at once; its first chunk with the first token.
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            await first.wait()
+            cached = max(seq.cached_first, 0)
+            self._count(len(tokens), cached)
+            head["object"] = "chat.completion.chunk" if chat else "text_completion"
+            sent = 0  # words sent; the first token is word 0
+            chunks: list[bytes] = []
+            while True:
+                pass_done = self._pass_done  # before reading the state: a pass ending meanwhile wakes us
+                done = finished.is_set()
+                if done:
+                    upto = n
+                else:  # a decoding request gets a token per pass (seq.base: see Engine)
+                    decoding = seq.target > 0 and seq.computed >= seq.target
+                    upto = max(sent, 1, min(n - 1, sim.tick - seq.base if decoding else seq.generated))
+                while sent < upto:
+                    chunks.append(self._chunk(head, chat, words, sent, n))
+                    await resp.write(chunks[-1])
+                    sent += 1
+                self._record(rid, b"".join(chunks))
+                if done:
+                    break
+                await pass_done.wait()
+            chunks.append(b"data: " + _json.encode({**head, "choices": [], "usage": _usage(len(tokens), n, cached)})
+                          + b"\n\ndata: [DONE]\n\n")  # fmt: skip
+            self._record(rid, b"".join(chunks))
+            await resp.write(chunks[-1])
+            await resp.write_eof()
+            return resp
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+            self._first.pop(seq.id, None)
+            self._finished.pop(seq.id, None)
+
+    def _chunk(self, head: dict[str, Any], chat: bool, words: list[str], i: int, n: int) -> bytes:
+        """Stream chunk ``i`` (word ``i``; chat's first chunk also names the role)."""
+        finish = "length" if i == n - 1 else None
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": words[i]} if i == 0 else {"content": words[i]}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": words[i], "finish_reason": finish}
+        return b"data: " + _json.encode({**head, "choices": [choice]}) + b"\n\n"
+
+    def _count(self, prompt: int, cached: int) -> None:
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
 
     def _allocate(self, rid: str, tokens: list[int], lock: Any) -> int | None:
         if lock is None:
