@@ -23,10 +23,9 @@ import pytest
 from bridge_support import wait_until
 
 from kvbridge.config import Config
-from kvbridge.replay.engine import DECODE_A, DECODE_B, DECODE_C, PREFILL_A, PREFILL_B, PREFILL_C, EngineConfig
+from kvbridge.replay.engine import EngineConfig
 from kvbridge.replay.report import percentile
 from kvbridge.routing.proxy import KvProxy
-from kvbridge.routing.work import EngineModel
 from kvbridge.tools.standin import StandinEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,15 +43,6 @@ SEED = 0
 #: A run is timed only if the event loop woke within this of its sleeps (p99): the engines'
 #: passes, the proxy and the clients share it; a starved process measures its scheduler.
 MAX_LAG_MS = 30.0
-
-
-def engine_model(cfg: EngineConfig) -> EngineModel:
-    """The router's model of the stand-ins' engine, as the replay's kv policy builds it."""
-    sp = cfg.speedup
-    return EngineModel(
-        prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp), decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
-        max_num_batched_tokens=cfg.max_num_batched_tokens, kv_capacity_tokens=cfg.num_blocks * cfg.block_size,
-    )  # fmt: skip
 
 
 def workload(seed: int) -> list[tuple[float, str]]:
@@ -81,7 +71,7 @@ async def run(policy: str, server: Any, work: list[tuple[float, str]]) -> dict[s
         ]
         proxy = await stack.enter_async_context(KvProxy(
             config, model=model, port=0, block_size=ENGINE.block_size, seed=SEED, policy=policy,  # type: ignore[arg-type]
-            engine=engine_model(ENGINE),
+            engine=ENGINE.model(),
         ))  # fmt: skip
 
         def knows_all() -> bool:

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvbridge._native import KVCacheManager
 from kvbridge.replay.trace import Request
+from kvbridge.routing.work import EngineModel
 
 __all__ = ["EngineConfig", "Engine", "Seq", "decode_ms", "prefill_ms"]
 
@@ -84,6 +85,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if isinstance(self.speedup, bool) or not isinstance(self.speedup, (int, float)) or not self.speedup > 0 or math.isinf(self.speedup):
             raise ValueError(f"speedup must be a finite number > 0, got {self.speedup!r}")
+
+    def model(self) -> EngineModel:
+        """This engine as a router's :class:`~kvbridge.routing.work.EngineModel` knows it."""
+        sp = self.speedup
+        return EngineModel(
+            prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp),
+            decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_capacity_tokens=self.num_blocks * self.block_size,
+        )
 
 
 class Seq:

@@ -20,9 +20,8 @@ import random
 from typing import Any
 
 from kvbridge._native import Index
-from kvbridge.replay.engine import DECODE_A, DECODE_B, DECODE_C, PREFILL_A, PREFILL_B, PREFILL_C, Seq
+from kvbridge.replay.engine import Seq
 from kvbridge.routing.router import Router
-from kvbridge.routing.work import EngineModel
 from kvbridge.wire.hashing import hash_blocks
 
 __all__ = ["POLICIES", "make_policy"]
@@ -111,14 +110,7 @@ class KvRouterPolicy(_Indexed):
 
     def attach(self, fleet: Any) -> None:
         super().attach(fleet)
-        cfg = fleet.config.engine
-        sp = cfg.speedup
-        engine = EngineModel(
-            prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp),
-            decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            kv_capacity_tokens=cfg.num_blocks * cfg.block_size,
-        )
+        engine = fleet.config.engine.model()
         self._reports: dict[str, Any] = {}
         self.router = Router(
             self.index, block_size=self.block_size, seed=self.seed, workers=self.names, engine=engine,
