@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import uuid
 from collections import Counter
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -564,6 +566,11 @@ async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
             shared = common(prompts[i], prompts[j]) // TRACE_BLOCK * TRACE_BLOCK
             k = next((t for t, (x, y) in enumerate(zip(tokens[i], tokens[j])) if x != y), None)
             assert k == shared or (k is None and shared == min(len(tokens[i]), len(tokens[j])))
+    # and `kvbridge replay` takes the file as it is (the README's promise)
+    proc = subprocess.run([sys.executable, "-m", "kvbridge", "replay", str(path), "--workers", "2", "--block-size", "16",
+                           "--policy", "kv,rr", "--json"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [p["completed"] for p in json.loads(proc.stdout)["policies"]] == [4, 4]
 
 
 def test_record_appends_on_its_timeline_and_refuses_a_bad_path(tmp_path, capsys):
