@@ -283,13 +283,9 @@ class _Fleet:
                 if not stalled:
                     stalled = True
                     continue
-                # Twice nothing: the queue's head can never fit in this pool. It is not served.
-                seq = e.waiting.popleft()
-                seq.done_ms = now  # done without a first token: left out of the TTFT figures
-                self.skipped += 1
-                self.awaiting_first -= 1
-                if self.router is not None:
-                    self.router.done(w.name, seq.id)
+                # Twice nothing: the queue's head can never fit in this pool (a hybrid pool's groups
+                # take blocks each). It is not served.
+                self._refuse(w, e.waiting.popleft(), now)
                 stalled = False
 
     def serve(self, now: float, prompt: list[int], output: int, burst: _Burst | None = None) -> Seq:
@@ -321,10 +317,19 @@ class _Fleet:
             w = self.rng.choice(self.workers)
         seq.worker = w.engine.index
         w.requests += 1
-        w.engine.enqueue(seq)
         self.awaiting_first += 1
         (self.chats if burst is None else burst.seqs).append(seq)
+        if not w.engine.enqueue(seq):  # more blocks than the whole pool
+            self._refuse(w, seq, now)
         return seq
+
+    def _refuse(self, w: _Worker, seq: Seq, now: float) -> None:
+        """``seq`` can never fit in ``w``'s pool: it is not served."""
+        seq.done_ms = now  # done without a first token: left out of the TTFT figures
+        self.skipped += 1
+        self.awaiting_first -= 1
+        if self.router is not None:
+            self.router.done(w.name, seq.id)
 
     def cut(self) -> None:
         """The run ends: what is still decoding stops, its blocks go back to the pool."""
@@ -551,10 +556,15 @@ async def _converge(fleets: list[_Fleet], probes: list[list[int]], timeout: floa
     return False
 
 
+def _served(seqs: list[Seq]) -> list[Seq]:
+    """The requests a worker took (not those refused as never fitting its pool)."""
+    return [s for s in seqs if s.done_ms < 0 or s.first_token_ms >= 0]
+
+
 def _ttfts(seqs: list[Seq], end_ms: float) -> list[float]:
-    """Each request's time to first token, ms, sorted; one still waiting when the run ended counts
-    the time it waited (a lower bound), one never served does not count."""
-    return sorted((s.first_token_ms if s.first_token_ms >= 0 else end_ms) - s.routed_ms for s in seqs if s.done_ms < 0 or s.first_token_ms >= 0)
+    """Each served request's time to first token, ms, sorted; one still waiting when the run ended
+    counts the time it waited (a lower bound)."""
+    return sorted((s.first_token_ms if s.first_token_ms >= 0 else end_ms) - s.routed_ms for s in _served(seqs))
 
 
 def _pct(ordered: list[float], q: float) -> float:
@@ -574,12 +584,13 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
     print()
     print(f"{'routing':<12} {'turns':>6} {'hit rate':>9} {'TTFT ms: mean / p50 / p90 / p99':>32} {'computed':>10}")
     for f in fleets:
-        t = _ttfts(f.chats, f.end_ms)
-        prompt = sum(s.req.input_length for s in f.chats)
-        hit = 100.0 * sum(max(0, s.cached_first) for s in f.chats) / prompt if prompt else 0.0
+        chats = _served(f.chats)
+        t = _ttfts(chats, f.end_ms)
+        prompt = sum(s.req.input_length for s in chats)
+        hit = 100.0 * sum(max(0, s.cached_first) for s in chats) / prompt if prompt else 0.0
         ttft = f"{statistics.fmean(t) if t else math.nan:.1f} / {_pct(t, 0.5):.1f} / {_pct(t, 0.9):.1f} / {_pct(t, 0.99):.1f}"
         computed = sum(w.engine.prefill_tokens for w in f.workers)
-        print(f"{f.policy:<12} {len(f.chats):>6} {hit:>8.1f}% {ttft:>32} {computed:>10,}")
+        print(f"{f.policy:<12} {len(chats):>6} {hit:>8.1f}% {ttft:>32} {computed:>10,}")
     print("* TTFT: from a turn's arrival to its first token, queueing included, on the simulated engines (the "
           "replay's engine model: vLLM's scheduler over the worker's pool, Dynamo 1.6.1's pass times). hit rate: "
           "prompt tokens found cached when the engine admitted the turn. computed: prompt tokens the fleet's "
@@ -618,10 +629,10 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
                      f"{statistics.fmean(_ttfts(spread, kv.end_ms)):.1f} ms): there, waiting would have cost more "
                      f"than prefilling the prefix again")  # fmt: skip
         print(text + ".")
-    if kv.chats:
+    if kv_chats := _served(kv.chats):
         bs = kv.block_size
-        right = sum(1 for s in kv.chats if s.cached_first >= 0 and s.cached_first // bs == s.decision)
-        print(f"  KV-aware: the index's overlap equalled the hit the engine found at admission on {right}/{len(kv.chats)} "
+        right = sum(1 for s in kv_chats if s.cached_first >= 0 and s.cached_first // bs == s.decision)
+        print(f"  KV-aware: the index's overlap equalled the hit the engine found at admission on {right}/{len(kv_chats)} "
               f"turns (the rest were routed while the latest events were still in flight or the broker was down, "
               f"or the pool changed while they queued).")  # fmt: skip
     delayed = sum(f.stream.delayed_messages for f in fleets)
@@ -632,7 +643,7 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
     for f in fleets:
         if f.skipped:
             print(f"  {f.policy}: {f.skipped} requests could never fit in a worker's pool and were not served.")
-        waiting = sum(1 for s in f.chats + [s for b in f.bursts for s in b.seqs] if s.first_token_ms < 0 and s.done_ms < 0)
+        waiting = sum(1 for s in _served(f.chats + [s for b in f.bursts for s in b.seqs]) if s.first_token_ms < 0)
         if waiting:
             print(f"  {f.policy}: {waiting} requests had no first token when the run ended; their TTFT counts the "
                   f"time they waited.")  # fmt: skip
