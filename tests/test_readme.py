@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -231,3 +232,83 @@ def test_readme_index_rule_other_block_sizes(hashes, n_tokens, block_size):
     assert _claim(test_readme_index_rule_other_block_sizes) in INDEX_SECTION
     idx = _index(_stored(hashes, n_tokens, block_size))
     assert idx.stats["block_size_mismatches"] == 1 and len(idx) == 0
+
+
+# --- What the demo shows ---------------------------------------------------------------------------
+
+DEMO_SECTION = " ".join(README.split("\n## What the demo shows", 1)[1].split("\n## ", 1)[0].split())
+
+
+def _demo_claim(pattern: str) -> tuple[str, ...]:
+    """The groups of ``pattern`` in the demo section, as the README words it."""
+    found = re.search(pattern, DEMO_SECTION)
+    assert found is not None, f"the README's demo section no longer says {pattern!r}: change this test with it"
+    return found.groups()
+
+
+def _demo_table(out: str, head: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(head + " "))
+    return {line.split()[0]: line.split() for line in lines[at + 1 : at + 4]}
+
+
+def test_the_demo_shows_what_the_readme_says():
+    """`make demo` as the README describes it: the defaults it names, then every claim of "What the
+    demo shows" held against a run with those defaults (its figures within a margin: a run's
+    figures move with the machine's timing)."""
+    turns_per_s, duration = map(float, _demo_claim(r"\((\d+) turns/s for (\d+) s\)"))
+    defaults = build_parser().parse_args(["demo"])
+    assert (defaults.turns_per_s, defaults.duration, defaults.workers) == (turns_per_s, duration, 3)
+    assert _demo_claim(r"(three) fleets of (three) simulated engine workers") == ("three", "three")
+    proc = subprocess.run([str(KVBRIDGE), "demo"], capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    # The broker SIGKILLed a third of the way in, restarted 2 s later; every view equal to its pool.
+    _demo_claim(r"A third of the way in the broker is SIGKILLed and restarted 2 s later")
+    assert "broker SIGKILLed" in out and "broker restarted" in out
+    assert "every view equals its pool and every index scores like the pools: yes" in out
+    # One simulated ms per wall ms: 8 s of chats and 4 bursts 200 ms apart end about 8.8 s in.
+    _demo_claim(r"Simulated time runs with the wall clock, one simulated millisecond per millisecond")
+    stopped = float(re.search(r"\[ *(\d+\.\d)s\] traffic stopped", out).group(1))  # type: ignore[union-attr]
+    assert duration + 0.8 <= stopped <= duration + 3.0, stopped
+    workers = [line for line in out.splitlines() if " worker-" in line]
+    assert len(workers) == 9 and all(line.endswith("yes") for line in workers), workers
+    assert all(int(line.split()[2]) > 0 and int(line.split()[3].replace(",", "")) > 0 for line in workers)
+    routing = _demo_table(out, "routing")
+    assert set(routing) == {"KV-aware", "round-robin", "random"}
+    hit = {name: float(cells[2].rstrip("%")) for name, cells in routing.items()}
+    ttft = {name: [float(cells[i]) for i in (3, 5, 7, 9)] for name, cells in routing.items()}  # mean p50 p90 p99
+    computed = {name: int(cells[-1].replace(",", "")) for name, cells in routing.items()}
+    blind = ("round-robin", "random")
+    # "finds more of each prompt cached (about 65% against 48%)"
+    kv_hit, blind_hit = map(float, _demo_claim(r"finds more of each prompt cached \(about (\d+)% against (\d+)%\)"))
+    assert abs(hit["KV-aware"] - kv_hit) <= 10 and all(abs(hit[b] - blind_hit) <= 10 for b in blind), hit
+    assert all(hit["KV-aware"] >= hit[b] + 10 for b in blind), hit
+    # "computes about a third fewer prompt tokens"
+    _demo_claim(r"computes about a third fewer prompt tokens")
+    assert all(0.5 <= computed["KV-aware"] / computed[b] <= 0.8 for b in blind), computed
+    # "its TTFT mean and p90 come out below round-robin's and random's (about 75 / 110 ms against 90 / 150 ms ...)"
+    _demo_claim(r"its TTFT mean and p90 come out below round-robin's and random's")
+    assert all(ttft["KV-aware"][i] < ttft[b][i] for b in blind for i in (0, 2)), ttft
+    said = list(map(float, _demo_claim(r"\(about (\d+) / (\d+) ms against (\d+) / (\d+) ms for round-robin\)")))
+    seen = [ttft["KV-aware"][0], ttft["KV-aware"][2], ttft["round-robin"][0], ttft["round-robin"][2]]
+    assert all(0.7 * s <= x <= 1.3 * s for s, x in zip(said, seen)), (said, seen)
+    # "events lost (0)"
+    assert all(cells[-1] == "0" for cells in _demo_table(out, "stream").values()), out
+    # Bursts: the first worker counted as holding the prefix before its events arrive; the burst kept
+    # there, or sent elsewhere only where the router predicted a sooner first token.
+    _demo_claim(r"keeps the burst there while queueing behind it costs less than prefilling the prefix on another worker")
+    kept = re.search(r"KV-aware kept (\d+) of the (\d+) later requests of a burst on a worker already given its "
+                     r"prefix \((\d+) on provisional residency alone", out)  # fmt: skip
+    assert kept is not None, out
+    n, later, provisional = map(int, kept.groups())
+    assert later == 4 * 11 and n >= later // 2 and provisional == n, kept.group(0)
+    spread = re.search(r"and sent (\d+) to another worker, where it predicted their first token sooner than queued "
+                       r"behind the burst \((\d+\.\d) ms against (\d+\.\d) ms", out)  # fmt: skip
+    if n < later:
+        assert spread is not None and int(spread.group(1)) == later - n, out
+        assert float(spread.group(2)) <= float(spread.group(3)), spread.group(0)
+    # the demo's nats-server is gone: nothing listens on its port any more
+    port = int(out.split("nats-server started on nats://127.0.0.1:", 1)[1].split()[0])
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))

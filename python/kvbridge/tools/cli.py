@@ -376,25 +376,35 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_args(i)
 
     d = sub.add_parser(
-        "demo", help="start a local nats-server and simulated workers; compare KV-aware, round-robin and random routing; "
-        "kill the broker mid-run",
+        "demo", help="start a local nats-server and simulated workers; compare KV-aware, round-robin and random routing "
+        "by time to first token; kill the broker mid-run",
+        description="Three fleets of simulated engine workers, one per routing policy (KV-aware, round-robin, random), "
+        "serve the same multi-turn chats through a local nats-server, which is SIGKILLed and restarted mid-run. Each "
+        "worker is the engine model kvbridge.replay simulates: vLLM's scheduler (token budget, chunked prefill, "
+        "queueing for blocks, preemption) over the worker's KV-cache pool, each pass timed by Dynamo 1.6.1's "
+        "polynomial model; its pool's KV events go out on NATS at the end of every pass. Simulated time runs with the "
+        "wall clock, one simulated millisecond per millisecond (a busy machine may fall behind; the demo says by how "
+        "much), so a turn's time to first token includes its wait in the queue while the events are on their way. "
+        "The chats arrive for --duration s, then the bursts; the run ends once every request has its first token (what "
+        "is still decoding stops there). Exit status 1 if a subscriber's view of a pool, or an index, ends different from the pools.",
     )  # fmt: skip
-    d.add_argument("--workers", type=int, default=3, help="simulated engine workers (default 3)")
-    d.add_argument("--duration", type=float, default=8.0, help="seconds of traffic (default 8)")
-    d.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 4096; --http: 2048)")
+    d.add_argument("--workers", type=int, default=3, help="simulated engine workers per fleet (default 3)")
+    d.add_argument("--duration", type=float, default=8.0, help="seconds of chat traffic, simulated and wall clock (default 8)")
+    d.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 16384; --http: 2048)")
     d.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
-    d.add_argument("--turns-per-s", type=float, default=300.0, help="chat turns per second, each served by every fleet (default 300)")
+    d.add_argument("--turns-per-s", type=float, default=60.0,
+                   help="chat turns arriving per second, the same turns at the same times at every fleet (default 60)")
     d.add_argument(
         "--prefill-ms-per-block", type=float,
-        help="the time-to-first-token model: milliseconds to prefill one block not found cached (default 1.0; "
-        "--http: 2.0, the stand-ins really wait it)",
+        help="with --http: milliseconds a stand-in engine waits per block not found cached before the first token "
+        "(default 2.0)",
     )  # fmt: skip
     d.add_argument("--bursts", type=int, default=4, metavar="N",
-                   help="after the chats, N bursts of requests sharing a new prefix arriving together, as agentic "
-                   "fan-out does (default 4; 0: none)")  # fmt: skip
+                   help="after the chats, N bursts of requests sharing a new 512-token prefix arriving together, as "
+                   "agentic fan-out does, 200 ms apart (default 4; 0: none)")  # fmt: skip
     d.add_argument("--burst-size", type=int, default=12, help="requests per burst (default 12)")
     d.add_argument("--sliding-window", type=int, default=0, metavar="W",
                    help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
@@ -508,9 +518,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "proxy":
             return asyncio.run(_proxy(args))
         if args.num_blocks is None:
-            args.num_blocks = 2048 if args.http else 4096
+            args.num_blocks = 2048 if args.http else 16384
         if args.prefill_ms_per_block is None:
-            args.prefill_ms_per_block = 2.0 if args.http else 1.0
+            args.prefill_ms_per_block = 2.0
+        elif not args.http:
+            print("kvbridge demo: --prefill-ms-per-block goes with --http (the simulated engines are timed by "
+                  "the replay's engine model)", file=sys.stderr)  # fmt: skip
+            return 2
         if args.http:
             from kvbridge.tools.demo_http import run_http_demo
 

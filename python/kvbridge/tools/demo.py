@@ -1,29 +1,40 @@
-"""The end-to-end demo behind ``kvbridge demo``: everything real, on loopback.
+"""The end-to-end demo behind ``kvbridge demo``: everything real, on loopback, judged by time.
 
-A real nats-server and three fleets of simulated engine workers (each worker a
-:class:`KVCacheManager` publishing through a :class:`KvEventPublisher`) serve the same stream of
-multi-turn chats over a few shared system prompts. Each fleet routes by its own policy:
+A real nats-server and three fleets of simulated engine workers serve the same stream of
+multi-turn chats over a few shared system prompts. Each worker is the engine model
+``kvbridge.replay`` simulates (:class:`kvbridge.replay.engine.Engine`: vLLM's scheduler -- token
+budget, seats, chunked prefill, head-of-line blocking on blocks, preemption -- over the worker's
+:class:`KVCacheManager`, each pass timed by Dynamo 1.6.1's polynomial model), and publishes its
+pool's KV events through a :class:`KvEventPublisher` at the end of every pass. Simulated time
+runs with the wall clock, one simulated millisecond per millisecond, so the events travel over
+NATS while the engines run, and a request's time to first token counts its wait in the queue.
+Each fleet routes by its own policy:
 
-* KV-aware: :class:`kvbridge.routing.router.Router` over a :class:`kvbridge.Index` built only from the
-  fleet's NATS event stream (cost = blocks still to prefill + requests in flight);
+* KV-aware: :class:`kvbridge.routing.router.Router` with its default cost (the predicted time to
+  first token on each worker) over a :class:`kvbridge.Index` built only from the fleet's NATS
+  event stream, told each request's first token and end;
 * round-robin, and uniformly random.
 
-Mid-run the broker is SIGKILLed and restarted. Then come bursts of requests sharing a new prefix,
-arriving together (agentic fan-out): the KV-aware router holds each burst's first choice as
-provisionally caching the prefix until the worker's events confirm it, so the burst lands on one
-worker instead of every worker prefilling the same prefix. At the end the demo prints, per policy, the
-prefix-cache hit rate the workers' pools actually had, a time-to-first-token estimate, and how the
-stream fared (events/s, latency, events lost); every subscriber's view must equal its worker's
-pool, block for block, and the index must score like the pools (exit status 1 otherwise).
+Mid-run the broker is SIGKILLed and restarted. After the chats come bursts of requests sharing a
+new prefix, arriving together (agentic fan-out): the KV-aware router holds each burst's first
+choice as provisionally caching the prefix until the worker's events confirm it, and keeps the
+burst there while queueing behind it costs less than prefilling the prefix on another worker.
+At the end the demo prints, per worker, the requests it served and the prompt tokens it
+computed; per policy the hit rate, the time to first token (mean and percentiles) and the
+fleet's prompt work; and how the stream fared (events/s, latency, events lost). Every
+subscriber's view must equal its worker's pool, block for block, and the index must score like
+the pools (exit status 1 otherwise).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
+import heapq
+import math
 import os
 import random
+import statistics
 import time
 import urllib.parse
 from dataclasses import dataclass, field
@@ -32,16 +43,27 @@ from kvbridge._native import Index
 from kvbridge.config import Config
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.bus.update import Update
+from kvbridge.replay.engine import (
+    DECODE_A, DECODE_B, DECODE_C, OUTPUT_TOKEN, PREFILL_A, PREFILL_B, PREFILL_C, Engine, EngineConfig, Seq,
+)
+from kvbridge.replay.trace import Request
 from kvbridge.wire.hashing import hash_blocks
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.bus.publisher import KvEventPublisher
 from kvbridge.routing.router import Router
+from kvbridge.routing.work import EngineModel
 from kvbridge.tools.server import NatsCluster, NatsServer
 from kvbridge.wire.residency import Residency
 
 VOCAB = 151_936
 MODEL = "demo-model"
 POLICIES = ("KV-aware", "round-robin", "random")
+#: A burst's shared prefix, in tokens.
+BURST_PREFIX = 512
+#: Simulated ms between bursts (the first comes this long after the chats end).
+BURST_GAP_MS = 200.0
+#: After the last arrival, how long (simulated = wall) the run waits for every first token.
+FIRST_TOKEN_WAIT_MS = 20_000.0
 
 
 @dataclass
@@ -50,51 +72,76 @@ class _Chat:
 
     tokens: list[int]
     turns_left: int
+    ready_ms: float = 0.0  # its user's next message comes no earlier than this
 
 
 class _Workload:
-    """Multi-turn chats over a few shared system prompts, as a chat service sees them. The same
-    stream goes to every fleet: nothing here depends on where a turn is routed."""
+    """Multi-turn chats over a few shared system prompts, as a chat service sees them. A user
+    writes again 1-3 s after their last message, and the new prompt holds the history: every
+    earlier message, and the model's replies as the engine's output tokens (so the reply's
+    blocks the worker cached are a hit). The same stream goes to every fleet at the same
+    times: nothing here depends on where a turn is routed or how fast it is served."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.system_prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(256, 1024))] for _ in range(4)]
         self.chats: list[_Chat] = []
 
-    def next_turn(self) -> tuple[_Chat, list[int], list[int]]:
-        """A chat, its prompt for this turn, and the reply the model will give."""
+    def next_turn(self, now_ms: float) -> tuple[list[int], int]:
+        """The prompt of the turn arriving at ``now_ms`` (simulated) and its reply's length."""
         rng = self.rng
-        if len(self.chats) < 24 or rng.random() < 0.15:
-            chat = _Chat(list(rng.choice(self.system_prompts)), rng.randrange(2, 8))
+        ready = [c for c in self.chats if c.ready_ms <= now_ms]
+        if len(self.chats) < 24 or not ready or rng.random() < 0.15:
+            chat = _Chat(list(rng.choice(self.system_prompts)), rng.randrange(3, 10))
             self.chats.append(chat)
         else:
-            chat = rng.choice(self.chats)
-        chat.tokens += [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 160))]  # the user's message
-        reply = [rng.randrange(VOCAB) for _ in range(rng.randrange(32, 256))]
-        return chat, list(chat.tokens), reply
-
-    def burst(self, size: int) -> tuple[list[list[int]], list[int]]:
-        """``size`` prompts sharing a new 512-token prefix (one task fanned out to sub-agents),
-        each with a question of its own, and the reply each gets."""
-        rng = self.rng
-        prefix = [rng.randrange(VOCAB) for _ in range(512)]
-        prompts = [prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 64))] for _ in range(size)]
-        return prompts, [rng.randrange(VOCAB) for _ in range(32)]
-
-    def finish_turn(self, chat: _Chat, reply: list[int]) -> None:
-        chat.tokens += reply
+            chat = rng.choice(ready)
+        chat.tokens += [rng.randrange(VOCAB) for _ in range(rng.randrange(64, 1024))]  # the user's message
+        prompt = list(chat.tokens)
+        reply = rng.randrange(32, 256)
+        chat.tokens += [OUTPUT_TOKEN] * reply
         chat.turns_left -= 1
-        if chat.turns_left <= 0 or len(chat.tokens) > 6000:
+        chat.ready_ms = now_ms + rng.uniform(1000.0, 3000.0)
+        if chat.turns_left <= 0 or len(chat.tokens) > 16_000:
             self.chats.remove(chat)
+        return prompt, reply
+
+    def burst(self, size: int) -> tuple[list[list[int]], int]:
+        """``size`` prompts sharing a new prefix (one task fanned out to sub-agents), each with a
+        question of its own, and the length of the reply each gets."""
+        rng = self.rng
+        prefix = [rng.randrange(VOCAB) for _ in range(BURST_PREFIX)]
+        prompts = [prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 64))] for _ in range(size)]
+        return prompts, 32
+
+
+def engine_model(config: EngineConfig) -> EngineModel:
+    """What the KV-aware router is told of the engines: the same timing and capacity."""
+    sp = config.speedup
+    return EngineModel(
+        prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp), decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
+        max_num_batched_tokens=config.max_num_batched_tokens, kv_capacity_tokens=config.num_blocks * config.block_size,
+    )  # fmt: skip
 
 
 @dataclass
 class _Worker:
     name: str
     manager: KVCacheManager
+    engine: Engine
     publisher: KvEventPublisher
-    active: list[str] = field(default_factory=list)
-    turns: int = 0
+    requests: int = 0
+
+
+@dataclass
+class _Burst:
+    """One burst as a fleet served it; for the KV-aware fleet, how each later request was routed."""
+
+    seqs: list[Seq] = field(default_factory=list)
+    kept: list[Seq] = field(default_factory=list)  # later requests sent to a worker already given the prefix
+    provisional: int = 0  # ... of which the index alone did not know held it yet
+    spread: list[Seq] = field(default_factory=list)  # later requests sent to another worker
+    predicted: list[tuple[float, float]] = field(default_factory=list)  # per spread one: ms there, on the best holder
 
 
 class _Outage:
@@ -153,9 +200,15 @@ class _StreamStats:
 
 
 class _Fleet:
-    """One policy's workers, the subscriber that follows their stream, and the index it feeds."""
+    """One policy's workers, the subscriber that follows their stream, and the index it feeds.
 
-    def __init__(self, policy: str, args: argparse.Namespace, base: Config, outage: _Outage) -> None:
+    Time is simulated, in ms from the start of traffic, and moves forward only through
+    :meth:`advance` (a pass ends: its tokens come out and its KV events are published) and
+    :meth:`kick` (an idle worker with work starts a pass), in the order the replay's loop keeps
+    (:func:`kvbridge.replay.fleet.simulate`): passes ending now first, then the requests arriving
+    now, then every idle worker with work starts a pass."""
+
+    def __init__(self, policy: str, args: argparse.Namespace, base: Config, outage: _Outage, config: EngineConfig) -> None:
         self.policy = policy
         self.model = f"{MODEL}-{policy.lower()}"
         self.block_size = args.block_size
@@ -164,101 +217,129 @@ class _Fleet:
         self.groups = [("full_attention", None), ("sliding_window", window)] if window else None
         for i in range(args.workers):
             manager = KVCacheManager(args.num_blocks, args.block_size, groups=self.groups)
+            # The replay's engine, scheduling over this worker's own pool (hybrid groups and all),
+            # whose events the publisher sends.
+            engine = Engine(i, config, events=False)
+            engine.pool = manager
             publisher = KvEventPublisher(base.replace(model=self.model, worker_id=f"worker-{i}"))
             publisher.attach(manager)
-            self.workers.append(_Worker(f"worker-{i}", manager, publisher))
-        self.by_name = {w.name: w for w in self.workers}
-        self.running: collections.deque[_Worker] = collections.deque()  # one entry per running request
+            self.workers.append(_Worker(f"worker-{i}", manager, engine, publisher))
         self.index = Index(args.block_size)
         self.stream = _StreamStats(outage)
         # The index is fed straight from the payload bytes; the views are kept to check it against.
         self.subscriber = KvEventSubscriber(
             base.replace(model=self.model), model=self.model, index=self.index, track_views=True, on_update=self.stream
         )
-        # load: the router's own count of requests in flight (choose() ... done())
-        self.router = Router(self.index, workers=list(self.by_name)) if policy == "KV-aware" else None
+        self.now = 0.0  # simulated ms
+        self.router = (
+            Router(self.index, workers=[w.name for w in self.workers], engine=engine_model(config),
+                   clock=lambda: self.now / 1000.0)
+            if policy == "KV-aware" else None
+        )  # fmt: skip
         self.rng = random.Random(args.seed + 1)
-        self.turns = self.prompt_blocks = self.hit_blocks = self.prefill_blocks = self.skipped = 0
-        self.predicted_right = 0
+        self.ends: list[tuple[float, int]] = []  # (pass end ms, worker)
+        self.chats: list[Seq] = []
+        self.bursts: list[_Burst] = []
+        self.awaiting_first = 0  # requests routed and not through their first token yet
+        self.skipped = 0
         self.published_at_start = 0
-        # Per burst, the workers that prefilled its new prefix; for the KV-aware fleet also what a
-        # router without provisional residency would have chosen (a shadow: it serves nothing).
-        self.burst_prefills: list[int] = []
-        self.shadow_prefills: list[int] = []
+        self.end_ms = 0.0  # when the run ended (simulated)
+        self._requests = 0
 
-    def choose(self, turn: int, prompt: list[int]) -> tuple[_Worker, int | None]:
-        if self.router is not None:
-            name, overlap = self.router.choose(prompt)
-            return self.by_name[name], overlap
-        if self.policy == "round-robin":
-            return self.workers[turn % len(self.workers)], None
-        return self.rng.choice(self.workers), None
+    def next_end(self) -> float:
+        return self.ends[0][0] if self.ends else math.inf
 
-    def serve(self, turn: int, rid: str, prompt: list[int], reply: list[int]) -> str:
-        """Routes and runs one request; returns the worker's name."""
-        w, predicted = self.choose(turn, prompt)
-        with w.publisher.lock:
-            cached = w.manager.allocate(rid, prompt)
-            if cached is None and w.active:  # pool full of in-use blocks: finish one first
-                self._finish_oldest(w)
-                self.running.remove(w)
-                cached = w.manager.allocate(rid, prompt)
-            if cached is not None:
-                for i in range(0, len(reply), 16):  # decode steps
-                    if not w.manager.append(rid, reply[i : i + 16]):
-                        break
-                w.active.append(rid)
-                self.running.append(w)
-        # Requests finish in the order they came, whichever worker runs them: the fleet keeps
-        # about 8 per worker running.
-        while len(self.running) > 8 * len(self.workers):
-            done = self.running.popleft()
-            with done.publisher.lock:
-                self._finish_oldest(done)
-            if done is not w:
-                done.publisher.step()
-        w.publisher.step()
-        if cached is None:
-            self.skipped += 1
+    def advance(self, now: float) -> None:
+        """The passes ending at ``now``: their tokens come out (first tokens and completions go to
+        the router), their KV events are published."""
+        ends = self.ends
+        self.now = now
+        while ends and ends[0][0] <= now:
+            _, i = heapq.heappop(ends)
+            w = self.workers[i]
+            with w.publisher.lock:
+                first, finished = w.engine.end_pass(now)
+            w.publisher.step()
+            self.awaiting_first -= len(first)
             if self.router is not None:
-                self.router.done(w.name)
-            return w.name
-        bs = self.block_size
-        full, hit = len(prompt) // bs, cached // bs
-        self.turns += 1
-        w.turns += 1
-        self.prompt_blocks += full
-        self.hit_blocks += hit
-        self.prefill_blocks += -(-len(prompt) // bs) - hit
-        if predicted == hit:
-            self.predicted_right += 1
-        return w.name
+                for seq in first:
+                    self.router.first_token(w.name, seq.id)
+                for seq in finished:
+                    self.router.done(w.name, seq.id)
 
-    def burst(self, turn: int, prompts: list[list[int]], reply: list[int]) -> None:
-        """Requests sharing a new prefix, served back to back: no event of the first reaches the
-        index before the last is routed."""
-        shadow = Router(self.index, workers=list(self.by_name), provisional_ttl_s=0) if self.router else None
-        chosen = set()
-        for i, prompt in enumerate(prompts):
-            if shadow is not None:
-                shadow.choose(prompt)  # never done: its in-flight counts are its own, as the real router's
-            chosen.add(self.serve(turn + i, f"burst-{turn}-{i}", prompt, reply))
-        self.burst_prefills.append(len(chosen))
-        if shadow is not None:
-            self.shadow_prefills.append(len(shadow.in_flight))
+    def kick(self, now: float) -> None:
+        """Every idle worker with work starts a pass."""
+        for i, w in enumerate(self.workers):
+            e = w.engine
+            stalled = False
+            while not e.busy and e.has_work():
+                with w.publisher.lock:
+                    duration = e.start_pass()
+                if duration > 0 or e.running:
+                    heapq.heappush(self.ends, (now + duration, i))
+                    break
+                with w.publisher.lock:
+                    e.end_pass(now)  # nothing ran (a request that gave way to itself runs in the next)
+                if not stalled:
+                    stalled = True
+                    continue
+                # Twice nothing: the queue's head can never fit in this pool (a hybrid pool's groups
+                # take blocks each). It is not served.
+                self._refuse(w, e.waiting.popleft(), now)
+                stalled = False
 
-    def _finish_oldest(self, w: _Worker) -> None:
-        w.manager.free(w.active.pop(0))
+    def serve(self, now: float, prompt: list[int], output: int, burst: _Burst | None = None) -> Seq:
+        """Routes a request arriving at ``now``; it joins the chosen worker's waiting queue."""
+        rid = self._requests
+        self._requests += 1
+        seq = Seq(Request(rid, now, len(prompt), output, prompt, runs=False))
+        seq.routed_ms = now
         if self.router is not None:
-            self.router.done(w.name)
+            later = burst is not None and bool(burst.seqs)  # a burst's prefix already went somewhere
+            costs = self.router.costs(prompt) if later else {}  # what choose() weighs, to report it
+            name, overlap = self.router.choose(prompt, request_id=rid)
+            w = next(w for w in self.workers if w.name == name)
+            if later:
+                assert burst is not None
+                holders = {self.workers[s.worker].name for s in burst.seqs}
+                if name in holders:
+                    burst.kept.append(seq)
+                    held = self.index.find_matches(prompt).get(name, 0)
+                    burst.provisional += held < BURST_PREFIX // self.block_size
+                else:
+                    burst.spread.append(seq)
+                    burst.predicted.append((costs[name], min(costs[h] for h in holders)))
+            # The overlap the router acted on, capped as the engine caps a hit; checked at admission.
+            seq.decision = min(overlap, (len(prompt) - 1) // self.block_size)
+        elif self.policy == "round-robin":
+            w = self.workers[rid % len(self.workers)]
+        else:
+            w = self.rng.choice(self.workers)
+        seq.worker = w.engine.index
+        w.requests += 1
+        self.awaiting_first += 1
+        (self.chats if burst is None else burst.seqs).append(seq)
+        if not w.engine.enqueue(seq):  # more blocks than the whole pool
+            self._refuse(w, seq, now)
+        return seq
 
-    def drain(self) -> None:
+    def _refuse(self, w: _Worker, seq: Seq, now: float) -> None:
+        """``seq`` can never fit in ``w``'s pool: it is not served."""
+        seq.done_ms = now  # done without a first token: left out of the TTFT figures
+        self.skipped += 1
+        self.awaiting_first -= 1
+        if self.router is not None:
+            self.router.done(w.name, seq.id)
+
+    def cut(self) -> None:
+        """The run ends: what is still decoding stops, its blocks go back to the pool."""
         for w in self.workers:
             with w.publisher.lock:
-                while w.active:
-                    self._finish_oldest(w)
+                for seq in w.engine.running:
+                    w.manager.free(seq.id)
+                w.engine.running.clear()
             w.publisher.step()
-        self.running.clear()
+        self.ends.clear()
 
     @property
     def published(self) -> int:
@@ -318,11 +399,12 @@ async def run_demo(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     cluster = getattr(args, "cluster", 0)
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size)
     with _ClusterBroker(cluster, t0) if cluster else NatsServer() as server:
         _say(t0, f"nats-server started on {server.url} (watch it: kvbridge watch --servers {server.url})")
         base = Config(servers=server.url.split(","), encoding=args.encoding, reconnect_wait_s=0.2)
         outage = _Outage()
-        fleets = [_Fleet(policy, args, base, outage) for policy in POLICIES]
+        fleets = [_Fleet(policy, args, base, outage, config) for policy in POLICIES]
         if isinstance(server, _ClusterBroker):  # it kills the node holding the KV-aware router's connection
             server.router = fleets[0].subscriber
         for f in fleets:
@@ -332,10 +414,11 @@ async def run_demo(args: argparse.Namespace) -> int:
                 for w in f.workers:
                     await w.publisher.start()
             await _meet(fleets)
-            _say(t0, f"{len(fleets)} fleets of {args.workers} workers, one per routing policy "
-                     f"({', '.join(POLICIES)}), serve the same chats")
+            _say(t0, f"{len(fleets)} fleets of {args.workers} simulated engines (vLLM's scheduler, Dynamo's pass "
+                     f"times; simulated time = wall time), one per routing policy ({', '.join(POLICIES)}), serve "
+                     f"the same chats, {args.turns_per_s:g} turns/s")  # fmt: skip
             workload = _Workload(rng)
-            probes, elapsed = await _drive(args, t0, server, fleets, workload, outage)
+            probes, elapsed, behind = await _drive(args, t0, server, fleets, workload, outage)
             _say(t0, "traffic stopped; waiting for every view to equal its pool and the indexes to score like the pools")
             converged = await _converge(fleets, probes, timeout=15.0)
         finally:
@@ -344,7 +427,7 @@ async def run_demo(args: argparse.Namespace) -> int:
                     await w.publisher.close()
             for f in fleets:
                 await f.subscriber.close()
-        _report(args, fleets, elapsed, converged)
+        _report(args, fleets, elapsed, behind, converged)
         if isinstance(server, _ClusterBroker):
             server.report([w for f in fleets for w in f.workers])
     return 0 if converged else 1
@@ -366,15 +449,27 @@ async def _meet(fleets: list[_Fleet], timeout: float = 15.0) -> None:
 async def _drive(
     args: argparse.Namespace, t0: float, server: NatsServer | _ClusterBroker, fleets: list[_Fleet], workload: _Workload,
     outage: _Outage,
-) -> tuple[list[list[int]], float]:
+) -> tuple[list[list[int]], float, float]:
+    """The chats at a steady rate for ``--duration`` s, then the bursts, until every request has
+    its first token, in simulated time paced by the wall clock (an event at simulated ms ``t``
+    happens ``t`` ms after traffic starts, or as soon as the machine gets to it). Returns the
+    prompts to check the indexes with, the wall seconds it took and how many ms the simulation
+    fell behind the wall clock at worst."""
     kill_at = None if args.no_kill else args.duration * 0.35
     restart_at = None if kill_at is None else kill_at + 2.0
     next_report = 2.0
     catching_up = False
-    turn = 0
+    turns = 0
+    chats_end = args.duration * 1000.0
+    bursts = getattr(args, "bursts", 0)
+    burst_at = [chats_end + BURST_GAP_MS * (b + 1) for b in range(bursts)]
+    last_arrival = burst_at[-1] if burst_at else chats_end
     recent: list[list[int]] = []
-    start = time.monotonic()
-    while (elapsed := time.monotonic() - start) < args.duration:
+    behind = 0.0
+    start = yielded = time.monotonic()
+    while True:
+        wall = time.monotonic()
+        elapsed = wall - start
         if kill_at is not None and elapsed >= kill_at:
             outage.start = time.time()
             server.kill()
@@ -394,35 +489,55 @@ async def _drive(
             published = sum(f.published for f in fleets)
             gaps = sum(f.subscriber.stats["gaps"] for f in fleets)
             replays = sum(f.subscriber.stats["replays"] for f in fleets)
-            _say(t0, f"{turn} turns served by each fleet, {published:,} block events published, "
+            _say(t0, f"{turns} turns served by each fleet, {published:,} block events published, "
                      f"subscribers: gaps={gaps} replays={replays}")
-        chat, prompt, reply = workload.next_turn()
-        turn += 1
+        t_turn = turns * 1000.0 / args.turns_per_s
+        if t_turn >= chats_end:
+            t_turn = math.inf
+        t_arrival = min(t_turn, burst_at[0] if burst_at else math.inf)
+        t = min(t_arrival, *(f.next_end() for f in fleets))
+        if t_arrival == math.inf and (
+            t == math.inf or t > last_arrival + FIRST_TOKEN_WAIT_MS or not any(f.awaiting_first for f in fleets)
+        ):
+            break
+        now = elapsed * 1000.0
+        if t > now:
+            await asyncio.sleep(min(t - now, 50.0) / 1000.0)
+            continue
+        behind = max(behind, now - t)
         for f in fleets:
-            f.serve(turn, f"req-{turn}", prompt, reply)
-        workload.finish_turn(chat, reply)
-        recent.append(prompt)
-        del recent[:-32]
-        # A steady request rate, as a service sees it (and headroom to catch up after the outage).
-        await asyncio.sleep(max(0.0, start + turn / args.turns_per_s - time.monotonic()))
+            f.advance(t)
+        if t == t_turn:
+            prompt, output = workload.next_turn(t)
+            turns += 1
+            for f in fleets:
+                f.serve(t, prompt, output)
+            recent.append(prompt)
+            del recent[:-32]
+        elif t == t_arrival:
+            if len(burst_at) == bursts:
+                _say(t0, f"{bursts} bursts of {args.burst_size} requests sharing a new prefix, arriving together")
+            burst_at.pop(0)
+            prompts, output = workload.burst(args.burst_size)
+            for f in fleets:
+                f.bursts.append(burst := _Burst())
+                for p in prompts:
+                    f.serve(t, p, output, burst)
+        for f in fleets:
+            f.kick(t)
+        if wall - yielded > 0.005:  # let the publishers and subscribers run
+            await asyncio.sleep(0)
+            yielded = time.monotonic()
     elapsed = time.monotonic() - start
     if restart_at is not None:  # a very short run: bring the broker back before converging
         server.start()
-    bursts = getattr(args, "bursts", 0)
-    if bursts:
-        _say(t0, f"{bursts} bursts of {args.burst_size} requests sharing a new prefix, arriving together")
-    for b in range(bursts):
-        await asyncio.sleep(0.2)  # the last burst's events reach the indexes first
-        prompts, reply = workload.burst(args.burst_size)
-        for f in fleets:
-            f.burst(turn + 1, prompts, reply)
-        turn += len(prompts)
     if outage.start is not None and outage.end is None:
         outage.end = float("inf")  # the run ended before the catch-up: no latency sample after it counts
     for f in fleets:
-        f.drain()
+        f.end_ms = f.now
+        f.cut()
     # what to check the indexes with: the last prompts and every system prompt
-    return recent + workload.system_prompts, elapsed
+    return recent + workload.system_prompts, elapsed, behind
 
 
 def _caught_up(fleets: list[_Fleet]) -> bool:
@@ -441,44 +556,85 @@ async def _converge(fleets: list[_Fleet], probes: list[list[int]], timeout: floa
     return False
 
 
-def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, converged: bool) -> None:
+def _served(seqs: list[Seq]) -> list[Seq]:
+    """The requests a worker took (not those refused as never fitting its pool)."""
+    return [s for s in seqs if s.done_ms < 0 or s.first_token_ms >= 0]
+
+
+def _ttfts(seqs: list[Seq], end_ms: float) -> list[float]:
+    """Each served request's time to first token, ms, sorted; one still waiting when the run ended
+    counts the time it waited (a lower bound)."""
+    return sorted((s.first_token_ms if s.first_token_ms >= 0 else end_ms) - s.routed_ms for s in _served(seqs))
+
+
+def _pct(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
+def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behind: float, converged: bool) -> None:
     print()
-    print(f"{'fleet':<12} {'worker':<10} {'turns':>6} {'events':>9} {'messages':>9} {'cached blocks':>14} {'view == pool':>13}")
+    print(f"{'fleet':<12} {'worker':<10} {'requests':>8} {'computed':>10} {'events':>9} {'messages':>9} "
+          f"{'cached blocks':>14} {'view == pool':>13}")  # fmt: skip
     for f in fleets:
         for w in f.workers:
             s = w.publisher.stats
             ok = "yes" if f.view_equals_pool(w) else "NO"
-            print(f"{f.policy:<12} {w.name:<10} {w.turns:>6} {s['events']:>9,} {s['messages']:>9,} "
-                  f"{w.manager.pool.num_cached_blocks:>14,} {ok:>13}")
-    ms = args.prefill_ms_per_block
+            print(f"{f.policy:<12} {w.name:<10} {w.requests:>8} {w.engine.prefill_tokens:>10,} {s['events']:>9,} "
+                  f"{s['messages']:>9,} {w.manager.pool.num_cached_blocks:>14,} {ok:>13}")  # fmt: skip
     print()
-    print(f"{'routing':<12} {'turns':>6} {'hit rate':>9} {'mean TTFT*':>11} {'events/s':>9} "
-          f"{'p50 / p99 latency':>18} {'events lost':>12}")
+    print(f"{'routing':<12} {'turns':>6} {'hit rate':>9} {'TTFT ms: mean / p50 / p90 / p99':>32} {'computed':>10}")
+    for f in fleets:
+        chats = _served(f.chats)
+        t = _ttfts(chats, f.end_ms)
+        prompt = sum(s.req.input_length for s in chats)
+        hit = 100.0 * sum(max(0, s.cached_first) for s in chats) / prompt if prompt else 0.0
+        ttft = f"{statistics.fmean(t) if t else math.nan:.1f} / {_pct(t, 0.5):.1f} / {_pct(t, 0.9):.1f} / {_pct(t, 0.99):.1f}"
+        computed = sum(w.engine.prefill_tokens for w in f.workers)
+        print(f"{f.policy:<12} {len(chats):>6} {hit:>8.1f}% {ttft:>32} {computed:>10,}")
+    print("* TTFT: from a turn's arrival to its first token, queueing included, on the simulated engines (the "
+          "replay's engine model: vLLM's scheduler over the worker's pool, Dynamo 1.6.1's pass times). hit rate: "
+          "prompt tokens found cached when the engine admitted the turn. computed: prompt tokens the fleet's "
+          "engines computed, bursts included (per worker above).")  # fmt: skip
+    print()
+    print(f"{'stream':<12} {'events/s':>9} {'p50 / p99 latency':>18} {'events lost':>12}")
     for f in fleets:
         st = f.stream
-        hit = 100.0 * f.hit_blocks / f.prompt_blocks if f.prompt_blocks else 0.0
-        ttft = ms * f.prefill_blocks / f.turns if f.turns else 0.0
         lost = (f.published - f.published_at_start) - st.events
         lat = f"{st.percentile(0.5) * 1e3:.1f} / {st.percentile(0.99) * 1e3:.1f} ms"
-        print(f"{f.policy:<12} {f.turns:>6} {hit:>8.1f}% {ttft:>8.1f} ms {st.events / elapsed:>9,.0f} "
-              f"{lat:>18} {lost:>12,}")
-    print(f"* hit rate: prompt blocks the chosen worker's pool already held. TTFT estimate: prefill only, "
-          f"{ms:g} ms per {args.block_size}-token block not found cached (the partial last block counts), "
-          f"queueing ignored (--prefill-ms-per-block).")
-    print("  latency: from publish() to the subscriber's index, per event, outside the broker outage and the "
+        print(f"{f.policy:<12} {st.events / elapsed:>9,.0f} {lat:>18} {lost:>12,}")
+    print("* latency: from publish() to the subscriber's index, per event, outside the broker outage and the "
           "catch-up after it; events lost: published minus delivered.")
     kv = fleets[0]
-    if kv.burst_prefills:
-        def mean(xs: list[int]) -> str:
-            return f"{sum(xs) / len(xs):.1f}"
+    if kv.bursts:
+        def prefilled(f: _Fleet) -> str:
+            return f"{statistics.fmean(len({s.worker for s in b.seqs}) for b in f.bursts):.1f}"
 
-        others = ", ".join(f"{f.policy} {mean(f.burst_prefills)}" for f in fleets[1:])
-        print(f"  bursts: workers that prefilled each burst's new prefix, mean of {len(kv.burst_prefills)} bursts of "
-              f"{args.burst_size} requests: KV-aware {mean(kv.burst_prefills)} (a router without provisional "
-              f"residency would have used {mean(kv.shadow_prefills)}), {others}.")  # fmt: skip
-    if kv.turns:
-        print(f"  KV-aware: the index's overlap equalled the pool's actual hit on {kv.predicted_right}/{kv.turns} "
-              f"turns (the rest were routed while the latest events were still in flight, or the broker was down).")
+        def burst_ttft(f: _Fleet) -> str:
+            return f"{statistics.fmean(_ttfts([s for b in f.bursts for s in b.seqs], f.end_ms)):.1f} ms"
+
+        print(f"  bursts: {len(kv.bursts)} of {args.burst_size} requests sharing a new {BURST_PREFIX}-token prefix, "
+              f"arriving together. Workers that prefilled each prefix, mean: "
+              + ", ".join(f"{f.policy} {prefilled(f)}" for f in fleets) + "; TTFT mean: "
+              + ", ".join(f"{f.policy} {burst_ttft(f)}" for f in fleets) + ".")  # fmt: skip
+        kept = [s for b in kv.bursts for s in b.kept]
+        spread = [s for b in kv.bursts for s in b.spread]
+        text = (f"  KV-aware kept {len(kept)} of the {len(kept) + len(spread)} later requests of a burst on a worker "
+                f"already given its prefix ({sum(b.provisional for b in kv.bursts)} on provisional residency alone: the "
+                f"prefix's events had not reached the index yet; TTFT mean {statistics.fmean(_ttfts(kept, kv.end_ms)):.1f} "
+                f"ms)" if kept else "  KV-aware kept no later request of a burst on a worker already given its prefix")  # fmt: skip
+        if spread:
+            there, holder = (statistics.fmean(x) for x in zip(*(p for b in kv.bursts for p in b.predicted)))
+            text += (f" and sent {len(spread)} to another worker, where it predicted their first token sooner than "
+                     f"queued behind the burst ({there:.1f} ms against {holder:.1f} ms, mean; measured: "
+                     f"{statistics.fmean(_ttfts(spread, kv.end_ms)):.1f} ms): there, waiting would have cost more "
+                     f"than prefilling the prefix again")  # fmt: skip
+        print(text + ".")
+    if kv_chats := _served(kv.chats):
+        bs = kv.block_size
+        right = sum(1 for s in kv_chats if s.cached_first >= 0 and s.cached_first // bs == s.decision)
+        print(f"  KV-aware: the index's overlap equalled the hit the engine found at admission on {right}/{len(kv_chats)} "
+              f"turns (the rest were routed while the latest events were still in flight or the broker was down, "
+              f"or the pool changed while they queued).")  # fmt: skip
     delayed = sum(f.stream.delayed_messages for f in fleets)
     if delayed:
         worst = max(f.stream.max_delay for f in fleets)
@@ -486,7 +642,14 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, conv
               f"re-sent or replayed, up to {worst:.1f} s late.")
     for f in fleets:
         if f.skipped:
-            print(f"  {f.policy}: {f.skipped} turns found no room in the chosen worker's pool and were not served.")
+            print(f"  {f.policy}: {f.skipped} requests could never fit in a worker's pool and were not served.")
+        waiting = sum(1 for s in _served(f.chats + [s for b in f.bursts for s in b.seqs]) if s.first_token_ms < 0)
+        if waiting:
+            print(f"  {f.policy}: {waiting} requests had no first token when the run ended; their TTFT counts the "
+                  f"time they waited.")  # fmt: skip
+    if behind > 100.0:
+        print(f"  the simulation fell up to {behind:,.0f} ms behind the wall clock (a busy machine): that much later "
+              f"than simulated, events were published and the routers chose.")  # fmt: skip
     resets = sum(f.stream.resets_after_start for f in fleets)
     if resets:
         print(f"  {resets} views were rebuilt from a snapshot during the run.")
