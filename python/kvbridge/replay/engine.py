@@ -148,10 +148,12 @@ class Engine:
     decoder needs its next block or finishes are known in advance (two heaps).
     """
 
-    def __init__(self, index: int, config: EngineConfig, *, events: bool = True) -> None:
+    def __init__(self, index: int, config: EngineConfig, *, events: bool = True, pool: KVCacheManager | None = None) -> None:
+        """``pool``: schedule over this manager (e.g. a hybrid one whose events a publisher
+        sends) instead of a new one of ``config``'s size (``events``: whether it records them)."""
         self.index = index
         self.config = config
-        self.pool = KVCacheManager(config.num_blocks, config.block_size, enable_events=events)
+        self.pool = KVCacheManager(config.num_blocks, config.block_size, enable_events=events) if pool is None else pool
         self.capacity_tokens = config.num_blocks * config.block_size
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # admission order

@@ -43,15 +43,12 @@ from kvbridge._native import Index
 from kvbridge.config import Config
 from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.bus.update import Update
-from kvbridge.replay.engine import (
-    DECODE_A, DECODE_B, DECODE_C, OUTPUT_TOKEN, PREFILL_A, PREFILL_B, PREFILL_C, Engine, EngineConfig, Seq,
-)
+from kvbridge.replay.engine import OUTPUT_TOKEN, Engine, EngineConfig, Seq
 from kvbridge.replay.trace import Request
 from kvbridge.wire.hashing import hash_blocks
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.bus.publisher import KvEventPublisher
 from kvbridge.routing.router import Router
-from kvbridge.routing.work import EngineModel
 from kvbridge.tools.server import NatsCluster, NatsServer
 from kvbridge.wire.residency import Residency
 
@@ -113,15 +110,6 @@ class _Workload:
         prefix = [rng.randrange(VOCAB) for _ in range(BURST_PREFIX)]
         prompts = [prefix + [rng.randrange(VOCAB) for _ in range(rng.randrange(16, 64))] for _ in range(size)]
         return prompts, 32
-
-
-def engine_model(config: EngineConfig) -> EngineModel:
-    """What the KV-aware router is told of the engines: the same timing and capacity."""
-    sp = config.speedup
-    return EngineModel(
-        prefill=(PREFILL_C / sp, PREFILL_B / sp, PREFILL_A / sp), decode=(DECODE_C / sp, DECODE_B / sp, DECODE_A / sp),
-        max_num_batched_tokens=config.max_num_batched_tokens, kv_capacity_tokens=config.num_blocks * config.block_size,
-    )  # fmt: skip
 
 
 @dataclass
@@ -219,8 +207,7 @@ class _Fleet:
             manager = KVCacheManager(args.num_blocks, args.block_size, groups=self.groups)
             # The replay's engine, scheduling over this worker's own pool (hybrid groups and all),
             # whose events the publisher sends.
-            engine = Engine(i, config, events=False)
-            engine.pool = manager
+            engine = Engine(i, config, pool=manager)
             publisher = KvEventPublisher(base.replace(model=self.model, worker_id=f"worker-{i}"))
             publisher.attach(manager)
             self.workers.append(_Worker(f"worker-{i}", manager, engine, publisher))
@@ -232,7 +219,7 @@ class _Fleet:
         )
         self.now = 0.0  # simulated ms
         self.router = (
-            Router(self.index, workers=[w.name for w in self.workers], engine=engine_model(config),
+            Router(self.index, workers=[w.name for w in self.workers], engine=config.model(),
                    clock=lambda: self.now / 1000.0)
             if policy == "KV-aware" else None
         )  # fmt: skip
