@@ -51,7 +51,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTu
 
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
-from kvbridge.routing.work import EngineModel, Flight, WorkerWork
+from kvbridge.routing.work import EngineModel, Flight, WorkerWork, time_costs
 from kvbridge.wire.hashing import hash_blocks
 
 __all__ = [
@@ -337,7 +337,13 @@ class Router:
                 num_tokens = num_blocks * self.block_size
             elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < num_blocks * self.block_size:
                 raise ValueError(f"num_tokens must be an int >= num_blocks * block_size, got {num_tokens!r}")
-            return self._time_costs(scores, num_tokens, self._candidates(scores, workers))
+            tiered = self.overlap
+            return time_costs(
+                self.engine, self._work, {w: tiered(sc) for w, sc in scores.items()}, self._candidates(scores, workers),
+                num_tokens, self.block_size,
+                weight=self.overlap_weight, backlog_weight=self.backlog_weight, now=self.clock(), reports=self.reports,
+                uncached=self._uncached,
+            )
         weight, overlap = self.overlap_weight, self.overlap
         # Without load numbers or peers a worker's load is its in-flight count: read it here
         # rather than through load() (per worker, per decision, that call is most of the cost).
@@ -348,53 +354,6 @@ class Router:
             held = 0.0 if score is None else overlap(score)
             load = self.load(w) if in_flight is None else in_flight.get(w, 0)
             costs[w] = weight * (num_blocks - (held if held < num_blocks else num_blocks)) + load
-        return costs
-
-    def _time_costs(self, scores: Scores, num_tokens: int, candidates: Sequence[str]) -> dict[str, float]:
-        """The time cost of the module doc, per candidate; notes each one's uncached tokens."""
-        bs, engine, weight, overlap = self.block_size, self.engine, self.overlap_weight, self.overlap
-        # vLLM computes the last token for its logits: a hit stops one token short of the prompt.
-        cap = (num_tokens - 1) // bs if num_tokens else 0
-        capacity = engine.kv_capacity_tokens
-        now = self.clock()
-        reports = self.reports
-        uncached = self._uncached
-        uncached.clear()
-        works = self._work
-        rows = []
-        idle: list[str] = []  # nothing cached, nothing sent, nothing reported running: one cost
-        for w in candidates:
-            score = scores.get(w)
-            work = works.get(w)
-            report = reports(w) if reports is not None else None
-            if score is None and work is None and (report is None or not report.running):
-                idle.append(w)
-                continue
-            held = 0.0 if score is None else overlap(score)
-            todo = num_tokens - (held if held < cap else cap) * bs
-            uncached[w] = todo
-            # The decode step's context: the prompts of the requests decoding there, or the KV
-            # cache the engine reports in use while it says requests are running.
-            decoding = 0.0 if work is None else float(work.decoding)
-            if report is not None and capacity and report.running:
-                decoding = max(decoding, report.kv_cache_usage * capacity)
-            step = engine.decode_ms(decoding) if decoding else 0.0
-            queued = 0.0 if work is None else work.queued(now, engine.tokens_per_ms(step) * 1000.0)
-            rows.append((w, todo, queued, step))
-        # When every worker has a backlog, a token of prefill added anywhere also delays the
-        # requests that will queue behind it there: the prompt's own work weighs more, by the
-        # fleet's shortest backlog in passes.
-        if not idle:
-            backlog = min((r[2] for r in rows), default=0.0) / engine.max_num_batched_tokens
-            weight *= 1.0 + self.backlog_weight * backlog
-        costs = {}
-        for w, todo, queued, step in rows:
-            costs[w] = engine.prompt_ms(queued + weight * todo, step)
-        if idle:
-            c = engine.prompt_ms(weight * num_tokens, 0.0)
-            for w in idle:
-                costs[w] = c
-                uncached[w] = num_tokens
         return costs
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
-__all__ = ["EngineModel", "Flight", "WorkerWork"]
+__all__ = ["EngineModel", "Flight", "WorkerWork", "time_costs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,3 +175,63 @@ class WorkerWork:
             flight = self.flights.get(key)
             return flight if flight is not None and flight.first_token is None else None
         return next(self._still_waiting(), None)
+
+
+def time_costs(
+    engine: EngineModel,
+    works: Mapping[str, WorkerWork],
+    held: Mapping[str, float],
+    candidates: Sequence[str],
+    num_tokens: int,
+    block_size: int,
+    *,
+    weight: float = 1.0,
+    backlog_weight: float = 0.0,
+    now: float,
+    reports: Callable[[str], Any] | None = None,
+    uncached: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """``{worker: predicted ms to first token}`` for a prompt of ``num_tokens`` of which each
+    candidate holds ``held[w]`` leading blocks (the module doc's cost). ``works``: what each
+    worker was sent; ``reports``: ``worker -> LoadReport | None``; ``uncached``: filled with
+    each candidate's uncached tokens."""
+    # vLLM computes the last token for its logits: a hit stops one token short of the prompt.
+    cap = (num_tokens - 1) // block_size if num_tokens else 0
+    capacity = engine.kv_capacity_tokens
+    if uncached is None:
+        uncached = {}
+    uncached.clear()
+    rows = []
+    idle: list[str] = []  # nothing cached, nothing sent, nothing reported running: one cost
+    for w in candidates:
+        h = held.get(w, 0.0)
+        work = works.get(w)
+        report = reports(w) if reports is not None else None
+        if not h and work is None and (report is None or not report.running):
+            idle.append(w)
+            continue
+        todo = num_tokens - (h if h < cap else cap) * block_size
+        uncached[w] = todo
+        # The decode step's context: the prompts of the requests decoding there, or the KV cache
+        # the engine reports in use while it says requests are running.
+        decoding = 0.0 if work is None else float(work.decoding)
+        if report is not None and capacity and report.running:
+            decoding = max(decoding, report.kv_cache_usage * capacity)
+        step = engine.decode_ms(decoding) if decoding else 0.0
+        queued = 0.0 if work is None else work.queued(now, engine.tokens_per_ms(step) * 1000.0)
+        rows.append((w, todo, queued, step))
+    # When every worker has a backlog, a token of prefill added anywhere also delays the requests
+    # that will queue behind it there: the prompt's own work weighs more, by the candidates'
+    # shortest backlog in passes.
+    if not idle:
+        backlog = min((r[2] for r in rows), default=0.0) / engine.max_num_batched_tokens
+        weight *= 1.0 + backlog_weight * backlog
+    costs = {}
+    for w, todo, queued, step in rows:
+        costs[w] = engine.prompt_ms(queued + weight * todo, step)
+    if idle:
+        c = engine.prompt_ms(weight * num_tokens, 0.0)
+        for w in idle:
+            costs[w] = c
+            uncached[w] = num_tokens
+    return costs
