@@ -8,13 +8,16 @@ and a unique tail, so every decision both hits the index and adds provisional en
 decision is followed by ``done`` (a request finishing), as a gateway does. Rows, best of
 ``--runs``:
 
+* find_matches: the index's query alone for the same prompts (the floor a decision is held to:
+  at most 2x, issue 30);
 * off: ``provisional_ttl_s=0``: the index query, hashing and the cost formula only;
 * provisional: the default (2 s TTL): plus the prompt's block keys recorded and read back;
+* provisional + reports: plus every worker's LoadReport read (``reports=``), as the proxy runs;
 * provisional + sync: plus :class:`kvbridge.routing.sync.RouteSync` publishing every decision
   and its end to a real nats-server on loopback, and a second replica applying them.
 
 Each row's figure is the time per decision (choose + done) measured around the whole loop, and
-decisions/s; the ratio column is against the "off" row of the same run.
+decisions/s; the ratio columns are against the "off" and the "find_matches" rows of the same run.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from kvbridge import BlockStored, Index, KVEventBatch
 from kvbridge.routing.router import Router
 from kvbridge.routing.sync import RouteSync
 from kvbridge.tools.server import NatsServer
+from kvbridge.wire.events import LoadReport
 
 BS = 16
 SYSTEM_BLOCKS = 96
@@ -68,13 +72,21 @@ async def run_row(router: Router, batch: list[list[int]], sync_pair: tuple[Route
 async def main_async(args: argparse.Namespace) -> None:
     rnd = random.Random(7)
     index, systems = build_index(args.workers, rnd)
-    rows = ("off", "provisional", "provisional + sync")
+    rows = ("find_matches", "off", "provisional", "provisional + reports", "provisional + sync")
     best = dict.fromkeys(rows, float("inf"))
+    reports = {w: LoadReport(ts=time.time(), kv_cache_usage=0.3, running=4, waiting=1) for w in index.workers}
     with NatsServer() as server:
         for _ in range(args.runs):
             batch = prompts(systems, args.decisions, args.blocks, rnd)
             for row in rows:
-                router = Router(index, provisional_ttl_s=0 if row == "off" else 2.0)
+                if row == "find_matches":
+                    start = time.perf_counter()
+                    for p in batch:
+                        index.find_matches(p)
+                    best[row] = min(best[row], (time.perf_counter() - start) / len(batch))
+                    continue
+                router = Router(index, provisional_ttl_s=0 if row == "off" else 2.0,
+                                reports=reports.get if row.endswith("reports") else None)  # fmt: skip
                 if row.endswith("sync"):
                     peer_router = Router(index)
                     async with RouteSync(router, servers=[server.url], model="bench") as sender, \
@@ -85,10 +97,10 @@ async def main_async(args: argparse.Namespace) -> None:
                 best[row] = min(best[row], t)
     print(f"Router.choose + done, {args.workers} workers, {args.blocks}-block prompts, best of {args.runs} "
           f"runs of {args.decisions:,} decisions")  # fmt: skip
-    print(f"{'row':<22} {'us/decision':>12} {'decisions/s':>12} {'x off':>7}")
+    print(f"{'row':<22} {'us/decision':>12} {'decisions/s':>12} {'x off':>7} {'x find_matches':>15}")
     for row in rows:
         t = best[row]
-        print(f"{row:<22} {t * 1e6:>12.1f} {1 / t:>12,.0f} {t / best['off']:>7.2f}")
+        print(f"{row:<22} {t * 1e6:>12.1f} {1 / t:>12,.0f} {t / best['off']:>7.2f} {t / best['find_matches']:>15.2f}")
 
 
 def main() -> None:
