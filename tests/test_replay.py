@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.replay.engine import Seq
+from kvbridge.replay.engine import EngineConfig, Seq
 from kvbridge.replay.fleet import Fleet, FleetConfig, simulate
 from kvbridge.replay.policies import DynamoDefault, make_policy
 from kvbridge.replay.report import percentile, summarize, weighted_percentile
@@ -162,3 +162,18 @@ def test_cli_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
     proc = _replay(str(SAMPLE), "--num-blocks", "10")
     assert proc.returncode == 2 and "does not fit a worker's 10 blocks" in proc.stderr
+
+
+def test_round_robin_reproduces_dynamo_s_own_replay_on_the_sample():
+    # Figures Dynamo 1.6.1's replay produced for this sample (tests/traces/README.md), small
+    # pools with preemptions included: the engine model, the timing and the metrics are its own.
+    doc = json.loads((SAMPLE.parent / "dynamo_replay_rr.json").read_text())
+    requests = load_trace(SAMPLE)
+    for case in doc["cases"]:
+        engine = EngineConfig(num_blocks=case["num_gpu_blocks"], block_size=case["block_size"])
+        seqs, fleet, wall = simulate(requests, make_policy("rr"),
+                                     FleetConfig(workers=case["workers"], arrival_speedup=case["arrival_speedup"], engine=engine))  # fmt: skip
+        got = summarize("rr", seqs, fleet, wall).as_dict()
+        for key, want in case["expected"].items():
+            assert got[key] == pytest.approx(want, rel=1e-6), (case["workers"], case["num_gpu_blocks"], key)
+    assert any(case["num_gpu_blocks"] == 2048 for case in doc["cases"])
