@@ -14,14 +14,14 @@ import kvbridge
 
 PACKAGE = pathlib.Path(kvbridge.__file__).parent
 
-# kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20), copied
-# here so a change to it is a change here.
+# kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20) and the
+# router's EngineModel (issue 30), copied here so a change to it is a change here.
 TOP_LEVEL = [
     "ALGORITHMS", "AllBlocksCleared", "AuthenticationError", "BackgroundPublisher", "BlockHasher",
     "BlockRemoved", "BlockStored", "Config", "ConfigError", "ConnectError", "DecodeError", "DiscoveryError",
-    "Index", "IndexClient", "IndexQueryError", "IndexService", "IndexUnavailableError", "Error",
+    "EngineModel", "Index", "IndexClient", "IndexQueryError", "IndexService", "IndexUnavailableError", "Error",
     "JetStreamError", "KVCacheManager", "KVEventBatch", "KvEventPublisher", "KvEventSubscriber",
-    "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "Update",
+    "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "TraceError", "Update",
     "WorkerIdInUseError", "WorkerView", "__version__", "decode_batch", "encode_batch", "hash_blocks",
 ]  # fmt: skip
 

@@ -3,7 +3,8 @@
 The package is laid out by role: ``wire`` (the bytes and hashes vLLM defines), ``bus`` (NATS:
 connection, outbox, publisher, sequencer, subscriber, JetStream), ``engine`` (the block pool and the
 attachments to a running engine: relay, vLLM plugin), ``routing`` (router, index service; the Index
-itself is native) and ``tools`` (CLI, demo, local nats-server). ``config``, ``errors`` and
+itself is native), ``replay`` (routing policies compared by time on a trace, in a simulated fleet)
+and ``tools`` (CLI, demo, local nats-server). ``config``, ``errors`` and
 ``metrics`` serve every room. The names below are the public API.
 """
 
@@ -27,6 +28,8 @@ from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.bus.update import Update, WorkerView
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.router import NoWorkersError, Router
+from kvbridge.routing.work import EngineModel
+from kvbridge.replay.trace import TraceError
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "ConnectError",
     "DecodeError",
     "DiscoveryError",
+    "EngineModel",
     "Index",
     "IndexClient",
     "IndexQueryError",
@@ -57,6 +61,7 @@ __all__ = [
     "NoWorkersError",
     "PermissionDeniedError",
     "Router",
+    "TraceError",
     "Update",
     "WorkerIdInUseError",
     "WorkerView",
