@@ -377,8 +377,7 @@ async def test_made_up_workers_cost_a_few_requests_then_expire(nats_server):
         requests["probe"] += msg.subject.endswith(".probe")
 
     # The monitor sees every request as a worker would (it turns "no responders" into time-outs).
-    await monitor.subscribe("fake.snapshot.>", cb=count)
-    await monitor.subscribe("fake.replay.>", cb=count)
+    watched = [await monitor.subscribe("fake.snapshot.>", cb=count), await monitor.subscribe("fake.replay.>", cb=count)]
     await monitor.flush()
     sub = await KvEventSubscriber(cfg.replace(worker_id="sub", request_timeout_s=0.5)).start()
     real = await KvEventPublisher(cfg.replace(worker_id="real")).start()
@@ -393,6 +392,11 @@ async def test_made_up_workers_cost_a_few_requests_then_expire(nats_server):
         churn.step()
         await asyncio.sleep(0.01)
         assert sub.stats["workers"] >= 1
+    # Every request sent before the expiry counted: the server has read them (kvbridge's flush),
+    # has passed them on ahead of the monitor's PONG, and the monitor's callbacks have run.
+    await sub._nc.flush()
+    await monitor.flush()
+    await wait_until(lambda: all(s.pending_msgs == 0 for s in watched), 10, "the monitor to count what it was sent")
     settled = requests["n"]
     # Gone: no more requests for them. The window is measured by the subscriber's own retry clock:
     # one more made-up worker appears, and once its request has gone unanswered and been retried
