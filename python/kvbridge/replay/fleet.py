@@ -160,7 +160,7 @@ def simulate(
                     finished_cb(seq)  # refused: the router hears its end at once
         # 3. idle workers with work start a pass
         for e in engines:
-            if not e.busy and (e.waiting or e.running):
+            if not e.busy and e.has_work():
                 heapq.heappush(ends, (now + e.start_pass(), e.index))
     if progress is not None:
         progress(completed)

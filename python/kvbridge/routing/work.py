@@ -111,7 +111,7 @@ class WorkerWork:
     uncached tokens, time drains it at the engine's speed, a first token resets it to what
     the requests still waiting for theirs were expected to compute."""
 
-    __slots__ = ("flights", "decoding", "_queued", "_anchor", "_waiting")
+    __slots__ = ("flights", "decoding", "_queued", "_anchor")
 
     def __init__(self) -> None:
         self.flights: OrderedDict[Hashable, Flight] = OrderedDict()
@@ -120,7 +120,6 @@ class WorkerWork:
         self.decoding = 0
         self._queued = 0.0
         self._anchor = 0.0
-        self._waiting = 0  # flights without a first token
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -139,7 +138,6 @@ class WorkerWork:
         self._queued = self.queued(now, rate) + flight.uncached
         self._anchor = now
         self.flights[key] = flight
-        self._waiting += 1
 
     def first_token(self, key: Hashable | None, now: float) -> Flight | None:
         """The request ``key`` (None: the oldest without one) has its first token: it and
@@ -149,9 +147,7 @@ class WorkerWork:
             return None
         flight.first_token = now
         self.decoding += flight.prompt
-        self._waiting -= 1
-        self._queued = sum(f.uncached for f in self._still_waiting())
-        self._anchor = now
+        self._requeue(now)
         return flight
 
     def done(self, key: Hashable | None, now: float) -> Flight:
@@ -162,10 +158,13 @@ class WorkerWork:
         if flight.first_token is not None:
             self.decoding -= flight.prompt
         else:  # ended without a first token seen (an error, a cancel)
-            self._waiting -= 1
-            self._queued = sum(f.uncached for f in self._still_waiting())
-            self._anchor = now
+            self._requeue(now)
         return flight
+
+    def _requeue(self, now: float) -> None:
+        """What is queued, exactly as sent, from a signal at ``now`` on."""
+        self._queued = sum(f.uncached for f in self._still_waiting())
+        self._anchor = now
 
     def _still_waiting(self) -> Iterator[Flight]:
         return (f for f in self.flights.values() if f.first_token is None)
