@@ -149,8 +149,8 @@ class Router:
     ``loads``). ``engine``: the engines' :class:`EngineModel` for the time cost (default: Dynamo
     1.6.1's replay model of a vLLM engine). ``reports``: for the time cost, a callable
     ``report(worker)`` returning the worker's latest :class:`kvbridge.LoadReport` or None
-    (:meth:`ReportLoads.report`); its KV-cache use and running requests then weigh memory and
-    decode pressure beside the router's own accounting. ``backlog_weight``: how much more the
+    (:meth:`ReportLoads.report`); while it says requests are running, its KV-cache use sets the
+    decode step a prompt's passes share there, beside the router's own accounting. ``backlog_weight``: how much more the
     prompt's own uncached work weighs per pass of backlog on the least loaded worker (when every
     worker has a backlog, work added anywhere delays the requests queueing behind it; 0: the
     plain predicted TTFT). ``clock``: the time in seconds
