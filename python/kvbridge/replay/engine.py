@@ -159,6 +159,7 @@ class Engine:
         self.running: list[Seq] = []  # admission order
         self.busy = False
         self.tick = 0  # passes completed
+        self.passes = 0  # passes started
         self.preemptions = 0
         self.rejected = 0
         self.prefill_tokens = 0  # prompt tokens computed, over the whole replay
@@ -356,6 +357,7 @@ class Engine:
         self._pass_decoders = self._decoders
         self._pass_ms = duration
         self.busy = True
+        self.passes += 1
         return duration
 
     def end_pass(self, now: float) -> tuple[list[Seq], list[Seq]]:
