@@ -86,6 +86,11 @@ class EngineConfig:
         if isinstance(self.speedup, bool) or not isinstance(self.speedup, (int, float)) or not self.speedup > 0 or math.isinf(self.speedup):
             raise ValueError(f"speedup must be a finite number > 0, got {self.speedup!r}")
 
+    def fits(self, input_length: int) -> bool:
+        """Whether a prompt of ``input_length`` tokens fits the whole pool: Dynamo's engine
+        refuses one that does not (aisimulate-core vllm/policy.rs 260-275)."""
+        return -(-input_length // self.block_size) <= self.num_blocks
+
     def model(self) -> EngineModel:
         """This engine as a router's :class:`~kvbridge.routing.work.EngineModel` knows it."""
         sp = self.speedup
@@ -192,7 +197,7 @@ class Engine:
     def enqueue(self, seq: Seq) -> bool:
         """Queues a routed request; False (refused, as Dynamo's engine refuses it) when its
         prompt needs more blocks than the whole pool."""
-        if -(-seq.req.input_length // self.config.block_size) > self.config.num_blocks:
+        if not self.config.fits(seq.req.input_length):
             self.rejected += 1
             return False
         self.waiting.append(seq)

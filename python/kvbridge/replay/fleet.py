@@ -92,7 +92,6 @@ def simulate(
     started = time.perf_counter()
     fleet = Fleet(config, events=policy.needs_events)
     engines = fleet.engines
-    names = fleet.names
     policy.attach(fleet)
     speed = config.arrival_speedup
     seqs = [Seq(r) for r in requests]

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if not requests:
             print(f"kvbridge replay: {path}: no requests", file=sys.stderr)
             return 2
-        too_long = next((r for r in requests if -(-r.input_length // args.block_size) > args.num_blocks), None)
+        too_long = next((r for r in requests if not engine.fits(r.input_length)), None)
         if too_long is not None:
             print(f"kvbridge replay: {path}: request {too_long.index} ({too_long.input_length} tokens) does not fit "
                   f"a worker's {args.num_blocks} blocks of {args.block_size} tokens", file=sys.stderr)  # fmt: skip
