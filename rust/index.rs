@@ -368,6 +368,47 @@ struct QueryArgs<'a, 'py> {
 }
 
 impl Index {
+    /// A router's read of a prompt (`crate::route`): its full blocks' keys into `keys`, then
+    /// `f` on the state with them, under one read lock. The errors are `find_matches`'.
+    pub(crate) fn route_query<R: Send>(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lora_name: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        keys: &mut Vec<u64>,
+        f: impl FnOnce(&Core, &[u64]) -> R + Send,
+    ) -> PyResult<R> {
+        let query = self.query_keys(
+            py,
+            QueryArgs {
+                tokens: Some(tokens),
+                block_hashes: None,
+                lora_name,
+                extra_keys,
+            },
+        )?;
+        keys.clear();
+        match query {
+            Keys::Tokens { tokens, seed } => {
+                keys.extend_from_slice(&self.made_keys(py, tokens.as_slice(), seed))
+            }
+            query => keys.extend_from_slice(&query.shared()),
+        }
+        let long = keys.len() >= DETACH_MIN_TOKENS / 16;
+        let keys = &keys[..];
+        Ok(self.read(py, long, |core| f(core, keys)))
+    }
+
+    /// `f` on the state under the read lock (a router's look at the live workers).
+    pub(crate) fn route_workers<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Core) -> R + Send,
+    ) -> R {
+        self.read(py, false, f)
+    }
+
     /// The index keys a query asks about: `tokens` hashed, or `block_hashes` as given.
     fn query_keys<'a>(&self, py: Python<'_>, q: QueryArgs<'a, '_>) -> PyResult<Keys<'a>> {
         let QueryArgs {

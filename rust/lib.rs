@@ -16,6 +16,7 @@ mod natsproto;
 mod pool;
 mod prefetch;
 mod reader;
+mod route;
 mod scan;
 mod view;
 mod wake;
@@ -32,5 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     natsproto::register(m)?;
     view::register(m)?;
+    route::register(m)?;
     Ok(())
 }

@@ -15,7 +15,7 @@
 //! lock rather than reliance on the GIL. Events and snapshots are copied out under the lock
 //! and turned into Python objects after it is released.
 
-mod core;
+pub(crate) mod core;
 mod events;
 mod wire;
 

@@ -74,9 +74,11 @@ def test_without_provisional_residency_the_burst_prefills_the_prefix_on_every_wo
 def test_load_is_the_report_plus_what_was_routed_after_it():
     clock_ts = 1_000.0
     reports = report_loads(Reports({"w0": 2}, ts=clock_ts), model="m")
-    router = Router(Index(BS), workers=["w0"], loads=reports, provisional_ttl_s=0)
-    router._sent["w0"] = __import__("collections").deque([(clock_ts - 5, 90), (clock_ts + 5, 91)])
-    router.in_flight["w0"] = 2
+    clock = FakeClock()
+    router = Router(Index(BS), workers=["w0"], loads=reports, provisional_ttl_s=0, clock=clock)
+    for clock.now in (clock_ts - 5, clock_ts + 5):
+        router.choose(PREFIX)
+    assert router.in_flight == {"w0": 2}
     # one request was sent before the report (the report counts it), one after
     assert router.routed_since("w0", clock_ts) == 1
     assert router.load("w0") == 2 + 1

@@ -2,7 +2,7 @@
 
 Each part of the core adds its own section below.
 """
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Literal, SupportsIndex, TypeAlias, final, overload
 
 from typing_extensions import Buffer, disjoint_base
@@ -10,6 +10,8 @@ from typing_extensions import Buffer, disjoint_base
 __version__: str
 __all__ = [
     "__version__",
+    "ProvisionalResidency",
+    "RouterCore",
     "hash_blocks",
     "BlockHasher",
     "ALGORITHMS",
@@ -474,3 +476,92 @@ class ResidencyView:
         """Blocks held, counted once per ``(medium, group)``."""
     def __eq__(self, other: object, /) -> bool:
         """Same ``held`` and ``kinds``."""
+
+# --- the router's core (rust/route.rs; its face is kvbridge.routing.router.Router) ----------------
+
+@final
+class ProvisionalResidency:
+    """Per worker, the block keys a router has just sent it and until when
+    (:mod:`kvbridge.routing.provisional`). Bounded: at most ``max_entries`` (key, worker) entries;
+    past that the oldest decisions go (``stats["dropped"]``). Not thread-safe: a router calls it
+    under its lock."""
+
+    clock: Callable[[], float]
+    def __new__(
+        cls, ttl_s: float | None = None, *, max_entries: int | None = None, clock: Callable[[], float] | None = None
+    ) -> ProvisionalResidency:
+        """``ttl_s``: seconds an entry lasts (default 2.0; 0: off); ``max_entries``: default
+        100,000; ``clock``: default ``time.monotonic``."""
+    @property
+    def ttl_s(self) -> float: ...
+    @property
+    def max_entries(self) -> int: ...
+    @property
+    def enabled(self) -> bool:
+        """``ttl_s > 0``."""
+    @property
+    def stats(self) -> dict[str, int]:
+        """added, expired, dropped (entries); confirmed, reset (calls that took something)."""
+    def __len__(self) -> int:
+        """(key, worker) entries held."""
+    def add(self, worker: str, keys: Sequence[int], *, ttl_s: float | None = None) -> None:
+        """``worker`` is about to hold ``keys`` (a prompt's chain, first block first); ``ttl_s``:
+        the time left of a peer's decision (default the full TTL)."""
+    def scores(self, keys: Sequence[int]) -> dict[str, int]:
+        """Per worker expected to hold ``keys[0]``: how many leading ``keys`` it holds."""
+    def confirm(self, worker: str, keys: Sequence[int]) -> None:
+        """The worker's own events now show it holding ``keys``: their entries end."""
+    def reset(self, worker: str) -> None:
+        """The worker's cache was reset or it is gone: nothing it was sent stays."""
+
+@final
+class RouterCore:
+    """The state and hot path of :class:`kvbridge.routing.router.Router` (its Python face, which
+    documents the cost): one decision per :meth:`decide` call. Not thread-safe: the router calls it
+    under its lock."""
+
+    report_fn: Callable[[str], Any] | None
+    def __new__(
+        cls,
+        index: Any,
+        provisional: ProvisionalResidency,
+        *,
+        block_size: int,
+        time: bool,
+        prefill: tuple[float, float, float],
+        decode: tuple[float, float, float],
+        max_num_batched_tokens: int,
+        kv_capacity_tokens: int | None,
+        overlap_weight: float,
+        backlog_weight: float,
+        remote: bool,
+        medium_weights: list[tuple[str, float]],
+        workers: list[str],
+    ) -> RouterCore: ...
+    def decide(
+        self,
+        tokens: Tokens | None,
+        scores: dict[str, Any] | None,
+        num_blocks: int,
+        num_tokens: int,
+        keys: Sequence[int] | None,
+        *,
+        lora_name: str | None,
+        extra_keys: Any,
+        workers: Sequence[str] | None,
+        now: float,
+        use_keys: bool,
+        want_keys: bool,
+        rng: Any,
+        load: dict[str, float] | None,
+        resyncing: Sequence[str] | None,
+        costs_only: bool = False,
+    ) -> Any:
+        """``(worker, leading blocks, decision id, keys or None)`` with the request in flight
+        there, the costs ``{worker: cost}`` with ``costs_only``, or None without candidates."""
+    def first_token(self, worker: str, id: int | None, now: float) -> bool: ...
+    def done(self, worker: str, id: int | None, now: float) -> tuple[int, float] | None: ...
+    def workers(self) -> list[str]: ...
+    def in_flight(self) -> dict[str, int]: ...
+    def routed_since(self, worker: str, ts: float) -> int: ...
+    def set_reports(self, reports: dict[str, Any]) -> None: ...

@@ -303,6 +303,14 @@ impl Core {
             .collect()
     }
 
+    /// Each live worker: (id, name, how often its cache was cleared).
+    pub fn workers_with_clears(&self) -> impl Iterator<Item = (u32, &Arc<str>, u64)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| w.as_ref().map(|w| (i as u32, &w.name, w.clears)))
+    }
+
     /// How often `name`'s cache was cleared since the index first heard of it.
     pub fn clears(&self, name: &str) -> Option<u64> {
         let &w = self.ids.get(name)?;

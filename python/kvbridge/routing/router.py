@@ -44,14 +44,14 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
 from contextlib import contextmanager
 from collections.abc import Mapping
-from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Sequence, TypeGuard, cast
+from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTuple, Sequence
 
+from kvbridge._native import Index, RouterCore
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
-from kvbridge.routing.work import EngineModel, Flight, WorkerWork, time_costs
+from kvbridge.routing.work import EngineModel
 from kvbridge.wire.hashing import hash_blocks
 
 __all__ = [
@@ -230,7 +230,6 @@ class Router:
             if not isinstance(m, str) or not m:
                 raise TypeError(f"medium_weights: a medium is a non-empty str, got {m!r}")
         self.medium_weights = {m: _check_number(f"medium_weights[{m!r}]", w) for m, w in medium_weights.items()}
-        self._lowest_weight = min(self.medium_weights.values())
         if not isinstance(remote, bool):
             raise TypeError(f"remote must be a bool, got {remote!r}")
         self.remote = remote
@@ -241,29 +240,45 @@ class Router:
         self.replica = uuid.uuid4().hex[:12]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        #: worker -> requests chosen and not yet done
-        self.in_flight: dict[str, int] = {}
-        # Per worker, this router's requests in flight, oldest first: (wall-clock time, decision id).
-        self._sent: dict[str, deque[tuple[float, int]]] = {}
-        # Per worker, the same requests with their prompt work (the time cost's accounting).
-        self._work: dict[str, WorkerWork] = {}
-        # The uncached prompt tokens per worker of the last costs computed (the chosen one's is
-        # recorded with the decision).
-        self._uncached: dict[str, float] = {}
+        # The state and the hot path: native (kvbridge._native.RouterCore), one call a decision.
+        eng = self.engine
+        self._core = RouterCore(
+            index, self.provisional, block_size=block_size, time=cost == "time", prefill=eng.prefill,
+            decode=eng.decode, max_num_batched_tokens=eng.max_num_batched_tokens,
+            kv_capacity_tokens=eng.kv_capacity_tokens, overlap_weight=self.overlap_weight,
+            backlog_weight=self.backlog_weight, remote=remote, medium_weights=list(self.medium_weights.items()),
+            workers=self.workers,
+        )  # fmt: skip
+        # A kvbridge.Index is read by the core itself; another index answers find_matches here.
+        self._native_index = isinstance(index, Index)
+        # LoadReports: a ReportLoads is read in bulk when its reports refresh; another callable
+        # is asked per candidate.
+        source = getattr(reports, "__self__", None)
+        self._report_source = source if isinstance(source, ReportLoads) and reports == source.report else None
+        if isinstance(reports, ReportLoads):
+            self._report_source = reports
+        self._reports_seen: Any = None
+        if reports is not None and self._report_source is None:
+            self._core.report_fn = reports
+        # Request ids <-> the decisions they were routed by (only when callers name requests).
+        self._requests: dict[Hashable, int] = {}
+        self._request_of: dict[int, Hashable] = {}
         # Peers' requests in flight: (replica, decision id) -> (worker, wall-clock time).
         self._peer_sent: dict[tuple[str, int], tuple[str, float]] = {}
-        self._next_id = 0
         self._epochs: dict[str, str | None] = {}
-        # Per worker, the index's count of its cache clears at the router's last decision for it.
-        self._clears_seen: dict[str, int | None] = {}
         #: Called with each :class:`Decision` this router makes or ends (RouteSync publishes them).
         self.listeners: list[Callable[[Decision], None]] = []
         self._counts = {"decisions": 0, "peer_decisions": 0, "peer_dones": 0, "restarts_seen": 0}
 
     # -- scoring --------------------------------------------------------------------------------
 
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """``{worker: requests chosen and not yet done}``."""
+        return self._core.in_flight()
+
     def load(self, worker: str) -> float:
-        """The load term of ``worker``'s cost."""
+        """The load term of ``worker``'s cost (``cost="blocks"``)."""
         loads = self.loads
         value = None
         if loads is not None:
@@ -277,11 +292,10 @@ class Router:
         return load
 
     def routed_since(self, worker: str, ts: float) -> int:
-        """Requests sent to ``worker`` after wall-clock time ``ts`` and still in flight (this
-        router's and its peers'): what a load report taken at ``ts`` does not count yet."""
-        sent = self._sent.get(worker, ())
-        mine = sum(1 for t, _ in sent if t > ts)
-        return mine + self._peer_count(worker, ts)
+        """Requests sent to ``worker`` after time ``ts`` (the router's clock) and still in
+        flight (this router's and its peers'): what a load report taken at ``ts`` does not
+        count yet."""
+        return self._core.routed_since(worker, ts) + self._peer_count(worker, ts)
 
     def _peer_count(self, worker: str, ts: float) -> int:
         if not self._peer_sent:
@@ -291,33 +305,6 @@ class Router:
         for key in stale:  # a peer that died with requests in flight never says they are done
             del self._peer_sent[key]
         return sum(1 for w, t in self._peer_sent.values() if w == worker and t > ts)
-
-    def _candidates(self, scores: Mapping[str, Any], workers: Sequence[str] | None) -> list[str]:
-        if workers is not None:
-            found = sorted({_check_worker("workers", w) for w in workers})
-            if not found:
-                raise NoWorkersError("workers is empty: no candidate to route to")
-            return found
-        known = set(self.workers)
-        if self.index is not None:
-            known.update(self.index.workers)
-        known.update(scores)
-        if not known:
-            raise NoWorkersError(
-                "no workers to route to: the index knows none yet (no events received) and no "
-                "candidates were given (Router(workers=...) or choose(..., workers=...))"
-            )
-        return sorted(known)
-
-    def overlap(self, score: int | Mapping[str | None, int]) -> float:
-        """A worker's overlap in blocks: a plain count as it is, per-medium counts weighed by
-        tier (:func:`tiered_overlap`)."""
-        if _per_medium(score):
-            if len(score) == 1:  # the common case: one medium
-                for medium, n in score.items():
-                    return n * self.medium_weights.get("GPU" if medium is None else medium, self._lowest_weight)
-            return tiered_overlap(score, self.medium_weights)
-        return float(cast(int, score))
 
     def costs_from_scores(
         self,
@@ -329,32 +316,12 @@ class Router:
     ) -> dict[str, float]:
         """``{worker: cost}`` for a request of ``num_blocks`` full blocks (``num_tokens`` tokens:
         default ``num_blocks * block_size``) with these overlaps (per worker a block count, or
-        ``{medium: block count}`` as ``by_medium`` answers give)."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
-        if self.cost == "time":
-            if num_tokens is None:
-                num_tokens = num_blocks * self.block_size
-            elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < num_blocks * self.block_size:
-                raise ValueError(f"num_tokens must be an int >= num_blocks * block_size, got {num_tokens!r}")
-            tiered = self.overlap
-            return time_costs(
-                self.engine, self._work, {w: tiered(sc) for w, sc in scores.items()}, self._candidates(scores, workers),
-                num_tokens, self.block_size,
-                weight=self.overlap_weight, backlog_weight=self.backlog_weight, now=self.clock(), reports=self.reports,
-                uncached=self._uncached,
-            )
-        weight, overlap = self.overlap_weight, self.overlap
-        # Without load numbers or peers a worker's load is its in-flight count: read it here
-        # rather than through load() (per worker, per decision, that call is most of the cost).
-        in_flight = self.in_flight if self.loads is None and not self._peer_sent else None
-        costs = {}
-        for w in self._candidates(scores, workers):
-            score = scores.get(w)
-            held = 0.0 if score is None else overlap(score)
-            load = self.load(w) if in_flight is None else in_flight.get(w, 0)
-            costs[w] = weight * (num_blocks - (held if held < num_blocks else num_blocks)) + load
-        return costs
+        ``{medium: block count}`` as ``by_medium`` answers give), as they are (no provisional
+        residency)."""
+        num_tokens = self._sizes(num_blocks, num_tokens)
+        with self._lock:
+            return self._decide(None, _as_dict(scores), num_blocks, num_tokens, None, workers=workers, use_keys=False,
+                                costs_only=True)[0]  # fmt: skip
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
         """``{worker: leading blocks held}`` in any medium (what the index answers by default)."""
@@ -388,30 +355,15 @@ class Router:
         workers: Sequence[str] | None = None,
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
-        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
+        if not self._native_index:
+            keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
+            scores = _as_dict(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys))
+            with self._lock:
+                return self._decide(None, scores, len(keys), len(tokens), keys, workers=workers, use_keys=True,
+                                    costs_only=True)[0]  # fmt: skip
         with self._lock:
-            scores = self.with_provisional(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys), keys)
-            return self.costs_from_scores(scores, len(keys), workers, num_tokens=len(tokens))
-
-    def with_provisional(self, scores: Scores, keys: Sequence[int]) -> dict[str, Any]:
-        """``scores`` as this router should weigh them: a worker whose stream is being repaired
-        loses its index score (it may be stale), and each worker scores at least the blocks it
-        was just sent (counted on the GPU). A worker whose index score reached what it was sent
-        has confirmed it: those provisional entries end."""
-        states = self._states()
-        out: dict[str, Any] = {w: sc for w, sc in scores.items() if states.get(w) != "resyncing"}
-        if not keys or not self.provisional.enabled:
-            return out
-        for w, sent in self.provisional.scores(keys).items():
-            if self._cleared_since(w):
-                continue
-            score = out.get(w, 0)
-            held = _leading(score)
-            if held < sent:
-                out[w] = {**score, "GPU": max(score.get("GPU", 0), sent)} if _per_medium(score) else sent
-            else:
-                self.provisional.confirm(w, keys[:sent])
-        return out
+            return self._decide(tokens, None, 0, 0, None, lora_name=lora_name, extra_keys=extra_keys, workers=workers,
+                                use_keys=True, costs_only=True)[0]  # fmt: skip
 
     # -- choosing -------------------------------------------------------------------------------
 
@@ -433,12 +385,18 @@ class Router:
         ``workers``). ``request_id``: names the request in :meth:`first_token` and :meth:`done`
         (default: a worker's requests are taken to finish in the order sent). Raises
         :class:`NoWorkersError` when there is none."""
-        scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
-        n = len(tokens)
-        if not (self.provisional.enabled or self.listeners):
-            return self.choose_scores(scores, n // self.block_size, workers=workers, num_tokens=n, request_id=request_id)
-        keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
-        return self.choose_scores(scores, len(keys), workers=workers, keys=keys, num_tokens=n, request_id=request_id)
+        use_keys = self.provisional.enabled or bool(self.listeners)
+        if not self._native_index:
+            scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+            keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys) if use_keys else None
+            n = len(tokens)
+            return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,
+                                      request_id=request_id)  # fmt: skip
+        with self._lock:
+            self._check_new(request_id)
+            made, now = self._decide(tokens, None, 0, 0, None, lora_name=lora_name, extra_keys=extra_keys,
+                                     workers=workers, use_keys=use_keys)  # fmt: skip
+            return self._chosen(made, now, request_id)
 
     def choose_scores(
         self,
@@ -454,72 +412,120 @@ class Router:
         IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks
         (``num_tokens`` tokens: what the time cost weighs; default ``num_blocks * block_size``).
         ``keys``: the prompt's :meth:`block_keys`, for provisional residency (none without)."""
+        num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
-            if request_id is not None and any(request_id in wk.flights for wk in self._work.values()):
-                raise ValueError(f"request {request_id!r} is already in flight")
-            if keys is not None:
-                scores = self.with_provisional(scores, keys)
-            costs = self.costs_from_scores(scores, num_blocks, workers, num_tokens=num_tokens)
-            if self.temperature > 0:
-                probs = softmax_probabilities(costs, self.temperature)
-                names = list(probs)
-                worker = self._rng.choices(names, weights=[probs[w] for w in names])[0]
-            else:
-                best = min(costs.values())
-                tied = [w for w, c in costs.items() if c == best]
-                worker = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-            self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
-            now = self.clock()
-            decision = Decision("route", self.replica, self._next_id, worker, now, list(keys) if keys else [])
-            self._next_id += 1
-            self._sent.setdefault(worker, deque()).append((decision.ts, decision.id))
-            tokens = num_blocks * self.block_size if num_tokens is None else num_tokens
-            work = self._work.get(worker)
-            if work is None:
-                work = self._work[worker] = WorkerWork()
-            flight = Flight(tokens, self._uncached.get(worker, float(tokens)), now, decision.id)
-            step = self.engine.decode_ms(0.0)
-            work.add(decision.id if request_id is None else request_id, flight, now, self.engine.tokens_per_ms(step) * 1000.0)
-            if keys:
-                self.provisional.add(worker, keys)
-                if self.index is not None and hasattr(self.index, "clears"):
-                    self._clears_seen[worker] = self.index.clears(worker)
-            self._counts["decisions"] += 1
-        self._tell(decision)
-        return worker, min(_leading(scores.get(worker, 0)), num_blocks)
+            self._check_new(request_id)
+            made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, workers=workers,
+                                     use_keys=keys is not None)  # fmt: skip
+            return self._chosen(made, now, request_id)
+
+    def _sizes(self, num_blocks: int, num_tokens: int | None) -> int:
+        """``num_tokens`` checked against ``num_blocks`` (default: the blocks' tokens)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        if num_tokens is None:
+            return num_blocks * self.block_size
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < num_blocks * self.block_size:
+            raise ValueError(f"num_tokens must be an int >= num_blocks * block_size, got {num_tokens!r}")
+        return num_tokens
+
+    def _check_new(self, request_id: Hashable | None) -> None:
+        if request_id is not None and request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+
+    def _decide(
+        self,
+        tokens: Any,
+        scores: dict[str, Any] | None,
+        num_blocks: int,
+        num_tokens: int,
+        keys: Sequence[int] | None,
+        *,
+        lora_name: str | None = None,
+        extra_keys: Any = None,
+        workers: Sequence[str] | None = None,
+        use_keys: bool,
+        costs_only: bool = False,
+    ) -> tuple[Any, float]:
+        """One decision by the core (under the lock): ``(worker, leading, decision id, keys)``
+        or, with ``costs_only``, the costs; and the clock's time it was made at."""
+        if workers is not None:
+            workers = list(workers)
+            if not workers:
+                raise NoWorkersError("workers is empty: no candidate to route to")
+        resyncing = None
+        if use_keys and self.subscriber is not None:
+            resyncing = [w for w, state in self._states().items() if state == "resyncing"]
+        source = self._report_source
+        if source is not None and (fresh := source._fresh()) is not self._reports_seen:
+            self._core.set_reports(fresh)
+            self._reports_seen = fresh
+        load = None
+        if self.cost == "blocks" and (self.loads is not None or self._peer_sent):
+            # Every worker that may be a candidate (the core knows the rest by their in-flight count).
+            known = set(self._core.workers()).union(scores or (), workers or ())
+            if self.index is not None:
+                known.update(self.index.workers)
+            load = {w: self.load(w) for w in known}
+        sample = self.temperature > 0 and not costs_only
+        now = self.clock()
+        made = self._core.decide(
+            tokens, scores, num_blocks, num_tokens, keys, lora_name=lora_name, extra_keys=extra_keys, workers=workers,
+            now=now, use_keys=use_keys, want_keys=bool(self.listeners), rng=self._rng, load=load,
+            resyncing=resyncing, costs_only=costs_only or sample,
+        )  # fmt: skip
+        if made is None:
+            raise NoWorkersError(
+                "no workers to route to: the index knows none yet (no events received) and no "
+                "candidates were given (Router(workers=...) or choose(..., workers=...))"
+            )
+        if sample:  # sampled among all, then made for the one drawn
+            probs = softmax_probabilities(made, self.temperature)
+            names = list(probs)
+            drawn = self._rng.choices(names, weights=[probs[w] for w in names])[0]
+            made = self._core.decide(
+                tokens, scores, num_blocks, num_tokens, keys, lora_name=lora_name, extra_keys=extra_keys,
+                workers=[drawn], now=now, use_keys=use_keys, want_keys=bool(self.listeners), rng=self._rng, load=load,
+                resyncing=resyncing,
+            )  # fmt: skip
+        return made, now
+
+    def _chosen(self, made: tuple[str, int, int, list[int] | None], now: float, request_id: Hashable | None) -> tuple[str, int]:
+        worker, leading, ident, keys = made
+        if request_id is not None:
+            self._requests[request_id] = ident
+            self._request_of[ident] = request_id
+        self._counts["decisions"] += 1
+        if self.listeners:
+            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
+        return worker, leading
 
     def first_token(self, worker: str, request_id: Hashable | None = None) -> None:
         """A request sent to ``worker`` produced its first token (``request_id``; None: its
         oldest request without one): its prompt, and any sent there before it, left the queue.
         A request not known (already done, or never chosen here) is ignored."""
         with self._lock:
-            work = self._work.get(worker)
-            if work is not None:
-                work.first_token(request_id, self.clock())
+            ident = None
+            if request_id is not None and (ident := self._requests.get(request_id)) is None:
+                return
+            self._core.first_token(worker, ident, self.clock())
 
     def done(self, worker: str, request_id: Hashable | None = None) -> None:
         """A request sent to ``worker`` finished (``request_id``; None: the oldest of its
         requests counts as the one that finished): it leaves the worker's load."""
         with self._lock:
-            n = self.in_flight.get(worker, 0)
-            if n <= 0:
-                raise ValueError(f"worker {worker!r} has no request in flight")
-            work = self._work[worker]
-            if request_id is not None and request_id not in work.flights:
+            ident = None if request_id is None else self._requests.get(request_id, -1)
+            ended = None if ident == -1 else self._core.done(worker, ident, self.clock())
+            if ended is None:
+                if not self.in_flight.get(worker):
+                    raise ValueError(f"worker {worker!r} has no request in flight")
                 raise ValueError(f"request {request_id!r} is not in flight on worker {worker!r}")
-            flight = work.done(request_id, self.clock())
-            if not work.flights:
-                del self._work[worker]
-            if n == 1:
-                del self.in_flight[worker]
-            else:
-                self.in_flight[worker] = n - 1
-            sent = self._sent[worker]
-            ident = flight.id
-            sent.remove((flight.sent, ident))
-            if not sent:
-                del self._sent[worker]
-        self._tell(Decision("done", self.replica, ident, worker, flight.sent, []))
+            ident, sent = ended
+            rid = self._request_of.pop(ident, None)
+            if rid is not None:
+                del self._requests[rid]
+        if self.listeners:
+            self._tell(Decision("done", self.replica, ident, worker, sent, []))
 
     def _tell(self, decision: Decision) -> None:
         for listener in self.listeners:
@@ -544,21 +550,6 @@ class Router:
             if decision.keys:
                 age = max(0.0, time.time() - decision.ts)
                 self.provisional.add(decision.worker, decision.keys, ttl_s=self.provisional.ttl_s - age)
-
-    def _cleared_since(self, worker: str) -> bool:
-        """Whether the index saw ``worker``'s cache cleared (or forgot the worker) since the
-        router's last decision for it: then what it was sent is gone."""
-        clears = getattr(self.index, "clears", None)
-        if clears is None or worker not in self._clears_seen:
-            return False
-        seen, now = self._clears_seen[worker], clears(worker)
-        self._clears_seen[worker] = now
-        # None -> 0 is the worker's first events reaching the index, not a clear; 0 -> None is
-        # the worker removed (expired, restarted).
-        if now == seen or (seen is None and not now):
-            return False
-        self.provisional.reset(worker)
-        return True
 
     def forget_worker(self, worker: str) -> None:
         """``worker`` restarted, cleared its cache or is gone: what it was sent is not there."""
@@ -674,15 +665,9 @@ def report_loads(
     return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s)
 
 
-def _per_medium(score: Any) -> TypeGuard[Mapping[str | None, int]]:
-    """Whether a worker's score is ``{medium: blocks}`` (checking for a dict first: an ABC check
-    costs a microsecond, per worker per decision)."""
-    return type(score) is dict or isinstance(score, Mapping)
-
-
-def _leading(score: Any) -> int:
-    """The leading blocks a worker holds in any medium, whichever form its score has."""
-    return max(score.values(), default=0) if _per_medium(score) else score
+def _as_dict(scores: Scores) -> dict[str, Any]:
+    """Scores as the core reads them: a dict (a worker's per-medium counts may be any mapping)."""
+    return scores if type(scores) is dict else dict(scores)
 
 
 def _check_worker(name: str, worker: Any) -> str:

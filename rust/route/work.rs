@@ -1,0 +1,311 @@
+//! The time cost on plain Rust data: the engine model's formulas, one worker's requests in
+//! flight and its queued prompt work (python/kvbridge/routing/work.py's module doc gives the
+//! model; `EngineModel` there is the same formulas for Python callers, and
+//! tests/test_router_native.py holds the two equal).
+//!
+//! Every formula is written in the order Python evaluates it, so a router's costs, and a
+//! replay's every decision, are the same bits either way.
+
+use std::collections::VecDeque;
+
+#[derive(Clone, Copy)]
+pub struct Engine {
+    pub prefill: [f64; 3],
+    pub decode: [f64; 3],
+    /// max_num_batched_tokens
+    pub budget: f64,
+    /// kv_capacity_tokens (None: unknown)
+    pub capacity: Option<f64>,
+}
+
+impl Engine {
+    pub fn prefill_ms(&self, tokens: f64) -> f64 {
+        if tokens <= 0.0 {
+            return 0.0;
+        }
+        let [c0, c1, c2] = self.prefill;
+        c0 + c1 * tokens + c2 * tokens * tokens
+    }
+
+    pub fn decode_ms(&self, context: f64) -> f64 {
+        let u = match self.capacity {
+            Some(cap) => (context / cap).min(1.0),
+            None => 0.0,
+        };
+        let [d0, d1, d2] = self.decode;
+        (d0 + d1 * u + d2 * u * u).max(1.0)
+    }
+
+    pub fn prompt_ms(&self, tokens: f64, step: f64) -> f64 {
+        if tokens <= 0.0 {
+            return 0.0;
+        }
+        if tokens <= self.budget {
+            return self.prefill_ms(tokens) + step;
+        }
+        tokens / self.budget * (self.prefill_ms(self.budget) + step)
+    }
+
+    pub fn tokens_per_ms(&self, step: f64) -> f64 {
+        self.budget / (self.prefill_ms(self.budget) + step)
+    }
+
+    /// Prompt tokens per second a worker drains while it is sent more (the decode step of an
+    /// idle batch: what the router knows at a routing).
+    pub fn routing_rate(&self) -> f64 {
+        self.tokens_per_ms(self.decode_ms(0.0)) * 1000.0
+    }
+}
+
+/// A request sent to a worker: its decision's id, prompt length, the tokens it was expected to
+/// compute, when it was sent (clock seconds) and when its first token came.
+#[derive(Clone, Copy)]
+pub struct Flight {
+    pub id: u64,
+    pub prompt: i64,
+    pub uncached: f64,
+    pub sent: f64,
+    pub first_token: Option<f64>,
+}
+
+/// One worker's requests in flight, oldest first, and its queued prompt work: an estimate
+/// anchored at the last event (a routing adds the prompt's uncached tokens, time drains it at
+/// the engine's speed, a first token resets it to what is still waiting for one).
+#[derive(Default)]
+pub struct Work {
+    pub flights: VecDeque<Flight>,
+    /// Prompt tokens of the requests past their first token (their KV cache, output left out).
+    pub decoding: i64,
+    queued: f64,
+    anchor: f64,
+}
+
+impl Work {
+    /// Prompt tokens still to compute before a prompt routed at `now` (`rate` tokens per
+    /// second drained since the last event).
+    pub fn queued(&self, now: f64, rate: f64) -> f64 {
+        let mut q = self.queued;
+        if q > 0.0 && now > self.anchor {
+            q -= (now - self.anchor) * rate;
+            if q < 0.0 {
+                q = 0.0;
+            }
+        }
+        q
+    }
+
+    pub fn add(&mut self, flight: Flight, now: f64, rate: f64) {
+        self.queued = self.queued(now, rate) + flight.uncached;
+        self.anchor = now;
+        self.flights.push_back(flight);
+    }
+
+    /// Request `id` (None: the oldest without one) has its first token: it and everything
+    /// routed before it are through the queue. False if there is no such request waiting.
+    pub fn first_token(&mut self, id: Option<u64>, now: f64) -> bool {
+        let found = match id {
+            Some(id) => self.flights.iter_mut().find(|f| f.id == id),
+            None => self.flights.iter_mut().find(|f| f.first_token.is_none()),
+        };
+        let Some(flight) = found.filter(|f| f.first_token.is_none()) else {
+            return false;
+        };
+        flight.first_token = Some(now);
+        self.decoding += flight.prompt;
+        self.requeue(now);
+        true
+    }
+
+    /// Request `id` (None: the oldest) ended: it leaves; None if unknown.
+    pub fn done(&mut self, id: Option<u64>, now: f64) -> Option<Flight> {
+        let at = match id {
+            Some(id) => self.flights.iter().position(|f| f.id == id)?,
+            None => 0,
+        };
+        let flight = self.flights.remove(at)?;
+        if flight.first_token.is_some() {
+            self.decoding -= flight.prompt;
+        } else {
+            // ended without a first token seen (an error, a cancel)
+            self.requeue(now);
+        }
+        if self.flights.is_empty() {
+            *self = Work::default();
+        }
+        Some(flight)
+    }
+
+    fn requeue(&mut self, now: f64) {
+        let mut q = 0.0;
+        for f in self.flights.iter().filter(|f| f.first_token.is_none()) {
+            q += f.uncached;
+        }
+        self.queued = q;
+        self.anchor = now;
+    }
+}
+
+/// What the time cost reads of one candidate.
+pub struct Candidate {
+    /// Leading blocks held, tier-weighted (0: none).
+    pub held: f64,
+    /// Whether anything was sent there and is still in flight.
+    pub busy: bool,
+    pub decoding: f64,
+    /// Its latest LoadReport, if any: (running requests, KV-cache use).
+    pub report: Option<(i64, f64)>,
+}
+
+/// What the time cost says of one candidate.
+#[derive(Clone, Copy)]
+pub struct Cost {
+    /// Predicted ms to first token.
+    pub ms: f64,
+    /// The prompt tokens it would compute.
+    pub uncached: f64,
+    /// Nothing held, sent or reported running there: every idle candidate costs the same.
+    pub idle: bool,
+}
+
+/// Per candidate (in order) its [`Cost`] for a prompt of `num_tokens`; `queued(i, rate)` reads
+/// candidate i's queued work.
+#[allow(clippy::too_many_arguments)]
+pub fn time_costs(
+    engine: &Engine,
+    candidates: &[Candidate],
+    mut queued: impl FnMut(usize, f64) -> f64,
+    num_tokens: i64,
+    block_size: usize,
+    weight: f64,
+    backlog_weight: f64,
+    costs: &mut Vec<Cost>,
+) {
+    // vLLM computes the last token for its logits: a hit stops one token short of the prompt.
+    let cap = if num_tokens > 0 {
+        ((num_tokens - 1) / block_size as i64) as f64
+    } else {
+        0.0
+    };
+    let bs = block_size as f64;
+    let n = num_tokens as f64;
+    costs.clear();
+    // (todo, queued, step) per candidate; idle ones are NaN until the backlog is known.
+    let mut rows: Vec<(f64, f64, f64)> = Vec::with_capacity(candidates.len());
+    let mut any_idle = false;
+    let mut backlog = f64::INFINITY;
+    for (i, c) in candidates.iter().enumerate() {
+        let running = c.report.is_some_and(|r| r.0 != 0);
+        if c.held == 0.0 && !c.busy && !running {
+            any_idle = true;
+            rows.push((f64::NAN, 0.0, 0.0));
+            continue;
+        }
+        let todo = n - (if c.held < cap { c.held } else { cap }) * bs;
+        let mut decoding = c.decoding;
+        if let (Some((running, usage)), Some(capacity)) = (c.report, engine.capacity) {
+            if running != 0 {
+                decoding = decoding.max(usage * capacity);
+            }
+        }
+        let step = if decoding != 0.0 {
+            engine.decode_ms(decoding)
+        } else {
+            0.0
+        };
+        let q = if c.busy {
+            queued(i, engine.tokens_per_ms(step) * 1000.0)
+        } else {
+            0.0
+        };
+        backlog = backlog.min(q);
+        rows.push((todo, q, step));
+    }
+    // When every worker has a backlog, a token of prefill added anywhere also delays the
+    // requests that will queue behind it: the prompt's own work weighs more.
+    let mut weight = weight;
+    if !any_idle {
+        let shortest = if backlog.is_finite() { backlog } else { 0.0 };
+        weight *= 1.0 + backlog_weight * (shortest / engine.budget);
+    }
+    let idle_cost = engine.prompt_ms(weight * n, 0.0);
+    for &(todo, q, step) in &rows {
+        costs.push(if todo.is_nan() {
+            Cost {
+                ms: idle_cost,
+                uncached: n,
+                idle: true,
+            }
+        } else {
+            Cost {
+                ms: engine.prompt_ms(q + weight * todo, step),
+                uncached: todo,
+                idle: false,
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DYNAMO: Engine = Engine {
+        prefill: [16.50142, 1.518344e-02, 4.209989e-07],
+        decode: [5.74, 54.01, -25.74],
+        budget: 8192.0,
+        capacity: Some((16384 * 64) as f64),
+    };
+
+    #[test]
+    fn a_first_token_drains_what_was_sent_before() {
+        let mut w = Work::default();
+        let rate = DYNAMO.routing_rate();
+        for id in 0..3 {
+            w.add(
+                Flight {
+                    id,
+                    prompt: 1000,
+                    uncached: 500.0,
+                    sent: 0.0,
+                    first_token: None,
+                },
+                0.0,
+                rate,
+            );
+        }
+        assert_eq!(w.queued(0.0, rate), 1500.0);
+        assert!(w.first_token(Some(1), 0.01));
+        assert_eq!(w.queued(0.01, rate), 1000.0);
+        assert_eq!(w.decoding, 1000);
+        assert!(!w.first_token(Some(1), 0.02));
+        assert_eq!(w.done(Some(1), 0.02).map(|f| f.id), Some(1));
+        assert_eq!(w.decoding, 0);
+        assert!(w.done(None, 0.03).is_some());
+        assert!(w.done(None, 0.03).is_some());
+        assert!(w.flights.is_empty() && w.queued(1.0, rate) == 0.0);
+    }
+
+    #[test]
+    fn idle_workers_cost_the_prompt_alone() {
+        let cands = [
+            Candidate {
+                held: 0.0,
+                busy: false,
+                decoding: 0.0,
+                report: None,
+            },
+            Candidate {
+                held: 10.0,
+                busy: false,
+                decoding: 0.0,
+                report: None,
+            },
+        ];
+        let mut costs = Vec::new();
+        time_costs(&DYNAMO, &cands, |_, _| 0.0, 1000, 64, 1.0, 2.0, &mut costs);
+        assert!(costs[0].idle && !costs[1].idle);
+        assert_eq!((costs[0].uncached, costs[1].uncached), (1000.0, 360.0));
+        assert_eq!(costs[0].ms, DYNAMO.prompt_ms(1000.0, 0.0));
+        assert!(costs[1].ms < costs[0].ms);
+    }
+}
