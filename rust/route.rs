@@ -145,7 +145,7 @@ impl ProvisionalResidency {
         }
         let now = self.now(py)?;
         let id = self.id(py, &worker);
-        self.add_at(id, &keys, now, ttl_s);
+        self.add_at(id, &keys, 0, now, ttl_s);
         Ok(())
     }
 
@@ -206,11 +206,12 @@ impl ProvisionalResidency {
         id
     }
 
-    fn add_at(&mut self, id: u32, keys: &[u64], now: f64, ttl_s: Option<f64>) {
+    /// `keys[start..]` of a prompt's chain to worker `id` for the TTL (or `ttl_s`, if shorter).
+    fn add_at(&mut self, id: u32, keys: &[u64], start: usize, now: f64, ttl_s: Option<f64>) {
         let ttl = ttl_s.map_or(self.core.ttl_s, |t| t.min(self.core.ttl_s));
         let expiry = now + ttl;
         if expiry > now {
-            self.core.add(id, keys, expiry, now);
+            self.core.add(id, keys, start, expiry, now);
         }
     }
 }
@@ -287,6 +288,10 @@ struct Slot {
     clears_now: u64,
     asked: u64,
     resyncing: u64,
+    /// Its own hit (index or given scores) in the decision `hit_at`, before provisional
+    /// residency: what it is not sent again.
+    hit: i64,
+    hit_at: u64,
 }
 
 /// The router's state and hot path (see the module doc).
@@ -317,8 +322,28 @@ pub struct RouterCore {
     keys: Vec<u64>,
     entries: Vec<(u32, i64)>,
     cands: Vec<u32>,
-    found: Vec<(u32, u32)>,
+    /// The slots given a score (index or scores) in this decision, before provisional residency.
+    scored: Vec<u32>,
+    read: IndexRead,
     costs: Vec<Cost>,
+    views: Vec<Candidate>,
+    rows: Vec<(f64, f64, f64)>,
+    /// Provisional residency's clock in this decision, once read.
+    prov_now: Option<f64>,
+}
+
+/// What a decision reads of the index under its lock (kept for the allocations).
+#[derive(Default)]
+struct IndexRead {
+    /// (worker id, medium id, leading blocks) per hit.
+    rows: Vec<(u32, u8, u32)>,
+    one: Vec<(u32, u32)>,
+    /// (worker id, cache clears) per live worker.
+    workers: Vec<(u32, u64)>,
+    /// Workers not yet known under their id: (id, name).
+    misses: Vec<(u32, Arc<str>)>,
+    /// The media the hits are in: (medium id, name).
+    media: Vec<(u8, Option<String>)>,
 }
 
 /// What one decision is asked.
@@ -367,12 +392,12 @@ impl RouterCore {
             provisional,
             block_size,
             time,
-            engine: Engine {
+            engine: Engine::new(
                 prefill,
                 decode,
-                budget: max_num_batched_tokens as f64,
-                capacity: kv_capacity_tokens.map(|c| c as f64),
-            },
+                max_num_batched_tokens as f64,
+                kv_capacity_tokens.map(|c| c as f64),
+            ),
             overlap_weight,
             backlog_weight,
             remote,
@@ -390,8 +415,12 @@ impl RouterCore {
             keys: Vec::new(),
             entries: Vec::new(),
             cands: Vec::new(),
-            found: Vec::new(),
+            scored: Vec::new(),
+            read: IndexRead::default(),
             costs: Vec::new(),
+            views: Vec::new(),
+            rows: Vec::new(),
+            prov_now: None,
         };
         for w in workers {
             let s = core.slot(&PyString::new(py, &w));
@@ -400,14 +429,15 @@ impl RouterCore {
         Ok(core)
     }
 
-    /// One decision. `tokens` (with a kvbridge.Index) or `scores` (`{worker: int | {medium:
-    /// int}}`, with `num_blocks` and `keys`); `now`: the router's clock. With `costs_only`, the
+    /// One decision (arguments positional: this is the hot path). `tokens` (with a
+    /// kvbridge.Index) or `scores` (`{worker: int | {medium: int}}`, with `num_blocks` and
+    /// `keys`); `now`: the router's clock. With `costs_only`, the
     /// costs `{worker: cost}` in the order the pick reads them; otherwise `(worker, leading
     /// blocks it holds, decision id, the prompt's keys if want_keys)` with the request in flight
     /// there, or None when there is no candidate. `rng`: a random.Random for ties. `load`: the
     /// "blocks" cost's load per worker (default: its requests in flight).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tokens, scores, num_blocks, num_tokens, keys, *, lora_name, extra_keys, workers, now, use_keys, want_keys, rng, load, resyncing, costs_only = false))]
+    #[pyo3(signature = (tokens, scores, num_blocks, num_tokens, keys, lora_name, extra_keys, workers, now, use_keys, want_keys, rng, load, resyncing, costs_only))]
     fn decide<'py>(
         &mut self,
         py: Python<'py>,
@@ -451,35 +481,29 @@ impl RouterCore {
         self.weigh(py, now, num_blocks, num_tokens, load)?;
         // The costs in the order Python's dict kept them: the time cost lists workers that
         // are not idle first.
-        let order: Vec<usize> = if self.time {
-            let busy = (0..self.cands.len()).filter(|&i| !self.costs[i].idle);
-            busy.chain((0..self.cands.len()).filter(|&i| self.costs[i].idle))
-                .collect()
-        } else {
-            (0..self.cands.len()).collect()
+        // The costs in the order Python's dict kept them: the time cost lists workers that
+        // are not idle first (ties are drawn in that order).
+        let costs = &self.costs;
+        let time = self.time;
+        let ordered = || {
+            let n = costs.len();
+            let busy = (0..n).filter(move |&i| !(time && costs[i].idle));
+            busy.chain((0..n).filter(move |&i| time && costs[i].idle))
         };
         if costs_only {
             let out = PyDict::new(py);
-            for &i in &order {
-                out.set_item(self.slot_name(py, self.cands[i]), self.costs[i].ms)?;
+            for i in ordered() {
+                out.set_item(self.slot_name(py, self.cands[i]), costs[i].ms)?;
             }
             return Ok(Some(out.into_any()));
         }
-        let best = order
-            .iter()
-            .map(|&i| self.costs[i].ms)
-            .fold(f64::INFINITY, f64::min);
-        let tied: Vec<usize> = order
-            .into_iter()
-            .filter(|&i| self.costs[i].ms == best)
-            .collect();
-        let pick = match tied.len() {
-            1 => tied[0],
-            n => {
-                let range = py.import("builtins")?.getattr("range")?.call1((n,))?;
-                tied[rng.call_method1("choice", (range,))?.extract::<usize>()?]
-            }
-        };
+        let best = costs.iter().map(|c| c.ms).fold(f64::INFINITY, f64::min);
+        let tied = costs.iter().filter(|c| c.ms == best).count();
+        let nth = if tied == 1 { 0 } else { rand_below(rng, tied)? };
+        let pick = ordered()
+            .filter(|&i| costs[i].ms == best)
+            .nth(nth)
+            .expect("a tied candidate");
         let s = self.cands[pick];
         let uncached = if self.time {
             self.costs[pick].uncached
@@ -522,6 +546,12 @@ impl RouterCore {
         let &s = self.by_name.get(worker)?;
         let f = self.slots[s as usize].work.done(id, now)?;
         Some((f.id, f.sent))
+    }
+
+    /// Decisions made (requests put in flight).
+    #[getter]
+    fn decisions(&self) -> u64 {
+        self.next_id
     }
 
     /// Every worker this core has seen, in name order.
@@ -588,6 +618,8 @@ impl RouterCore {
             clears_now: 0,
             asked: 0,
             resyncing: 0,
+            hit: 0,
+            hit_at: 0,
         });
         self.by_name.insert(key, id);
         let slots = &self.slots;
@@ -622,8 +654,10 @@ impl RouterCore {
     /// residency merged) and collects the candidates in name order. (num_blocks, num_tokens).
     fn score(&mut self, py: Python<'_>, ask: &Ask<'_, '_>) -> PyResult<(i64, i64)> {
         self.epoch += 1;
+        self.prov_now = None;
         let epoch = self.epoch;
         self.entries.clear();
+        self.scored.clear();
         let (mut num_blocks, mut num_tokens) = (ask.num_blocks, ask.num_tokens);
         if let Some(tokens) = ask.tokens {
             let index = self
@@ -633,69 +667,66 @@ impl RouterCore {
                 .clone_ref(py);
             let remote = self.remote;
             let mut keys = std::mem::take(&mut self.keys);
-            type Rows = (
-                Vec<(u32, u8, u32)>,
-                Vec<(u32, Arc<str>, u64)>,
-                Vec<Option<String>>,
-            );
-            let got: PyResult<Rows> = index.get().route_query(
+            let mut read = std::mem::take(&mut self.read);
+            let cache = &self.index_slot;
+            let got = index.get().route_query(
                 py,
                 tokens,
                 ask.lora_name,
                 ask.extra_keys,
                 &mut keys,
                 |core, keys| {
-                    let rows = core.find_matches_by_medium(keys, None, remote);
-                    let workers = core
-                        .workers_with_clears()
-                        .map(|(w, n, c)| (w, n.clone(), c))
-                        .collect();
-                    let mut media = Vec::new();
-                    for &(_, m, _) in &rows {
-                        let m = m as usize;
-                        if media.len() <= m {
-                            media.resize(m + 1, None);
+                    core.find_matches_by_medium_into(keys, remote, &mut read.one, &mut read.rows);
+                    read.workers.clear();
+                    read.media.clear();
+                    read.misses.clear();
+                    for (w, name, clears) in core.workers_with_clears() {
+                        read.workers.push((w, clears));
+                        // A worker's name is copied only when the router has not seen it
+                        // under this id (Arcs compared, not strings).
+                        let known = cache
+                            .get(w as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(|c| Arc::ptr_eq(&c.0, name));
+                        if !known {
+                            read.misses.push((w, name.clone()));
                         }
-                        media[m] = Some(core.medium_name(m as u8).map(str::to_string));
                     }
-                    (
-                        rows,
-                        workers,
-                        media.into_iter().map(|m| m.flatten()).collect(),
-                    )
+                    for &(_, m, _) in &read.rows {
+                        if !read.media.iter().any(|x| x.0 == m) {
+                            read.media
+                                .push((m, core.medium_name(m).map(str::to_string)));
+                        }
+                    }
                 },
             );
             self.keys = keys;
-            let (rows, workers, media) = got?;
+            let outcome = got.map(|()| self.apply_read(py, &read));
+            self.read = read;
+            outcome?;
             num_tokens = tokens.len()? as i64;
             num_blocks = num_tokens / self.block_size as i64;
-            self.mark_index_workers(py, &workers);
-            let ids: Vec<u32> = media.iter().map(|m| self.medium(m.as_deref())).collect();
-            let mut i = 0;
-            while i < rows.len() {
-                let w = rows[i].0;
-                // Every worker with a hit is live, so marked just now.
-                let s = self.index_slot[w as usize]
-                    .as_ref()
-                    .expect("a live worker")
-                    .1;
-                let start = self.entries.len() as u32;
-                while i < rows.len() && rows[i].0 == w {
-                    self.entries
-                        .push((ids[rows[i].1 as usize], rows[i].2 as i64));
-                    i += 1;
-                }
-                let end = self.entries.len() as u32;
-                self.set_score(s, Score::Media { start, end, gpu: 0 });
-            }
         } else {
             if let Some(index) = &self.index {
-                let workers: Vec<(u32, Arc<str>, u64)> = index.get().route_workers(py, |core| {
-                    core.workers_with_clears()
-                        .map(|(w, n, c)| (w, n.clone(), c))
-                        .collect()
+                let mut read = std::mem::take(&mut self.read);
+                let cache = &self.index_slot;
+                index.get().route_workers(py, |core| {
+                    read.rows.clear();
+                    read.workers.clear();
+                    read.misses.clear();
+                    for (w, name, clears) in core.workers_with_clears() {
+                        read.workers.push((w, clears));
+                        let known = cache
+                            .get(w as usize)
+                            .and_then(Option::as_ref)
+                            .is_some_and(|c| Arc::ptr_eq(&c.0, name));
+                        if !known {
+                            read.misses.push((w, name.clone()));
+                        }
+                    }
                 });
-                self.mark_index_workers(py, &workers);
+                self.apply_read(py, &read);
+                self.read = read;
             }
             if let Some(scores) = ask.scores {
                 for (name, score) in scores.iter() {
@@ -719,6 +750,14 @@ impl RouterCore {
                     }
                 }
             }
+            for i in 0..self.scored.len() {
+                let s = self.scored[i];
+                if self.slots[s as usize].seen == epoch {
+                    let hit = self.leading(s);
+                    let slot = &mut self.slots[s as usize];
+                    (slot.hit, slot.hit_at) = (hit, epoch);
+                }
+            }
             if !self.keys.is_empty() {
                 self.merge_provisional(py)?;
             }
@@ -731,6 +770,7 @@ impl RouterCore {
         let slot = &mut self.slots[s as usize];
         slot.seen = self.epoch;
         slot.score = score;
+        self.scored.push(s);
     }
 
     fn read_score(
@@ -774,30 +814,46 @@ impl RouterCore {
         Ok(Score::Plain(count(name, score)?))
     }
 
-    /// Marks the index's live workers (id, name, clears) as such in this decision.
-    fn mark_index_workers(&mut self, py: Python<'_>, workers: &[(u32, Arc<str>, u64)]) {
-        for (w, name, clears) in workers {
-            let s = self.index_slot(py, *w, name);
-            let slot = &mut self.slots[s as usize];
-            slot.indexed = self.epoch;
-            slot.clears_now = *clears;
-        }
-    }
-
-    /// The slot of the index's worker `w`, named `name` (cached by id while the name is the
-    /// same Arc: an id freed and reused names another worker).
-    fn index_slot(&mut self, py: Python<'_>, w: u32, name: &Arc<str>) -> u32 {
-        if let Some(Some((cached, s))) = self.index_slot.get(w as usize) {
-            if Arc::ptr_eq(cached, name) {
-                return *s;
+    /// What the index said, into this decision: its live workers marked (with their clears),
+    /// each hit as a per-medium score.
+    fn apply_read(&mut self, py: Python<'_>, read: &IndexRead) {
+        for (w, name) in &read.misses {
+            let s = self.slot(&PyString::new(py, name));
+            let i = *w as usize;
+            if self.index_slot.len() <= i {
+                self.index_slot.resize(i + 1, None);
             }
+            self.index_slot[i] = Some((name.clone(), s));
         }
-        let s = self.slot(&PyString::new(py, name));
-        if self.index_slot.len() <= w as usize {
-            self.index_slot.resize(w as usize + 1, None);
+        let epoch = self.epoch;
+        for &(w, clears) in &read.workers {
+            let s = self.index_slot[w as usize].as_ref().expect("cached").1;
+            let slot = &mut self.slots[s as usize];
+            slot.indexed = epoch;
+            slot.clears_now = clears;
         }
-        self.index_slot[w as usize] = Some((name.clone(), s));
-        s
+        let mut ids = [u32::MAX; 256];
+        for (m, name) in &read.media {
+            ids[*m as usize] = self.medium(name.as_deref());
+        }
+        let rows = &read.rows;
+        let mut i = 0;
+        while i < rows.len() {
+            let w = rows[i].0;
+            // Every worker with a hit is live, so marked just now.
+            let s = self.index_slot[w as usize]
+                .as_ref()
+                .expect("a live worker")
+                .1;
+            let start = self.entries.len() as u32;
+            while i < rows.len() && rows[i].0 == w {
+                self.entries
+                    .push((ids[rows[i].1 as usize], rows[i].2 as i64));
+                i += 1;
+            }
+            let end = self.entries.len() as u32;
+            self.set_score(s, Score::Media { start, end, gpu: 0 });
+        }
     }
 
     /// The leading blocks a worker holds in any medium, as scored in this decision.
@@ -832,6 +888,10 @@ impl RouterCore {
             Score::Plain(n) => n as f64,
             Score::Media { start, end, gpu } => {
                 let entries = &self.entries[start as usize..end as usize];
+                if let ([(m, n)], 0) = (entries, gpu) {
+                    // one medium (the common case)
+                    return Some(*n as f64 * self.media[*m as usize].weight);
+                }
                 let gpu_weight = || {
                     self.weights
                         .iter()
@@ -865,9 +925,9 @@ impl RouterCore {
         })
     }
 
-    /// Provisional residency raises each worker's score to what it was just sent; a worker
-    /// whose score reached it has confirmed it, and one whose cache the index saw cleared
-    /// since loses it.
+    /// Provisional residency extends each worker's hit by what it was just sent past it (or,
+    /// without a hit, from the prompt's first block); what its own hit now covers is confirmed
+    /// (those entries end), and a worker whose cache the index saw cleared since loses them.
     fn merge_provisional(&mut self, py: Python<'_>) -> PyResult<()> {
         let prov = self.provisional.clone_ref(py);
         let mut prov = prov.bind(py).borrow_mut();
@@ -875,38 +935,90 @@ impl RouterCore {
             return Ok(());
         }
         let now = prov.now(py)?;
-        let mut found = std::mem::take(&mut self.found);
-        prov.core.leading(&self.keys, now, &mut found);
-        for &(pid, sent) in &found {
+        self.prov_now = Some(now);
+        prov.core.prune(now);
+        let keys = std::mem::take(&mut self.keys);
+        let n = keys.len();
+        // Workers with a hit: their run from where it ends. Hits end at a few positions for
+        // many workers: each position's holders are looked up once.
+        let mut cache: Vec<(usize, Vec<u32>)> = Vec::new();
+        let scored = std::mem::take(&mut self.scored);
+        for &s in &scored {
+            let Some(pid) = self.slots[s as usize].pid else {
+                continue;
+            };
+            let hit = self.leading(s);
+            if hit <= 0 || self.slots[s as usize].seen != self.epoch {
+                continue;
+            }
+            let hit = (hit as usize).min(n);
+            let mut held_at = |i: usize| {
+                let j = match cache.iter().position(|a| a.0 == i) {
+                    Some(j) => j,
+                    None => {
+                        cache.push((i, prov.core.starting(keys[i])));
+                        cache.len() - 1
+                    }
+                };
+                cache[j].1.contains(&pid)
+            };
+            let covered = held_at(hit - 1);
+            let run = if hit < n && held_at(hit) {
+                1 + prov.core.run(pid, &keys, hit + 1)
+            } else {
+                0
+            };
+            if (covered || run > 0) && self.cleared_since(s) {
+                prov.core.reset(pid);
+                continue;
+            }
+            if covered {
+                prov.core.confirm(pid, &keys[..hit]);
+            }
+            if run > 0 {
+                self.raise(s, (hit + run) as i64);
+            }
+        }
+        self.scored = scored;
+        // Workers without one: their run from the first block.
+        let starting = prov.core.starting(keys[0]);
+        for pid in starting {
             let s = self.prov_to_slot(py, &prov, pid);
+            if self.leading(s) > 0 {
+                continue;
+            }
+            let run = prov.core.run(pid, &keys, 0);
+            if run == 0 {
+                continue;
+            }
             if self.cleared_since(s) {
                 prov.core.reset(pid);
                 continue;
             }
-            let sent = sent as i64;
-            let held = self.leading(s);
-            let slot = &mut self.slots[s as usize];
-            if held < sent {
-                let score = if slot.seen == self.epoch {
-                    slot.score
-                } else {
-                    Score::None
-                };
-                slot.score = match score {
-                    Score::Media { start, end, gpu } => Score::Media {
-                        start,
-                        end,
-                        gpu: gpu.max(sent),
-                    },
-                    _ => Score::Plain(sent),
-                };
-                slot.seen = self.epoch;
-            } else {
-                prov.core.confirm(pid, &self.keys[..sent as usize]);
-            }
+            self.raise(s, run as i64);
         }
-        self.found = found;
+        self.keys = keys;
         Ok(())
+    }
+
+    /// Raises slot `s`'s score to `sent` leading blocks (counted on the GPU).
+    fn raise(&mut self, s: u32, sent: i64) {
+        let epoch = self.epoch;
+        let slot = &mut self.slots[s as usize];
+        let score = if slot.seen == epoch {
+            slot.score
+        } else {
+            Score::None
+        };
+        slot.score = match score {
+            Score::Media { start, end, gpu } => Score::Media {
+                start,
+                end,
+                gpu: gpu.max(sent),
+            },
+            _ => Score::Plain(sent),
+        };
+        slot.seen = epoch;
     }
 
     fn prov_to_slot(&mut self, py: Python<'_>, prov: &ProvisionalResidency, pid: u32) -> u32 {
@@ -995,7 +1107,8 @@ impl RouterCore {
             }
             return Ok(());
         }
-        let mut cands = Vec::with_capacity(self.cands.len());
+        let mut cands = std::mem::take(&mut self.views);
+        cands.clear();
         for &s in &self.cands {
             let report = match &self.report_fn {
                 Some(f) => read_report(&f.bind(py).call1((self.slot_name(py, s),))?)?,
@@ -1019,7 +1132,9 @@ impl RouterCore {
             self.overlap_weight,
             self.backlog_weight,
             &mut self.costs,
+            &mut self.rows,
         );
+        self.views = cands;
         Ok(())
     }
 
@@ -1048,7 +1163,11 @@ impl RouterCore {
             let prov = self.provisional.clone_ref(py);
             let mut prov = prov.bind(py).borrow_mut();
             if prov.core.enabled() {
-                let t = prov.now(py)?;
+                // provisional residency's clock, read once a decision
+                let t = match self.prov_now {
+                    Some(t) => t,
+                    None => prov.now(py)?,
+                };
                 let pid = match self.slots[s as usize].pid {
                     Some(p) => p,
                     None => {
@@ -1061,7 +1180,14 @@ impl RouterCore {
                         p
                     }
                 };
-                prov.add_at(pid, &self.keys, t, None);
+                let slot = &self.slots[s as usize];
+                let hit = if slot.hit_at == self.epoch {
+                    slot.hit
+                } else {
+                    0
+                };
+                let start = (hit.max(0) as usize).min(self.keys.len());
+                prov.add_at(pid, &self.keys, start, t, None);
             }
             if self.index.is_some() {
                 let slot = &mut self.slots[s as usize];
@@ -1069,6 +1195,20 @@ impl RouterCore {
             }
         }
         Ok(id)
+    }
+}
+
+/// `rng.choice(seq)`'s index for a sequence of `n`, drawing as `random.Random._randbelow` does
+/// (`getrandbits` of n's bit length until below n): the same draws, so a seeded router ties the
+/// same way as one that calls `choice` itself.
+fn rand_below(rng: &Bound<'_, PyAny>, n: usize) -> PyResult<usize> {
+    let bits = usize::BITS - n.leading_zeros();
+    let draw = rng.getattr(pyo3::intern!(rng.py(), "getrandbits"))?;
+    loop {
+        let r: usize = draw.call1((bits,))?.extract()?;
+        if r < n {
+            return Ok(r);
+        }
     }
 }
 

@@ -545,7 +545,6 @@ class RouterCore:
         num_blocks: int,
         num_tokens: int,
         keys: Sequence[int] | None,
-        *,
         lora_name: str | None,
         extra_keys: Any,
         workers: Sequence[str] | None,
@@ -555,12 +554,15 @@ class RouterCore:
         rng: Any,
         load: dict[str, float] | None,
         resyncing: Sequence[str] | None,
-        costs_only: bool = False,
+        costs_only: bool,
     ) -> Any:
         """``(worker, leading blocks, decision id, keys or None)`` with the request in flight
         there, the costs ``{worker: cost}`` with ``costs_only``, or None without candidates."""
     def first_token(self, worker: str, id: int | None, now: float) -> bool: ...
     def done(self, worker: str, id: int | None, now: float) -> tuple[int, float] | None: ...
+    @property
+    def decisions(self) -> int:
+        """Decisions made (requests put in flight)."""
     def workers(self) -> list[str]: ...
     def in_flight(self) -> dict[str, int]: ...
     def routed_since(self, worker: str, ts: float) -> int: ...

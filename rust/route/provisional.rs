@@ -1,62 +1,48 @@
-//! Provisional residency on plain Rust data: per worker, the block keys a router has just sent
-//! it and until when (the rules: python/kvbridge/routing/provisional.py's module doc).
+//! Provisional residency on plain Rust data: per block key, the workers a router has just sent
+//! it to and until when (the rules: python/kvbridge/routing/provisional.py's module doc).
 //!
-//! Two views of the same entries: per worker `key -> expiry` (what expiry, confirmation and
-//! reset take away), and per key the set of workers holding it, so that one walk over a
-//! prompt's keys scores every worker at once (a worker's leading run ends at the first key
-//! whose set lacks it). A hot system prompt sent to every worker costs that walk one lookup
-//! per block, not one per block and worker.
+//! A router adds only what the chosen worker does not already hold by its own events (the keys
+//! past its index hit), so a worker holding a long system prompt is not sent it again at every
+//! decision, and reads a worker's run from where its hit ends.
+//!
+//! The entries are one open-addressing table of (key, worker, decision), hashed by key (a key's
+//! workers sit together), 16 bytes each, at most half full: a decision's reads and writes cost a cache line per key,
+//! and at the cap (100,000 entries: megabytes) that is the cost. An entry belongs to the newest
+//! decision that added it; a decision that expires or is dropped past the cap ends its entries
+//! at once, by leaving the live range of decisions, without touching them (their slots are
+//! reused by later inserts, and the table is rebuilt when dead slots pile up). Each decision
+//! counts the entries it still owns, so the counts stay exact.
 
 use std::collections::VecDeque;
 
-use crate::pool::core::Map;
+use crate::prefetch::prefetch;
 
-/// A set of worker ids: the first 64 in a word, the rest in more words (allocated only for
-/// fleets past 64 workers).
-#[derive(Default, Clone)]
-pub struct Holders {
-    low: u64,
-    high: Vec<u64>,
+/// Block keys are uniform already: one multiply spreads them over the table.
+fn slot_of(key: u64, mask: usize) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) as usize & mask
 }
 
-impl Holders {
-    fn insert(&mut self, w: u32) {
-        if w < 64 {
-            self.low |= 1 << w;
-        } else {
-            let i = (w / 64 - 1) as usize;
-            if self.high.len() <= i {
-                self.high.resize(i + 1, 0);
-            }
-            self.high[i] |= 1 << (w % 64);
-        }
-    }
+/// A slot's worker when the slot is free (it ends probe runs).
+const EMPTY: u32 = u32::MAX;
+/// A slot's worker when its entry was taken away (confirmed, reset): never live, reusable.
+const TAKEN: u32 = u32::MAX - 1;
+/// Decision numbers are kept modulo 2**32 in the slots; the table is rebuilt (dead slots
+/// dropped) at least this often, so a dead slot's number never comes round to a live one.
+const RENUMBER: u64 = 1 << 31;
 
-    fn remove(&mut self, w: u32) {
-        if w < 64 {
-            self.low &= !(1 << w);
-        } else if let Some(word) = self.high.get_mut((w / 64 - 1) as usize) {
-            *word &= !(1 << (w % 64));
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.low == 0 && self.high.iter().all(|&w| w == 0)
-    }
-
-    /// Word `i` of the set (0: ids 0..64).
-    fn word(&self, i: usize) -> u64 {
-        if i == 0 {
-            self.low
-        } else {
-            self.high.get(i - 1).copied().unwrap_or(0)
-        }
-    }
-
-    fn words(&self) -> usize {
-        1 + self.high.len()
-    }
+#[derive(Clone, Copy)]
+struct Slot {
+    key: u64,
+    /// The decision that owns it (its number modulo 2**32, see `Provisional::front`).
+    gen: u32,
+    worker: u32,
 }
+
+const FREE: Slot = Slot {
+    key: 0,
+    gen: 0,
+    worker: EMPTY,
+};
 
 /// Counters, in entries except `confirmed` and `reset` (calls that took something away).
 #[derive(Default, Clone, Copy)]
@@ -80,18 +66,28 @@ impl Stats {
     }
 }
 
+struct Decision {
+    expiry: f64,
+    /// Entries this decision owns (added or renewed by it, not since renewed or taken away).
+    owned: usize,
+}
+
 pub struct Provisional {
     pub ttl_s: f64,
     pub max_entries: usize,
-    /// By worker id: key -> expiry (a key in several decisions keeps the latest).
-    held: Vec<Map<f64>>,
-    holders: Map<Holders>,
-    /// (expiry, worker, keys) per decision in the order made: one TTL for all, so expiry order
-    /// (a peer's shorter one only ends sooner, and is pruned with the next).
-    decisions: VecDeque<(f64, u32, Box<[u64]>)>,
+    table: Vec<Slot>,
+    /// Slots not EMPTY (live or dead).
+    used: usize,
+    /// Live decisions, oldest first: one TTL for all, so expiry order (a peer's shorter one only
+    /// ends sooner, and goes with the next prune past it).
+    decisions: VecDeque<Decision>,
+    /// The number of `decisions[0]`: decision i is `front + i`; an entry is live iff its
+    /// decision is.
+    front: u64,
+    /// `front` when the table was last rebuilt.
+    rebuilt: u64,
     entries: usize,
     pub stats: Stats,
-    alive: Vec<u64>,
 }
 
 impl Provisional {
@@ -99,12 +95,13 @@ impl Provisional {
         Provisional {
             ttl_s,
             max_entries,
-            held: Vec::new(),
-            holders: Map::default(),
+            table: Vec::new(),
+            used: 0,
             decisions: VecDeque::new(),
+            front: 0,
+            rebuilt: 0,
             entries: 0,
             stats: Stats::default(),
-            alive: Vec::new(),
         }
     }
 
@@ -117,140 +114,231 @@ impl Provisional {
         self.entries
     }
 
-    /// Worker `w` is about to hold `keys` (a prompt's chain, first block first) until `expiry`
-    /// (> now; the caller checks).
-    pub fn add(&mut self, w: u32, keys: &[u64], expiry: f64, now: f64) {
-        if keys.is_empty() {
-            return;
+    fn live(&self, s: &Slot) -> bool {
+        s.worker < TAKEN && (s.gen.wrapping_sub(self.front as u32) as usize) < self.decisions.len()
+    }
+
+    /// The index in `decisions` of a live slot's owner.
+    fn owner(&self, s: &Slot) -> usize {
+        s.gen.wrapping_sub(self.front as u32) as usize
+    }
+
+    /// The slot of (key, w) if it is in the table (live or not).
+    fn find(&self, key: u64, w: u32) -> Option<usize> {
+        if self.table.is_empty() {
+            return None;
         }
-        self.prune(now);
-        let i = w as usize;
-        if self.held.len() <= i {
-            self.held.resize_with(i + 1, Map::default);
-        }
-        let held = &mut self.held[i];
-        let mut new = 0;
-        for &k in keys {
-            if held.insert(k, expiry).is_none() {
-                new += 1;
-                self.holders.entry(k).or_default().insert(w);
+        let mask = self.table.len() - 1;
+        let mut i = slot_of(key, mask);
+        loop {
+            let s = &self.table[i];
+            if s.worker == EMPTY {
+                return None;
             }
-        }
-        self.entries += new;
-        self.stats.added += new as u64;
-        self.decisions.push_back((expiry, w, keys.into()));
-        while self.entries > self.max_entries {
-            let Some((expiry, w, keys)) = self.decisions.pop_front() else {
-                break;
-            };
-            self.stats.dropped += self.forget(expiry, w, &keys) as u64;
+            if s.key == key && s.worker == w {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
         }
     }
 
-    /// Per worker expected to hold `keys[0]`: (worker id, how many leading keys), in id order.
+    /// Worker `w` is about to hold `keys[start..]` of a prompt's chain `keys` until `expiry`
+    /// (> now; the caller checks): `start` is where its own hit ends.
+    pub fn add(&mut self, w: u32, keys: &[u64], start: usize, expiry: f64, now: f64) {
+        let Some(added) = keys.get(start..).filter(|k| !k.is_empty()) else {
+            return;
+        };
+        self.prune(now);
+        self.reserve(added.len());
+        // The keys' slots are far apart in a table of megabytes: ask for all their lines first,
+        // so the waits overlap instead of coming one per key.
+        let mask = self.table.len() - 1;
+        for &k in added {
+            prefetch(self.table.as_ptr().wrapping_add(slot_of(k, mask)));
+        }
+        let gen = (self.front + self.decisions.len() as u64) as u32;
+        self.decisions.push_back(Decision { expiry, owned: 0 });
+        let (mut new, mut owned) = (0, 0);
+        for &k in added {
+            let mask = self.table.len() - 1;
+            let mut i = slot_of(k, mask);
+            let mut reuse = None;
+            let found = loop {
+                let s = &self.table[i];
+                if s.worker == EMPTY {
+                    break None;
+                }
+                if s.key == k && s.worker == w {
+                    break Some(i);
+                }
+                if reuse.is_none() && !self.live(s) {
+                    reuse = Some(i);
+                }
+                i = (i + 1) & mask;
+            };
+            match found {
+                Some(j) => {
+                    let old = self.table[j];
+                    let live = self.live(&old);
+                    if live && old.gen == gen {
+                        continue; // a key twice in one chain
+                    }
+                    if live {
+                        // Renewed: the newer decision owns it now.
+                        let o = self.owner(&old);
+                        self.decisions[o].owned -= 1;
+                    } else {
+                        new += 1;
+                    }
+                    self.table[j].gen = gen;
+                    owned += 1;
+                }
+                None => {
+                    let j = match reuse {
+                        Some(j) => j,
+                        None => {
+                            self.used += 1;
+                            i
+                        }
+                    };
+                    self.table[j] = Slot {
+                        key: k,
+                        gen,
+                        worker: w,
+                    };
+                    new += 1;
+                    owned += 1;
+                }
+            }
+        }
+        let last = self.decisions.len() - 1;
+        self.decisions[last].owned = owned;
+        self.entries += new;
+        self.stats.added += new as u64;
+        while self.entries > self.max_entries && !self.decisions.is_empty() {
+            self.stats.dropped += self.pop() as u64;
+        }
+    }
+
+    /// Room for `n` more entries: the table is rebuilt (live entries only) or grown when
+    /// occupied slots would pass three quarters of it.
+    fn reserve(&mut self, n: usize) {
+        if (self.used + n) * 2 <= self.table.len() && self.front - self.rebuilt < RENUMBER {
+            return;
+        }
+        self.rebuilt = self.front;
+        let want = ((self.entries + n) * 4).max(1024).next_power_of_two();
+        let size = want.max(self.table.len());
+        let old = std::mem::replace(&mut self.table, vec![FREE; size]);
+        self.used = 0;
+        let mask = self.table.len() - 1;
+        for s in old {
+            if self.live(&s) {
+                let mut i = slot_of(s.key, mask);
+                while self.table[i].worker != EMPTY {
+                    i = (i + 1) & mask;
+                }
+                self.table[i] = s;
+                self.used += 1;
+            }
+        }
+    }
+
+    /// Ends the oldest decision; the entries it owned.
+    fn pop(&mut self) -> usize {
+        let d = self.decisions.pop_front().expect("a decision");
+        self.front += 1;
+        self.entries -= d.owned;
+        d.owned
+    }
+
+    /// Drops what has expired by `now`.
+    pub fn prune(&mut self, now: f64) {
+        while self.decisions.front().is_some_and(|d| d.expiry <= now) {
+            self.stats.expired += self.pop() as u64;
+        }
+    }
+
+    /// The workers holding `first` provisionally (a prompt's first block: the workers sent a
+    /// chain from it).
+    pub fn starting(&self, first: u64) -> Vec<u32> {
+        let mut out = Vec::new();
+        if self.table.is_empty() {
+            return out;
+        }
+        let mask = self.table.len() - 1;
+        let mut i = slot_of(first, mask);
+        while self.table[i].worker != EMPTY {
+            let s = &self.table[i];
+            if s.key == first && self.live(s) {
+                out.push(s.worker);
+            }
+            i = (i + 1) & mask;
+        }
+        out
+    }
+
+    /// Whether worker `w` holds `key` provisionally.
+    pub fn holds(&self, w: u32, key: u64) -> bool {
+        self.find(key, w).is_some_and(|i| self.live(&self.table[i]))
+    }
+
+    /// How many of `keys[from..]`, consecutively, worker `w` holds provisionally.
+    pub fn run(&self, w: u32, keys: &[u64], from: usize) -> usize {
+        keys.get(from..)
+            .map_or(0, |k| k.iter().take_while(|&&k| self.holds(w, k)).count())
+    }
+
+    /// Per worker holding `keys[0]`: (worker id, how many leading keys), in id order.
     pub fn leading(&mut self, keys: &[u64], now: f64, out: &mut Vec<(u32, u32)>) {
         out.clear();
         if self.entries == 0 || keys.is_empty() {
             return;
         }
         self.prune(now);
-        let Some(first) = self.holders.get(&keys[0]) else {
-            return;
-        };
-        let mut alive = std::mem::take(&mut self.alive);
-        alive.clear();
-        alive.extend((0..first.words()).map(|i| first.word(i)));
-        let mut n = 1;
-        while n < keys.len() && alive.iter().any(|&w| w != 0) {
-            let next = self.holders.get(&keys[n]);
-            for (i, word) in alive.iter_mut().enumerate() {
-                let kept = next.map_or(0, |h| h.word(i)) & *word;
-                push_ids(*word & !kept, i, n, out);
-                *word = kept;
-            }
-            n += 1;
+        for w in self.starting(keys[0]) {
+            out.push((w, self.run(w, keys, 0) as u32));
         }
-        for (i, &word) in alive.iter().enumerate() {
-            push_ids(word, i, n, out);
-        }
-        self.alive = alive;
         out.sort_unstable();
+    }
+
+    /// Takes the live entry in slot `i` away; whether there was one.
+    fn take(&mut self, i: usize) -> bool {
+        let s = self.table[i];
+        if !self.live(&s) {
+            return false;
+        }
+        let o = self.owner(&s);
+        self.decisions[o].owned -= 1;
+        self.table[i].worker = TAKEN;
+        self.entries -= 1;
+        true
     }
 
     /// Worker `w`'s own events now show it holding `keys`: its entries for them end.
     pub fn confirm(&mut self, w: u32, keys: &[u64]) {
-        let Some(held) = self.held.get_mut(w as usize) else {
-            return;
-        };
         let mut removed = 0;
-        for k in keys {
-            if held.remove(k).is_some() {
-                removed += 1;
-                unhold(&mut self.holders, *k, w);
+        for &k in keys {
+            if let Some(i) = self.find(k, w) {
+                removed += self.take(i) as usize;
             }
         }
         if removed > 0 {
-            self.entries -= removed;
             self.stats.confirmed += 1;
         }
     }
 
     /// Worker `w`'s cache was reset, cleared or it is gone: nothing it was sent stays.
     pub fn reset(&mut self, w: u32) {
-        let Some(held) = self.held.get_mut(w as usize) else {
-            return;
-        };
-        if held.is_empty() {
-            return;
-        }
-        let n = held.len();
-        for (k, _) in held.drain() {
-            unhold(&mut self.holders, k, w);
-        }
-        self.entries -= n;
-        self.stats.reset += 1;
-    }
-
-    fn prune(&mut self, now: f64) {
-        while self.decisions.front().is_some_and(|d| d.0 <= now) {
-            let (expiry, w, keys) = self.decisions.pop_front().expect("a front");
-            self.stats.expired += self.forget(expiry, w, &keys) as u64;
-        }
-    }
-
-    /// Drops a decision's entries that no later decision renewed; how many.
-    fn forget(&mut self, expiry: f64, w: u32, keys: &[u64]) -> usize {
-        let Some(held) = self.held.get_mut(w as usize) else {
-            return 0;
-        };
         let mut removed = 0;
-        for k in keys {
-            if held.get(k) == Some(&expiry) {
-                held.remove(k);
-                removed += 1;
-                unhold(&mut self.holders, *k, w);
+        for i in 0..self.table.len() {
+            if self.table[i].worker == w {
+                removed += self.take(i) as usize;
             }
         }
-        self.entries -= removed;
-        removed
-    }
-}
-
-fn unhold(holders: &mut Map<Holders>, k: u64, w: u32) {
-    if let Some(h) = holders.get_mut(&k) {
-        h.remove(w);
-        if h.is_empty() {
-            holders.remove(&k);
+        if removed > 0 {
+            self.stats.reset += 1;
         }
-    }
-}
-
-/// (id, n) for each id in word `i` of a set.
-fn push_ids(mut word: u64, i: usize, n: usize, out: &mut Vec<(u32, u32)>) {
-    while word != 0 {
-        let bit = word.trailing_zeros();
-        out.push(((i * 64) as u32 + bit, n as u32));
-        word &= word - 1;
     }
 }
 
@@ -267,9 +355,9 @@ mod tests {
     #[test]
     fn each_worker_scores_its_leading_run() {
         let mut p = Provisional::new(2.0, 1000);
-        p.add(0, &[1, 2, 3], 2.0, 0.0);
-        p.add(70, &[1, 2], 2.0, 0.0);
-        p.add(5, &[9], 2.0, 0.0);
+        p.add(0, &[1, 2, 3], 0, 2.0, 0.0);
+        p.add(70, &[1, 2], 0, 2.0, 0.0);
+        p.add(5, &[9], 0, 2.0, 0.0);
         assert_eq!(leading(&mut p, &[1, 2, 3, 4], 0.5), vec![(0, 3), (70, 2)]);
         assert_eq!(p.len(), 6);
         p.confirm(0, &[1, 2, 3]);
@@ -283,8 +371,8 @@ mod tests {
     #[test]
     fn a_renewed_key_outlives_the_decision_that_first_added_it() {
         let mut p = Provisional::new(2.0, 1000);
-        p.add(1, &[1, 2], 2.0, 0.0);
-        p.add(1, &[1, 3], 3.0, 1.0);
+        p.add(1, &[1, 2], 0, 2.0, 0.0);
+        p.add(1, &[1, 3], 0, 3.0, 1.0);
         assert_eq!(leading(&mut p, &[1, 3], 2.5), vec![(1, 2)]);
         assert_eq!(leading(&mut p, &[1, 2], 2.5), vec![(1, 1)]);
         p.reset(1);
@@ -293,10 +381,95 @@ mod tests {
     }
 
     #[test]
+    fn a_chain_added_past_a_hit_is_read_from_where_the_hit_ends() {
+        let mut p = Provisional::new(2.0, 1000);
+        p.add(3, &[1, 2, 3, 4], 2, 2.0, 0.0);
+        assert_eq!(p.len(), 2);
+        assert_eq!(leading(&mut p, &[1, 2, 3, 4], 0.5), vec![]);
+        assert_eq!(p.run(3, &[1, 2, 3, 4], 2), 2);
+        assert_eq!(p.run(3, &[1, 2, 3, 5], 2), 1);
+        assert!(p.holds(3, 4) && !p.holds(3, 1));
+    }
+
+    /// Random operations against the plain model: per (key, worker) the expiry and the decision
+    /// that last added it; a decision's end takes the entries it still owns.
+    #[test]
+    fn the_table_keeps_what_a_plain_model_keeps() {
+        use std::collections::HashMap;
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for round in 0..20 {
+            let cap = 20 + round * 40;
+            let mut p = Provisional::new(2.0, cap);
+            let mut model: HashMap<(u64, u32), u64> = HashMap::new(); // -> decision number
+            let mut live: VecDeque<(u64, f64)> = VecDeque::new(); // (number, expiry)
+            let mut number = 0u64;
+            let mut now = 0.0;
+            let drop_ended = |model: &mut HashMap<(u64, u32), u64>, live: &VecDeque<(u64, f64)>| {
+                model.retain(|_, d| live.iter().any(|l| l.0 == *d));
+            };
+            for _ in 0..400 {
+                let w = next(5) as u32 * 40; // ids past 64 too
+                let chain: Vec<u64> = (0..1 + next(12)).map(|i| next(3) * 100 + i).collect();
+                match next(6) {
+                    0..=2 => {
+                        let start = next(chain.len() as u64) as usize;
+                        p.add(w, &chain, start, now + 2.0, now);
+                        while live.front().is_some_and(|l| l.1 <= now) {
+                            live.pop_front();
+                        }
+                        drop_ended(&mut model, &live);
+                        live.push_back((number, now + 2.0));
+                        for &k in &chain[start..] {
+                            model.insert((k, w), number);
+                        }
+                        number += 1;
+                        while model.len() > cap && !live.is_empty() {
+                            live.pop_front();
+                            drop_ended(&mut model, &live);
+                        }
+                    }
+                    3 => {
+                        p.confirm(w, &chain);
+                        for k in &chain {
+                            model.remove(&(*k, w));
+                        }
+                    }
+                    4 => {
+                        p.reset(w);
+                        model.retain(|e, _| e.1 != w);
+                    }
+                    _ => now += next(100) as f64 / 100.0,
+                }
+                p.prune(now);
+                while live.front().is_some_and(|l| l.1 <= now) {
+                    live.pop_front();
+                }
+                drop_ended(&mut model, &live);
+                assert_eq!(p.len(), model.len());
+                for k in 0..3 * 100 + 13 {
+                    for w in (0..5).map(|w| w * 40) {
+                        assert_eq!(
+                            p.holds(w, k),
+                            model.contains_key(&(k, w)),
+                            "key {k} worker {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_oldest_decisions_go_past_the_cap() {
         let mut p = Provisional::new(2.0, 3);
-        p.add(0, &[1, 2], 2.0, 0.0);
-        p.add(1, &[3, 4], 2.0, 0.0);
+        p.add(0, &[1, 2], 0, 2.0, 0.0);
+        p.add(1, &[3, 4], 0, 2.0, 0.0);
         assert_eq!(p.len(), 2);
         assert_eq!(p.stats.dropped, 2);
         assert_eq!(leading(&mut p, &[1], 0.0), vec![]);

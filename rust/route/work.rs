@@ -16,9 +16,23 @@ pub struct Engine {
     pub budget: f64,
     /// kv_capacity_tokens (None: unknown)
     pub capacity: Option<f64>,
+    /// `prefill_ms(budget)`: a full pass (made by `new`).
+    full_pass_ms: f64,
 }
 
 impl Engine {
+    pub fn new(prefill: [f64; 3], decode: [f64; 3], budget: f64, capacity: Option<f64>) -> Engine {
+        let mut e = Engine {
+            prefill,
+            decode,
+            budget,
+            capacity,
+            full_pass_ms: 0.0,
+        };
+        e.full_pass_ms = e.prefill_ms(budget);
+        e
+    }
+
     pub fn prefill_ms(&self, tokens: f64) -> f64 {
         if tokens <= 0.0 {
             return 0.0;
@@ -43,11 +57,11 @@ impl Engine {
         if tokens <= self.budget {
             return self.prefill_ms(tokens) + step;
         }
-        tokens / self.budget * (self.prefill_ms(self.budget) + step)
+        tokens / self.budget * (self.full_pass_ms + step)
     }
 
     pub fn tokens_per_ms(&self, step: f64) -> f64 {
-        self.budget / (self.prefill_ms(self.budget) + step)
+        self.budget / (self.full_pass_ms + step)
     }
 
     /// Prompt tokens per second a worker drains while it is sent more (the decode step of an
@@ -179,6 +193,7 @@ pub fn time_costs(
     weight: f64,
     backlog_weight: f64,
     costs: &mut Vec<Cost>,
+    rows: &mut Vec<(f64, f64, f64)>,
 ) {
     // vLLM computes the last token for its logits: a hit stops one token short of the prompt.
     let cap = if num_tokens > 0 {
@@ -190,9 +205,10 @@ pub fn time_costs(
     let n = num_tokens as f64;
     costs.clear();
     // (todo, queued, step) per candidate; idle ones are NaN until the backlog is known.
-    let mut rows: Vec<(f64, f64, f64)> = Vec::with_capacity(candidates.len());
+    rows.clear();
     let mut any_idle = false;
     let mut backlog = f64::INFINITY;
+    let mut last_step = (f64::NAN, 0.0);
     for (i, c) in candidates.iter().enumerate() {
         let running = c.report.is_some_and(|r| r.0 != 0);
         if c.held == 0.0 && !c.busy && !running {
@@ -207,10 +223,14 @@ pub fn time_costs(
                 decoding = decoding.max(usage * capacity);
             }
         }
-        let step = if decoding != 0.0 {
-            engine.decode_ms(decoding)
-        } else {
+        // Workers report alike (a fleet's KV use moves together): the last step is reused.
+        let step = if decoding == 0.0 {
             0.0
+        } else if decoding == last_step.0 {
+            last_step.1
+        } else {
+            last_step = (decoding, engine.decode_ms(decoding));
+            last_step.1
         };
         let q = if c.busy {
             queued(i, engine.tokens_per_ms(step) * 1000.0)
@@ -228,7 +248,10 @@ pub fn time_costs(
         weight *= 1.0 + backlog_weight * (shortest / engine.budget);
     }
     let idle_cost = engine.prompt_ms(weight * n, 0.0);
-    for &(todo, q, step) in &rows {
+    // Most workers hold nothing of a prompt and have nothing queued: their rows repeat.
+    let mut last: ((f64, f64, f64), f64) = ((f64::NAN, 0.0, 0.0), 0.0);
+    for &row in rows.iter() {
+        let (todo, q, step) = row;
         costs.push(if todo.is_nan() {
             Cost {
                 ms: idle_cost,
@@ -236,8 +259,11 @@ pub fn time_costs(
                 idle: true,
             }
         } else {
+            if row != last.0 {
+                last = (row, engine.prompt_ms(q + weight * todo, step));
+            }
             Cost {
-                ms: engine.prompt_ms(q + weight * todo, step),
+                ms: last.1,
                 uncached: todo,
                 idle: false,
             }
@@ -249,17 +275,19 @@ pub fn time_costs(
 mod tests {
     use super::*;
 
-    const DYNAMO: Engine = Engine {
-        prefill: [16.50142, 1.518344e-02, 4.209989e-07],
-        decode: [5.74, 54.01, -25.74],
-        budget: 8192.0,
-        capacity: Some((16384 * 64) as f64),
-    };
+    fn dynamo() -> Engine {
+        Engine::new(
+            [16.50142, 1.518344e-02, 4.209989e-07],
+            [5.74, 54.01, -25.74],
+            8192.0,
+            Some((16384 * 64) as f64),
+        )
+    }
 
     #[test]
     fn a_first_token_drains_what_was_sent_before() {
         let mut w = Work::default();
-        let rate = DYNAMO.routing_rate();
+        let rate = dynamo().routing_rate();
         for id in 0..3 {
             w.add(
                 Flight {
@@ -302,10 +330,20 @@ mod tests {
             },
         ];
         let mut costs = Vec::new();
-        time_costs(&DYNAMO, &cands, |_, _| 0.0, 1000, 64, 1.0, 2.0, &mut costs);
+        time_costs(
+            &dynamo(),
+            &cands,
+            |_, _| 0.0,
+            1000,
+            64,
+            1.0,
+            2.0,
+            &mut costs,
+            &mut Vec::new(),
+        );
         assert!(costs[0].idle && !costs[1].idle);
         assert_eq!((costs[0].uncached, costs[1].uncached), (1000.0, 360.0));
-        assert_eq!(costs[0].ms, DYNAMO.prompt_ms(1000.0, 0.0));
+        assert_eq!(costs[0].ms, dynamo().prompt_ms(1000.0, 0.0));
         assert!(costs[1].ms < costs[0].ms);
     }
 }

@@ -68,6 +68,11 @@ Scores = Mapping[str, "int | Mapping[str | None, int]"]
 DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25, "STORAGE": 0.25}
 
 
+_NO_WORKERS = (
+    "no workers to route to: the index knows none yet (no events received) and no candidates were given "
+    "(Router(workers=...) or choose(..., workers=...))"
+)
+
 #: A peer's request still counts in its worker's load for at most this long without its "done"
 #: (the peer may have died with it in flight).
 PEER_IN_FLIGHT_MAX_S = 600.0
@@ -102,7 +107,8 @@ def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
 def tiered_overlap(by_medium: Mapping[str | None, int], weights: Mapping[str, float]) -> float:
     """Leading blocks held, each counted at the best tier holding it: ``by_medium`` gives per
     medium how many leading blocks it holds, so block ``i`` is worth the largest weight among the
-    media holding more than ``i`` blocks."""
+    media holding more than ``i`` blocks. (The router's core applies this rule natively,
+    rust/route.rs; tests/test_router.py holds the two to the same figures.)"""
     lowest = min(weights.values(), default=0.0)
     tiers = sorted(
         ((n, weights.get("GPU" if m is None else m, lowest)) for m, n in by_medium.items() if n > 0),
@@ -147,9 +153,10 @@ class Router:
 
     ``cost``: ``"time"`` (default; the module doc) or ``"blocks"`` (the cost before it, with
     ``loads``). ``engine``: the engines' :class:`EngineModel` for the time cost (default: Dynamo
-    1.6.1's replay model of a vLLM engine). ``reports``: for the time cost, a callable
-    ``report(worker)`` returning the worker's latest :class:`kvbridge.LoadReport` or None
-    (:meth:`ReportLoads.report`); while it says requests are running, its KV-cache use sets the
+    1.6.1's replay model of a vLLM engine). ``reports``: for the time cost, the workers'
+    latest :class:`kvbridge.LoadReport` s: a :class:`ReportLoads` (read in bulk each time its
+    reports refresh: the fast path) or its :meth:`ReportLoads.report`, or any callable
+    ``report(worker)`` returning a report or None (asked per candidate, per decision); while it says requests are running, its KV-cache use sets the
     decode step a prompt's passes share there, beside the router's own accounting. ``backlog_weight``: how much more the
     prompt's own uncached work weighs per pass of backlog on the least loaded worker (when every
     worker has a backlog, work added anywhere delays the requests queueing behind it; 0: the
@@ -189,7 +196,7 @@ class Router:
         cost: Literal["time", "blocks"] = "time",
         engine: EngineModel | None = None,
         backlog_weight: float = 2.0,
-        reports: Callable[[str], Any] | None = None,
+        reports: "ReportLoads | Callable[[str], Any] | None" = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size is None:
@@ -234,6 +241,9 @@ class Router:
             raise TypeError(f"remote must be a bool, got {remote!r}")
         self.remote = remote
         self.provisional = ProvisionalResidency(provisional_ttl_s, max_entries=max_provisional, clock=clock)
+        self._provisional_on = self.provisional.enabled
+        # Decided in one native call (no subscriber to read worker states from, no sampling).
+        self._simple = cost == "time" and self.temperature == 0 and subscriber is None
         self.subscriber = subscriber
         self.model = model
         #: This router's name among replicas sharing decisions (RouteSync).
@@ -258,6 +268,8 @@ class Router:
         if isinstance(reports, ReportLoads):
             self._report_source = reports
         self._reports_seen: Any = None
+        self._reports_read = -math.inf
+        self._reports_every = 0.0 if self._report_source is None else self._report_source.refresh_s
         if reports is not None and self._report_source is None:
             self._core.report_fn = reports
         # Request ids <-> the decisions they were routed by (only when callers name requests).
@@ -268,7 +280,7 @@ class Router:
         self._epochs: dict[str, str | None] = {}
         #: Called with each :class:`Decision` this router makes or ends (RouteSync publishes them).
         self.listeners: list[Callable[[Decision], None]] = []
-        self._counts = {"decisions": 0, "peer_decisions": 0, "peer_dones": 0, "restarts_seen": 0}
+        self._counts = {"peer_decisions": 0, "peer_dones": 0, "restarts_seen": 0}
 
     # -- scoring --------------------------------------------------------------------------------
 
@@ -320,7 +332,7 @@ class Router:
         residency)."""
         num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
-            return self._decide(None, _as_dict(scores), num_blocks, num_tokens, None, workers=workers, use_keys=False,
+            return self._decide(None, _as_dict(scores), num_blocks, num_tokens, None, None, None, workers, False,
                                 costs_only=True)[0]  # fmt: skip
 
     def scores(self, tokens: Sequence[int], *, lora_name: str | None = None, extra_keys: Any = None) -> dict[str, int]:
@@ -359,11 +371,10 @@ class Router:
             keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
             scores = _as_dict(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys))
             with self._lock:
-                return self._decide(None, scores, len(keys), len(tokens), keys, workers=workers, use_keys=True,
+                return self._decide(None, scores, len(keys), len(tokens), keys, None, None, workers, True,
                                     costs_only=True)[0]  # fmt: skip
         with self._lock:
-            return self._decide(tokens, None, 0, 0, None, lora_name=lora_name, extra_keys=extra_keys, workers=workers,
-                                use_keys=True, costs_only=True)[0]  # fmt: skip
+            return self._decide(tokens, None, 0, 0, None, lora_name, extra_keys, workers, True, costs_only=True)[0]
 
     # -- choosing -------------------------------------------------------------------------------
 
@@ -385,7 +396,7 @@ class Router:
         ``workers``). ``request_id``: names the request in :meth:`first_token` and :meth:`done`
         (default: a worker's requests are taken to finish in the order sent). Raises
         :class:`NoWorkersError` when there is none."""
-        use_keys = self.provisional.enabled or bool(self.listeners)
+        use_keys = self._provisional_on or bool(self.listeners)
         if not self._native_index:
             scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
             keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys) if use_keys else None
@@ -393,10 +404,25 @@ class Router:
             return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,
                                       request_id=request_id)  # fmt: skip
         with self._lock:
-            self._check_new(request_id)
-            made, now = self._decide(tokens, None, 0, 0, None, lora_name=lora_name, extra_keys=extra_keys,
-                                     workers=workers, use_keys=use_keys)  # fmt: skip
-            return self._chosen(made, now, request_id)
+            if request_id is not None and request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already in flight")
+            if self._simple and workers is None:  # the common case: one call
+                now = self.clock()
+                if self._report_source is not None and abs(now - self._reports_read) >= self._reports_every:
+                    self._sync_reports(now)
+                made = self._core.decide(tokens, None, 0, 0, None, lora_name, extra_keys, None, now, use_keys,
+                                         use_keys and bool(self.listeners), self._rng, None, None, False)  # fmt: skip
+                if made is None:
+                    raise NoWorkersError(_NO_WORKERS)
+            else:
+                made, now = self._decide(tokens, None, 0, 0, None, lora_name, extra_keys, workers, use_keys)
+            worker, leading, ident, keys = made
+            if request_id is not None:
+                self._requests[request_id] = ident
+                self._request_of[ident] = request_id
+        if self.listeners:
+            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
+        return worker, leading
 
     def choose_scores(
         self,
@@ -415,9 +441,15 @@ class Router:
         num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
             self._check_new(request_id)
-            made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, workers=workers,
-                                     use_keys=keys is not None)  # fmt: skip
-            return self._chosen(made, now, request_id)
+            made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, None, None, workers,
+                                     keys is not None)  # fmt: skip
+            worker, leading, ident, made_keys = made
+            if request_id is not None:
+                self._requests[request_id] = ident
+                self._request_of[ident] = request_id
+        if self.listeners:
+            self._tell(Decision("route", self.replica, ident, worker, now, made_keys or []))
+        return worker, leading
 
     def _sizes(self, num_blocks: int, num_tokens: int | None) -> int:
         """``num_tokens`` checked against ``num_blocks`` (default: the blocks' tokens)."""
@@ -440,10 +472,9 @@ class Router:
         num_blocks: int,
         num_tokens: int,
         keys: Sequence[int] | None,
-        *,
-        lora_name: str | None = None,
-        extra_keys: Any = None,
-        workers: Sequence[str] | None = None,
+        lora_name: str | None,
+        extra_keys: Any,
+        workers: Sequence[str] | None,
         use_keys: bool,
         costs_only: bool = False,
     ) -> tuple[Any, float]:
@@ -456,10 +487,9 @@ class Router:
         resyncing = None
         if use_keys and self.subscriber is not None:
             resyncing = [w for w, state in self._states().items() if state == "resyncing"]
-        source = self._report_source
-        if source is not None and (fresh := source._fresh()) is not self._reports_seen:
-            self._core.set_reports(fresh)
-            self._reports_seen = fresh
+        now = self.clock()
+        if self._report_source is not None:
+            self._sync_reports(now)
         load = None
         if self.cost == "blocks" and (self.loads is not None or self._peer_sent):
             # Every worker that may be a candidate (the core knows the rest by their in-flight count).
@@ -468,37 +498,35 @@ class Router:
                 known.update(self.index.workers)
             load = {w: self.load(w) for w in known}
         sample = self.temperature > 0 and not costs_only
-        now = self.clock()
+        want_keys = bool(self.listeners)
         made = self._core.decide(
-            tokens, scores, num_blocks, num_tokens, keys, lora_name=lora_name, extra_keys=extra_keys, workers=workers,
-            now=now, use_keys=use_keys, want_keys=bool(self.listeners), rng=self._rng, load=load,
-            resyncing=resyncing, costs_only=costs_only or sample,
+            tokens, scores, num_blocks, num_tokens, keys, lora_name, extra_keys, workers, now, use_keys, want_keys,
+            self._rng, load, resyncing, costs_only or sample,
         )  # fmt: skip
         if made is None:
-            raise NoWorkersError(
-                "no workers to route to: the index knows none yet (no events received) and no "
-                "candidates were given (Router(workers=...) or choose(..., workers=...))"
-            )
+            raise NoWorkersError(_NO_WORKERS)
         if sample:  # sampled among all, then made for the one drawn
             probs = softmax_probabilities(made, self.temperature)
             names = list(probs)
             drawn = self._rng.choices(names, weights=[probs[w] for w in names])[0]
             made = self._core.decide(
-                tokens, scores, num_blocks, num_tokens, keys, lora_name=lora_name, extra_keys=extra_keys,
-                workers=[drawn], now=now, use_keys=use_keys, want_keys=bool(self.listeners), rng=self._rng, load=load,
-                resyncing=resyncing,
+                tokens, scores, num_blocks, num_tokens, keys, lora_name, extra_keys, [drawn], now, use_keys, want_keys,
+                self._rng, load, resyncing, False,
             )  # fmt: skip
         return made, now
 
-    def _chosen(self, made: tuple[str, int, int, list[int] | None], now: float, request_id: Hashable | None) -> tuple[str, int]:
-        worker, leading, ident, keys = made
-        if request_id is not None:
-            self._requests[request_id] = ident
-            self._request_of[ident] = request_id
-        self._counts["decisions"] += 1
-        if self.listeners:
-            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
-        return worker, leading
+    def _sync_reports(self, now: float) -> None:
+        """Gives the core the reports of the ReportLoads when they may have refreshed (it reads
+        its subscriber at most every ``refresh_s``; the clock read here is the router's)."""
+        source = self._report_source
+        assert source is not None
+        if abs(now - self._reports_read) < self._reports_every:
+            return
+        self._reports_read = now
+        fresh = source._fresh()
+        if fresh is not self._reports_seen:
+            self._core.set_reports(fresh)
+            self._reports_seen = fresh
 
     def first_token(self, worker: str, request_id: Hashable | None = None) -> None:
         """A request sent to ``worker`` produced its first token (``request_id``; None: its
@@ -514,16 +542,20 @@ class Router:
         """A request sent to ``worker`` finished (``request_id``; None: the oldest of its
         requests counts as the one that finished): it leaves the worker's load."""
         with self._lock:
-            ident = None if request_id is None else self._requests.get(request_id, -1)
-            ended = None if ident == -1 else self._core.done(worker, ident, self.clock())
+            if request_id is None:
+                ended = self._core.done(worker, None, self.clock())
+            else:
+                ident = self._requests.get(request_id)
+                ended = None if ident is None else self._core.done(worker, ident, self.clock())
             if ended is None:
                 if not self.in_flight.get(worker):
                     raise ValueError(f"worker {worker!r} has no request in flight")
                 raise ValueError(f"request {request_id!r} is not in flight on worker {worker!r}")
             ident, sent = ended
-            rid = self._request_of.pop(ident, None)
-            if rid is not None:
-                del self._requests[rid]
+            if self._request_of:
+                rid = self._request_of.pop(ident, None)
+                if rid is not None:
+                    del self._requests[rid]
         if self.listeners:
             self._tell(Decision("done", self.replica, ident, worker, sent, []))
 
@@ -582,7 +614,7 @@ class Router:
         known -- "exact" (its stream is in order), "resyncing" (a hole or restart being repaired:
         scored by provisional residency only) or "provisional-only" (it never sent events)."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+            out: dict[str, Any] = dict(self._counts, decisions=self._core.decisions)
             out.update({f"provisional_{k}": v for k, v in self.provisional.stats.items()})
             out["provisional_entries"] = len(self.provisional)
             states = self._states()

@@ -79,6 +79,25 @@ impl Core {
         }
     }
 
+    /// `find_matches_by_medium` for every medium into `out` ((worker id, medium id, count),
+    /// sorted), `one` its scratch: a router's read, allocating nothing once warm.
+    pub fn find_matches_by_medium_into(
+        &self,
+        keys: &[u64],
+        remote: bool,
+        one: &mut Vec<(u32, u32)>,
+        out: &mut Vec<(u32, u8, u32)>,
+    ) {
+        out.clear();
+        for (m, name) in self.media.iter().enumerate() {
+            self.find_matches(keys, Some(name.as_deref()), remote, one);
+            out.extend(one.iter().map(|&(w, n)| (w, m as u8, n)));
+        }
+        if self.media.len() > 1 {
+            out.sort_unstable();
+        }
+    }
+
     /// `find_matches` once per medium (or for `medium` only): (worker id, medium id, count).
     pub fn find_matches_by_medium(
         &self,

@@ -1,0 +1,229 @@
+"""The router's native core (rust/route.rs) against a plain model of the time cost written from
+routing/work.py's module doc with :class:`EngineModel`'s formulas: every worker's requests in
+flight, its queued prompt work (drained at the engine's speed, reset by first tokens), its decode
+step, the hit capped as vLLM caps it; and provisional residency read from where a worker's own
+hit ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvbridge import BlockStored, Index, KVEventBatch
+from kvbridge.routing.router import Router
+from kvbridge.routing.work import EngineModel
+from kvbridge.wire.events import LoadReport
+
+BS = 16
+ENGINE = EngineModel()
+WORKERS = ["a", "b", "c"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _store(index: Index, worker: str, tokens: list[int]) -> None:
+    n = len(tokens) // BS
+    ev = BlockStored(list(range(1, n + 1)), None, tokens[: n * BS], BS, None, "GPU", None, None)
+    index.apply(worker, KVEventBatch(0.0, [ev]))
+
+
+@dataclass
+class Sent:
+    prompt: int
+    uncached: float
+    first: bool = False
+
+
+@dataclass
+class Worker:
+    """What the model keeps per worker: its requests in flight, oldest first."""
+
+    flights: dict[int, Sent] = field(default_factory=dict)
+    queued: float = 0.0
+    anchor: float = 0.0
+
+    def drained(self, now: float, rate: float) -> float:
+        q = self.queued
+        if q > 0 and now > self.anchor:
+            q = max(0.0, q - (now - self.anchor) * rate)
+        return q
+
+    def requeue(self, now: float) -> None:
+        self.queued = sum(f.uncached for f in self.flights.values() if not f.first)
+        self.anchor = now
+
+    @property
+    def decoding(self) -> int:
+        return sum(f.prompt for f in self.flights.values() if f.first)
+
+
+def model_costs(
+    held: dict[str, int], fleet: dict[str, Worker], reports: dict[str, LoadReport], n: int, now: float
+) -> dict[str, tuple[float, float]]:
+    """Per worker (predicted ms, uncached tokens) for a prompt of ``n`` tokens."""
+    cap = (n - 1) // BS
+    rows, idle = {}, []
+    for w in WORKERS:
+        h, work, rep = held.get(w, 0), fleet[w], reports.get(w)
+        if not h and not work.flights and (rep is None or not rep.running):
+            idle.append(w)
+            continue
+        todo = n - min(h, cap) * BS
+        decoding = float(work.decoding)
+        if rep is not None and rep.running:
+            decoding = max(decoding, rep.kv_cache_usage * ENGINE.kv_capacity_tokens)
+        step = ENGINE.decode_ms(decoding) if decoding else 0.0
+        queued = work.drained(now, ENGINE.tokens_per_ms(step) * 1000.0) if work.flights else 0.0
+        rows[w] = (todo, queued, step)
+    weight = 1.0
+    if not idle:
+        weight *= 1.0 + 2.0 * min(r[1] for r in rows.values()) / ENGINE.max_num_batched_tokens
+    out = {w: (ENGINE.prompt_ms(q + weight * todo, step), float(todo)) for w, (todo, q, step) in rows.items()}
+    out.update({w: (ENGINE.prompt_ms(weight * n, 0.0), float(n)) for w in idle})
+    return out
+
+
+op = st.one_of(
+    st.tuples(st.just("choose"), st.integers(0, 3), st.integers(1, 900)),  # prefix id, tail tokens
+    st.tuples(st.just("first"), st.integers(0, 40), st.just(0)),
+    st.tuples(st.just("done"), st.integers(0, 40), st.just(0)),
+    st.tuples(st.just("wait"), st.integers(1, 400), st.just(0)),  # ms
+    st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 100)),  # worker, kv use %
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(op, max_size=40), stored=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3)), max_size=4))
+def test_the_core_weighs_and_keeps_what_the_model_does(ops, stored):
+    prefixes = [[p * 10_000 + i for i in range(40 * BS)] for p in range(4)]
+    index = Index(BS)
+    for w, p in stored:
+        _store(index, WORKERS[w], prefixes[p][: (10 + 10 * p) * BS])
+    reports: dict[str, LoadReport] = {}
+    clock = Clock()
+    router = Router(index, block_size=BS, workers=WORKERS, clock=clock, provisional_ttl_s=0, reports=reports.get)
+    fleet = {w: Worker() for w in WORKERS}
+    where: dict[int, str] = {}
+    for rid, (kind, x, y) in enumerate(ops):
+        if kind == "choose":
+            prompt = prefixes[x] + [7] * y
+            held = {w: n for w, n in index.find_matches(prompt).items()}
+            expected = model_costs(held, fleet, reports, len(prompt), clock.t)
+            costs = router.costs(prompt)
+            assert costs == pytest.approx({w: c for w, (c, _) in expected.items()}, rel=1e-12)
+            worker, hit = router.choose(prompt, request_id=rid)
+            assert costs[worker] == min(costs.values()) and hit == held.get(worker, 0)
+            work = fleet[worker]
+            rate = ENGINE.tokens_per_ms(ENGINE.decode_ms(0.0)) * 1000.0
+            work.queued, work.anchor = work.drained(clock.t, rate) + expected[worker][1], clock.t
+            work.flights[rid] = Sent(len(prompt), expected[worker][1])
+            where[rid] = worker
+        elif kind in ("first", "done") and where:
+            x = sorted(where)[x % len(where)]  # one of the requests in flight
+            worker = where[x]
+            work = fleet[worker]
+            if kind == "first":
+                router.first_token(worker, x)
+                if not work.flights[x].first:
+                    work.flights[x].first = True
+                    work.requeue(clock.t)
+            else:
+                router.done(worker, x)
+                sent = work.flights.pop(x)
+                del where[x]
+                if not sent.first:
+                    work.requeue(clock.t)
+                if not work.flights:
+                    fleet[worker] = Worker()
+        elif kind == "wait":
+            clock.t += x / 1000.0
+        elif kind == "report":
+            reports[WORKERS[x]] = LoadReport(ts=clock.t, kv_cache_usage=y / 100, running=1 if y else 0)
+    assert router.in_flight == {w: len(f.flights) for w, f in fleet.items() if f.flights}
+
+
+def test_provisional_residency_adds_only_what_the_worker_does_not_hold():
+    """A worker holding a long prefix by its own events is sent only the prompt's blocks past
+    it; its score is its hit extended by them; once its events hold them too, they are confirmed."""
+    clock = Clock()
+    index = Index(BS)
+    prefix = list(range(20 * BS))
+    _store(index, "a", prefix)
+    router = Router(index, block_size=BS, workers=["a", "b"], clock=clock)
+    first = prefix + list(range(50_000, 50_000 + 10 * BS)) + [1]
+    assert router.choose(first, request_id=1) == ("a", 20)
+    assert len(router.provisional) == 10  # the 10 blocks past the hit, not all 30
+    # The same conversation's next turn: "a" scores 30 blocks (20 held, 10 just sent).
+    nxt = first[:-1] + list(range(60_000, 60_000 + 5 * BS)) + [2]
+    router.done("a", 1)
+    assert router.costs(nxt)["a"] == pytest.approx(ENGINE.prefill_ms(len(nxt) - 30 * BS), rel=1e-12)
+    # Its events now hold all 30 blocks: what was sent is confirmed, nothing provisional stays.
+    _store(index, "a", first)
+    router.costs(nxt)
+    assert len(router.provisional) == 0 and router.provisional.stats["confirmed"] == 1
+    # A worker without a hit is sent the chain from the first block.
+    other = list(range(90_000, 90_000 + 8 * BS)) + [3]
+    worker, hit = router.choose(other)
+    assert hit == 0 and router.provisional.scores(router.block_keys(other)) == {worker: 8}
+
+
+class Subscriber:
+    """What ``KvEventSubscriber.loads`` holds: (model, worker) -> (latest report, age in s)."""
+
+    def __init__(self) -> None:
+        self.loads: dict[tuple[str, str], tuple[LoadReport, float]] = {}
+
+    def report(self, worker: str, kv: float) -> None:
+        self.loads[("m", worker)] = (LoadReport(ts=0.0, kv_cache_usage=kv, running=3), 0.1)
+
+
+def test_a_report_loads_is_read_in_bulk_each_time_its_reports_refresh():
+    """``reports=ReportLoads`` (the subscriber's reports): the core gets them when they refresh,
+    and weighs each worker's KV-cache use as a callable's reports would be weighed."""
+    from kvbridge.routing.router import ReportLoads
+
+    sub = Subscriber()
+    sub.report("a", 0.9)
+    sub.report("b", 0.0)
+    clock = Clock()
+    loads = ReportLoads(sub, model="m", refresh_s=0.0)
+    kw = dict(block_size=BS, workers=["a", "b"], clock=clock, provisional_ttl_s=0)
+    router = Router(Index(BS), reports=loads, **kw)
+    same = Router(Index(BS), reports=loads.report, **kw)
+    prompt = list(range(100))
+    costs = router.costs(prompt)
+    assert costs == same.costs(prompt)
+    assert costs["a"] == pytest.approx(ENGINE.prompt_ms(100, ENGINE.decode_ms(0.9 * ENGINE.kv_capacity_tokens)))
+    assert router.choose(prompt)[0] == "b"
+    sub.report("b", 0.95)  # b's cache fills: the next decision reads it
+    clock.t += 1.0  # b's prompt went through
+    assert router.costs(prompt)["b"] == pytest.approx(ENGINE.prompt_ms(100, ENGINE.decode_ms(0.95 * ENGINE.kv_capacity_tokens)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scores=st.dictionaries(
+        st.sampled_from(WORKERS),
+        st.one_of(
+            st.integers(0, 40),
+            st.dictionaries(st.sampled_from([None, "GPU", "CPU", "DISK", "NVME"]), st.integers(0, 40), max_size=4),
+        ),
+        min_size=1,
+    ),
+    blocks=st.integers(0, 48),
+)
+def test_the_core_counts_each_block_at_the_best_tier_as_tiered_overlap_does(scores, blocks):
+    from kvbridge.routing.router import DEFAULT_MEDIUM_WEIGHTS, tiered_overlap
+
+    router = Router(block_size=BS, workers=WORKERS, cost="blocks")  # costs: blocks - overlap + requests
+    held = {w: tiered_overlap(s, DEFAULT_MEDIUM_WEIGHTS) if isinstance(s, dict) else s for w, s in scores.items()}
+    costs = router.costs_from_scores(scores, blocks)
+    assert costs == {w: float(blocks - min(held.get(w, 0), blocks)) for w in WORKERS}
