@@ -12,7 +12,9 @@ decision is followed by ``done`` (a request finishing), as a gateway does. Rows,
   at most 2x, issue 30);
 * off: ``provisional_ttl_s=0``: the index query, hashing and the cost formula only;
 * provisional: the default (2 s TTL): plus the prompt's block keys recorded and read back;
-* provisional + reports: plus every worker's LoadReport read (``reports=``), as the proxy runs;
+* provisional + reports: plus every worker's LoadReport weighed (``reports=`` a
+  :class:`kvbridge.routing.router.ReportLoads` over a subscriber's reports, read in bulk when they
+  refresh, as a router fed by a ``KvEventSubscriber`` runs);
 * provisional + sync: plus :class:`kvbridge.routing.sync.RouteSync` publishing every decision
   and its end to a real nats-server on loopback, and a second replica applying them.
 
@@ -28,13 +30,26 @@ import random
 import time
 
 from kvbridge import BlockStored, Index, KVEventBatch
-from kvbridge.routing.router import Router
+from kvbridge.routing.router import ReportLoads, Router
 from kvbridge.routing.sync import RouteSync
 from kvbridge.tools.server import NatsServer
 from kvbridge.wire.events import LoadReport
 
 BS = 16
 SYSTEM_BLOCKS = 96
+
+
+class _Reports:
+    """What ``KvEventSubscriber.loads`` holds: (model, worker) -> (latest report, age in s), here
+    a report per worker that keeps being fresh."""
+
+    def __init__(self, workers: list[str]) -> None:
+        self.workers = workers
+
+    @property
+    def loads(self) -> dict[tuple[str, str], tuple[LoadReport, float]]:
+        report = LoadReport(ts=time.time(), kv_cache_usage=0.3, running=4, waiting=1)
+        return {("bench", w): (report, 0.01) for w in self.workers}
 
 
 def build_index(n_workers: int, rnd: random.Random) -> tuple[Index, list[list[int]]]:
@@ -74,7 +89,7 @@ async def main_async(args: argparse.Namespace) -> None:
     index, systems = build_index(args.workers, rnd)
     rows = ("find_matches", "off", "provisional", "provisional + reports", "provisional + sync")
     best = dict.fromkeys(rows, float("inf"))
-    reports = {w: LoadReport(ts=time.time(), kv_cache_usage=0.3, running=4, waiting=1) for w in index.workers}
+    reports = ReportLoads(_Reports(index.workers))
     with NatsServer() as server:
         for _ in range(args.runs):
             batch = prompts(systems, args.decisions, args.blocks, rnd)
@@ -86,7 +101,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     best[row] = min(best[row], (time.perf_counter() - start) / len(batch))
                     continue
                 router = Router(index, provisional_ttl_s=0 if row == "off" else 2.0,
-                                reports=reports.get if row.endswith("reports") else None)  # fmt: skip
+                                reports=reports if row.endswith("reports") else None)  # fmt: skip
                 if row.endswith("sync"):
                     peer_router = Router(index)
                     async with RouteSync(router, servers=[server.url], model="bench") as sender, \
