@@ -346,6 +346,26 @@ struct IndexRead {
     media: Vec<(u8, Option<String>)>,
 }
 
+impl IndexRead {
+    /// The index's live workers and their clears; `cache` (index id -> the router's slot, with
+    /// the name it had) says which names are new: a name is copied only then (Arcs compared,
+    /// not strings).
+    fn workers_of(&mut self, core: &crate::index::core::Core, cache: &[Option<(Arc<str>, u32)>]) {
+        self.workers.clear();
+        self.misses.clear();
+        for (w, name, clears) in core.workers_with_clears() {
+            self.workers.push((w, clears));
+            let known = cache
+                .get(w as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|c| Arc::ptr_eq(&c.0, name));
+            if !known {
+                self.misses.push((w, name.clone()));
+            }
+        }
+    }
+}
+
 /// What one decision is asked.
 struct Ask<'a, 'py> {
     tokens: Option<&'a Bound<'py, PyAny>>,
@@ -677,21 +697,8 @@ impl RouterCore {
                 &mut keys,
                 |core, keys| {
                     core.find_matches_by_medium_into(keys, remote, &mut read.one, &mut read.rows);
-                    read.workers.clear();
+                    read.workers_of(core, cache);
                     read.media.clear();
-                    read.misses.clear();
-                    for (w, name, clears) in core.workers_with_clears() {
-                        read.workers.push((w, clears));
-                        // A worker's name is copied only when the router has not seen it
-                        // under this id (Arcs compared, not strings).
-                        let known = cache
-                            .get(w as usize)
-                            .and_then(Option::as_ref)
-                            .is_some_and(|c| Arc::ptr_eq(&c.0, name));
-                        if !known {
-                            read.misses.push((w, name.clone()));
-                        }
-                    }
                     for &(_, m, _) in &read.rows {
                         if !read.media.iter().any(|x| x.0 == m) {
                             read.media
@@ -712,18 +719,7 @@ impl RouterCore {
                 let cache = &self.index_slot;
                 index.get().route_workers(py, |core| {
                     read.rows.clear();
-                    read.workers.clear();
-                    read.misses.clear();
-                    for (w, name, clears) in core.workers_with_clears() {
-                        read.workers.push((w, clears));
-                        let known = cache
-                            .get(w as usize)
-                            .and_then(Option::as_ref)
-                            .is_some_and(|c| Arc::ptr_eq(&c.0, name));
-                        if !known {
-                            read.misses.push((w, name.clone()));
-                        }
-                    }
+                    read.workers_of(core, cache);
                 });
                 self.apply_read(py, &read);
                 self.read = read;

@@ -11,28 +11,17 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvbridge import BlockStored, Index, KVEventBatch
+from kvbridge import Index
 from kvbridge.routing.router import Router
 from kvbridge.routing.work import EngineModel
 from kvbridge.wire.events import LoadReport
 
-BS = 16
+from router_support import BS, Clock, store
+
 ENGINE = EngineModel()
 WORKERS = ["a", "b", "c"]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _store(index: Index, worker: str, tokens: list[int]) -> None:
-    n = len(tokens) // BS
-    ev = BlockStored(list(range(1, n + 1)), None, tokens[: n * BS], BS, None, "GPU", None, None)
-    index.apply(worker, KVEventBatch(0.0, [ev]))
 
 
 @dataclass
@@ -106,7 +95,7 @@ def test_the_core_weighs_and_keeps_what_the_model_does(ops, stored):
     prefixes = [[p * 10_000 + i for i in range(40 * BS)] for p in range(4)]
     index = Index(BS)
     for w, p in stored:
-        _store(index, WORKERS[w], prefixes[p][: (10 + 10 * p) * BS])
+        store(index, WORKERS[w], prefixes[p][: (10 + 10 * p) * BS])
     reports: dict[str, LoadReport] = {}
     clock = Clock()
     router = Router(index, block_size=BS, workers=WORKERS, clock=clock, provisional_ttl_s=0, reports=reports.get)
@@ -156,7 +145,7 @@ def test_provisional_residency_adds_only_what_the_worker_does_not_hold():
     clock = Clock()
     index = Index(BS)
     prefix = list(range(20 * BS))
-    _store(index, "a", prefix)
+    store(index, "a", prefix)
     router = Router(index, block_size=BS, workers=["a", "b"], clock=clock)
     first = prefix + list(range(50_000, 50_000 + 10 * BS)) + [1]
     assert router.choose(first, request_id=1) == ("a", 20)
@@ -166,7 +155,7 @@ def test_provisional_residency_adds_only_what_the_worker_does_not_hold():
     router.done("a", 1)
     assert router.costs(nxt)["a"] == pytest.approx(ENGINE.prefill_ms(len(nxt) - 30 * BS), rel=1e-12)
     # Its events now hold all 30 blocks: what was sent is confirmed, nothing provisional stays.
-    _store(index, "a", first)
+    store(index, "a", first)
     router.costs(nxt)
     assert len(router.provisional) == 0 and router.provisional.stats["confirmed"] == 1
     # A worker without a hit is sent the chain from the first block.

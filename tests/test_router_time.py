@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge import BlockStored, Index, KVEventBatch
+from kvbridge import Index
 from kvbridge.wire.events import LoadReport
 from kvbridge.routing.router import Router
 from kvbridge.routing.work import EngineModel
 
-BS = 16
+from router_support import BS, Clock, store
+
 ENGINE = EngineModel()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _store(index: Index, worker: str, tokens: list[int]) -> None:
-    n = len(tokens) // BS
-    ev = BlockStored(list(range(1, n + 1)), None, tokens[: n * BS], BS, None, "GPU", None, None)
-    index.apply(worker, KVEventBatch(0.0, [ev]))
 
 
 def _router(index: Index | None = None, **kw) -> tuple[Router, Clock]:
@@ -40,7 +29,7 @@ def _router(index: Index | None = None, **kw) -> tuple[Router, Clock]:
 def test_idle_workers_cost_the_time_of_their_uncached_tokens():
     prompt = list(range(1000))
     index = Index(BS)
-    _store(index, "a", prompt[:320])  # 20 blocks
+    store(index, "a", prompt[:320])  # 20 blocks
     router, _ = _router(index)
     costs = router.costs(prompt)
     assert costs["a"] == pytest.approx(ENGINE.prefill_ms(1000 - 320))
@@ -52,7 +41,7 @@ def test_a_hit_stops_one_token_short_as_vllm_counts_it():
     # A block-aligned prompt held whole: vLLM recomputes its last block (the last token's logits).
     prompt = list(range(64))
     index = Index(BS)
-    _store(index, "a", prompt)
+    store(index, "a", prompt)
     router, _ = _router(index)
     assert router.costs(prompt)["a"] == pytest.approx(ENGINE.prefill_ms(BS))
     assert router.costs(prompt + [7])["a"] == pytest.approx(ENGINE.prefill_ms(1))
@@ -88,7 +77,7 @@ def test_long_prefills_spread_instead_of_piling_onto_the_prefix_holder():
     # time the third already waits longer on a than it takes to prefill elsewhere.
     prefix = list(range(1024))
     index = Index(BS)
-    _store(index, "a", prefix)
+    store(index, "a", prefix)
     prompts = [prefix + list(range(10**6 * (i + 1), 10**6 * (i + 1) + 11_000)) for i in range(4)]
     timed, _ = _router(index)
     chosen = [timed.choose(p)[0] for p in prompts]
