@@ -216,3 +216,35 @@ def test_the_core_counts_each_block_at_the_best_tier_as_tiered_overlap_does(scor
     held = {w: tiered_overlap(s, DEFAULT_MEDIUM_WEIGHTS) if isinstance(s, dict) else s for w, s in scores.items()}
     costs = router.costs_from_scores(scores, blocks)
     assert costs == {w: float(blocks - min(held.get(w, 0), blocks)) for w in WORKERS}
+
+
+def test_reads_from_another_thread_wait_for_a_decision_that_released_the_gil():
+    """A prompt of 4,096 blocks or more is read from the index with the GIL released while the
+    core is held: another thread reading the router meanwhile waits for the decision (the
+    router's lock), where the core would refuse it ("already borrowed")."""
+    import threading
+
+    index = Index(BS)
+    long = list(range(70_000))  # 4,375 blocks
+    store(index, "a", long[: 4096 * BS])
+    router = Router(index, block_size=BS, workers=["a", "b"], cost="blocks", loads={"a": 0.0})
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                router.in_flight, router.load("a"), router.routed_since("a", 0.0), router.stats
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(30):
+            router.choose(long + [i], request_id=i)
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
+    assert sum(router.in_flight.values()) == 30

@@ -249,7 +249,8 @@ class Router:
         #: This router's name among replicas sharing decisions (RouteSync).
         self.replica = uuid.uuid4().hex[:12]
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
+        # Reentrant: load() and routed_since() are public and also asked during a decision.
+        self._lock = threading.RLock()
         # The state and the hot path: native (kvbridge._native.RouterCore), one call a decision.
         eng = self.engine
         self._core = RouterCore(
@@ -287,16 +288,23 @@ class Router:
     @property
     def in_flight(self) -> dict[str, int]:
         """``{worker: requests chosen and not yet done}``."""
-        return self._core.in_flight()
+        # Under the lock: a decision holds the core while it may wait for the index's lock
+        # with the GIL released (a long prompt).
+        with self._lock:
+            return self._core.in_flight()
 
     def load(self, worker: str) -> float:
         """The load term of ``worker``'s cost (``cost="blocks"``)."""
+        with self._lock:
+            return self._load(worker)
+
+    def _load(self, worker: str) -> float:
         loads = self.loads
         value = None
         if loads is not None:
             value = loads.get(worker) if type(loads) is dict or isinstance(loads, Mapping) else loads(worker)
         if value is None:
-            return float(self.in_flight.get(worker, 0) + self._peer_count(worker, -math.inf))
+            return float(self._core.in_flight().get(worker, 0) + self._peer_count(worker, -math.inf))
         load = _check_number(f"load of worker {worker!r}", value)
         as_of = getattr(loads, "as_of", None)
         if as_of is not None and (since := as_of(worker)) is not None:
@@ -307,7 +315,8 @@ class Router:
         """Requests sent to ``worker`` after time ``ts`` (the router's clock) and still in
         flight (this router's and its peers'): what a load report taken at ``ts`` does not
         count yet."""
-        return self._core.routed_since(worker, ts) + self._peer_count(worker, ts)
+        with self._lock:
+            return self._core.routed_since(worker, ts) + self._peer_count(worker, ts)
 
     def _peer_count(self, worker: str, ts: float) -> int:
         if not self._peer_sent:
@@ -548,7 +557,7 @@ class Router:
                 ident = self._requests.get(request_id)
                 ended = None if ident is None else self._core.done(worker, ident, self.clock())
             if ended is None:
-                if not self.in_flight.get(worker):
+                if not self._core.in_flight().get(worker):
                     raise ValueError(f"worker {worker!r} has no request in flight")
                 raise ValueError(f"request {request_id!r} is not in flight on worker {worker!r}")
             ident, sent = ended
@@ -618,7 +627,7 @@ class Router:
             out.update({f"provisional_{k}": v for k, v in self.provisional.stats.items()})
             out["provisional_entries"] = len(self.provisional)
             states = self._states()
-            known = set(self.workers) | set(self.in_flight) | set(states)
+            known = set(self.workers) | set(self._core.in_flight()) | set(states)
             if self.index is not None:
                 known.update(self.index.workers)
             if self.subscriber is None and self.index is not None:
