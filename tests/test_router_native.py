@@ -248,3 +248,14 @@ def test_reads_from_another_thread_wait_for_a_decision_that_released_the_gil():
         reader.join()
     assert errors == []
     assert sum(router.in_flight.values()) == 30
+
+
+def test_settings_the_core_holds_cannot_be_changed_after_construction():
+    router = Router(Index(BS), workers=["a"], overlap_weight=1.0)
+    with pytest.raises(AttributeError, match="Router.overlap_weight is fixed at construction"):
+        router.overlap_weight = 2.0
+    with pytest.raises(AttributeError, match="Router.workers is fixed"):
+        router.workers = ("a", "b")
+    assert router.workers == ("a",) and router.overlap_weight == 1.0
+    router.listeners.append(print)  # what may change: who hears of decisions
+    assert router.listeners == [print]

@@ -177,6 +177,20 @@ class Router:
     ``loads`` the number as given; without a number, the requests in flight.
     """
 
+    #: Settings the native core takes at construction: assigning one later is refused (it would
+    #: not reach the core).
+    FIXED = frozenset({
+        "index", "block_size", "overlap_weight", "temperature", "workers", "medium_weights", "remote", "subscriber",
+        "cost", "engine", "backlog_weight", "reports", "clock", "provisional",
+    })  # fmt: skip
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in Router.FIXED and "_core" in self.__dict__:
+            raise AttributeError(
+                f"Router.{name} is fixed at construction (the router's native core holds it): make a new Router"
+            )
+        object.__setattr__(self, name, value)
+
     def __init__(
         self,
         index: Any = None,
@@ -228,7 +242,7 @@ class Router:
         self.overlap_weight = _check_number("overlap_weight", overlap_weight)
         self.temperature = _check_number("temperature", temperature)
         self.loads = loads
-        self.workers = [_check_worker("workers", w) for w in workers]
+        self.workers = tuple(_check_worker("workers", w) for w in workers)
         if medium_weights is None:
             medium_weights = DEFAULT_MEDIUM_WEIGHTS
         if not isinstance(medium_weights, Mapping) or not medium_weights:
@@ -258,7 +272,7 @@ class Router:
             decode=eng.decode, max_num_batched_tokens=eng.max_num_batched_tokens,
             kv_capacity_tokens=eng.kv_capacity_tokens, overlap_weight=self.overlap_weight,
             backlog_weight=self.backlog_weight, remote=remote, medium_weights=list(self.medium_weights.items()),
-            workers=self.workers,
+            workers=list(self.workers),
         )  # fmt: skip
         # A kvbridge.Index is read by the core itself; another index answers find_matches here.
         self._native_index = isinstance(index, Index)
