@@ -53,7 +53,6 @@ struct Slot {
     indexed: u64,
     clears_now: u64,
     asked: u64,
-    resyncing: u64,
     /// Its own hit (index or given scores) in the decision `hit_at`, before provisional
     /// residency: what it is not sent again.
     hit: i64,
@@ -209,12 +208,10 @@ impl RouterCore {
         resyncing: Option<&Bound<'py, PyAny>>,
         costs_only: bool,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let mut keys_buf = std::mem::take(&mut self.keys);
-        keys_buf.clear();
+        self.keys.clear();
         if let Some(k) = keys {
-            keys_buf = read_keys(k)?;
+            self.keys = read_keys(k)?;
         }
-        self.keys = keys_buf;
         let ask = Ask {
             tokens,
             scores,
@@ -231,8 +228,6 @@ impl RouterCore {
             return Ok(None);
         }
         self.weigh(py, now, num_blocks, num_tokens, load)?;
-        // The costs in the order Python's dict kept them: the time cost lists workers that
-        // are not idle first.
         // The costs in the order Python's dict kept them: the time cost lists workers that
         // are not idle first (ties are drawn in that order).
         let costs = &self.costs;
@@ -369,7 +364,6 @@ impl RouterCore {
             indexed: 0,
             clears_now: 0,
             asked: 0,
-            resyncing: 0,
             hit: 0,
             hit_at: 0,
         });
@@ -388,18 +382,21 @@ impl RouterCore {
         if let Some(i) = self.media.iter().position(|m| m.name.as_deref() == name) {
             return i as u32;
         }
-        let look = name.unwrap_or("GPU");
-        let weight = self
-            .weights
-            .iter()
-            .find(|w| w.0 == look)
-            .map_or(self.lowest, |w| w.1);
+        let weight = self.weight_of(name.unwrap_or("GPU"));
         self.media.push(Medium {
             name: name.map(str::to_string),
             weight,
             gpu: name == Some("GPU"),
         });
         (self.media.len() - 1) as u32
+    }
+
+    /// A medium's weight (`medium_weights`; one not named there counts as the lowest).
+    fn weight_of(&self, medium: &str) -> f64 {
+        self.weights
+            .iter()
+            .find(|w| w.0 == medium)
+            .map_or(self.lowest, |w| w.1)
     }
 
     /// Each candidate's cost into `self.costs`, in candidate order.
@@ -498,11 +495,7 @@ impl RouterCore {
                     Some(p) => p,
                     None => {
                         let p = prov.id(py, self.slots[s as usize].name.bind(py));
-                        if self.prov_slot.len() <= p as usize {
-                            self.prov_slot.resize(p as usize + 1, u32::MAX);
-                        }
-                        self.prov_slot[p as usize] = s;
-                        self.slots[s as usize].pid = Some(p);
+                        self.link(p, s);
                         p
                     }
                 };

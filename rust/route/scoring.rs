@@ -140,9 +140,8 @@ impl RouterCore {
                     let name = worker_name("resyncing", &name)?;
                     let s = self.slot(&name);
                     let slot = &mut self.slots[s as usize];
-                    slot.resyncing = epoch;
                     if slot.seen == epoch {
-                        slot.seen = 0;
+                        slot.seen = 0; // its index score may be stale: none
                     }
                 }
             }
@@ -288,12 +287,6 @@ impl RouterCore {
                     // one medium (the common case)
                     return Some(*n as f64 * self.media[*m as usize].weight);
                 }
-                let gpu_weight = || {
-                    self.weights
-                        .iter()
-                        .find(|w| w.0 == "GPU")
-                        .map_or(self.lowest, |w| w.1)
-                };
                 // (n, weight) per medium, the "GPU" one raised by provisional residency.
                 let mut tiers: Vec<(i64, f64)> = entries
                     .iter()
@@ -303,7 +296,7 @@ impl RouterCore {
                     })
                     .collect();
                 if gpu > 0 && !entries.iter().any(|e| self.media[e.0 as usize].gpu) {
-                    tiers.push((gpu, gpu_weight()));
+                    tiers.push((gpu, self.weight_of("GPU")));
                 }
                 if tiers.len() == 1 {
                     return Some(tiers[0].0 as f64 * tiers[0].1);
@@ -427,12 +420,17 @@ impl RouterCore {
             return s;
         }
         let s = self.slot(prov.names[pid as usize].bind(py));
+        self.link(pid, s);
+        s
+    }
+
+    /// Provisional residency's worker `pid` is slot `s` (both ways).
+    pub(super) fn link(&mut self, pid: u32, s: u32) {
         if self.prov_slot.len() <= pid as usize {
             self.prov_slot.resize(pid as usize + 1, u32::MAX);
         }
         self.prov_slot[pid as usize] = s;
         self.slots[s as usize].pid = Some(pid);
-        s
     }
 
     /// Whether the index saw the worker's cache cleared (or forgot the worker) since the
