@@ -285,9 +285,14 @@ async def test_nats_down_keeps_serving(own_nats_server):
     async with fleet(server) as f:
         await _warm(f, SYSTEM)
         assert f.metric("kvbridge_proxy_nats_connected") == 1
+        reports = f.proxy.router.reports  # the subscriber's reports, read in bulk by the router
+        await wait_until(lambda: all(reports.report(e.worker_id) is not None for e in f.engines), 10,
+                         "every worker's load report to reach the router")  # fmt: skip
         server.kill()
         assert not server.running  # kill -9: the broker is gone
         await wait_until(lambda: not f.proxy.nats_up, 10, "the proxy to notice NATS is down")
+        # reports stop with the stream, young as the last ones are: the work sent alone decides
+        assert [reports.report(e.worker_id) for e in f.engines] == [None] * 3
         for e in f.engines:
             e.token_delay_s = 0.05  # each request stays in flight while the others are routed
         async def streamed(i: int) -> str:

@@ -197,6 +197,36 @@ def test_a_report_loads_is_read_in_bulk_each_time_its_reports_refresh():
     assert router.costs(prompt)["b"] == pytest.approx(ENGINE.prompt_ms(100, ENGINE.decode_ms(0.95 * ENGINE.kv_capacity_tokens)))
 
 
+def test_a_report_loads_gives_no_reports_while_its_stream_is_down():
+    """``ReportLoads(live=...)``: while ``live()`` is False the router is told no reports (as a
+    router without them: its own accounting decides), and reads them afresh once it is True."""
+    from kvbridge.routing.router import ReportLoads
+
+    sub = Subscriber()
+    sub.report("a", 0.9)
+    sub.report("b", 0.0)
+    up = [True]
+    clock = Clock()
+    loads = ReportLoads(sub, model="m", refresh_s=0.0, live=lambda: up[0])
+    kw = dict(block_size=BS, workers=["a", "b"], clock=clock, provisional_ttl_s=0)
+    router = Router(Index(BS), reports=loads, **kw)
+    blind = Router(Index(BS), **kw)
+    prompt = list(range(100))
+    told = router.costs(prompt)
+    assert told != blind.costs(prompt)  # a's cache is 90% full: its decode steps weigh
+    up[0] = False
+    clock.t += 1.0
+    assert loads.report("a") is None and loads("a") is None
+    assert router.costs(prompt) == blind.costs(prompt)
+    sub.report("a", 0.5)  # a report taken while down is read once the stream is back
+    up[0] = True
+    clock.t += 1.0
+    assert loads.report("a").kv_cache_usage == 0.5
+    assert router.costs(prompt)["a"] == pytest.approx(ENGINE.prompt_ms(100, ENGINE.decode_ms(0.5 * ENGINE.kv_capacity_tokens)))
+    with pytest.raises(TypeError, match="live must be a callable"):
+        ReportLoads(sub, live=True)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     scores=st.dictionaries(

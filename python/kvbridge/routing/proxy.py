@@ -221,15 +221,13 @@ class KvProxy:
 
                 self.index = Index(block_size)
             self.subscriber = KvEventSubscriber(self.config, model=model, index=self.index, track_views=False)
-        reported = None if self.subscriber is None else report_loads(self.subscriber, model=model)
-
-        def report(worker: str) -> Any:
-            # Reports stop with NATS: then the router's own accounting of what it sent decides.
-            return reported.report(worker) if reported is not None and self.nats_up else None
-
+        # Reports stop with NATS: then the router's own accounting of what it sent decides.
+        reported = None
+        if self.subscriber is not None:
+            reported = report_loads(self.subscriber, model=model, live=lambda: self.nats_up)
         self.policy = policy
         self.router = Router(None, block_size=block_size, overlap_weight=overlap_weight, seed=seed, engine=engine,
-                             reports=report)  # fmt: skip
+                             reports=reported)  # fmt: skip
         self._rng = random.Random(seed)  # policy="random"
         self._turn = itertools.count()  # policy="rr"
         self._request_ids = itertools.count()

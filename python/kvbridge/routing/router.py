@@ -674,18 +674,36 @@ class ReportLoads:
     since. A worker without a report younger than ``max_age_s`` gets None (the router counts its
     requests in flight). ``model``: the model whose workers are routed (needed when the
     subscriber follows several). The reports are read at most every ``refresh_s`` seconds, not
-    once per worker per choice."""
+    once per worker per choice. ``live``: while it returns False (``kvbridge proxy`` passes "NATS
+    is connected"), there are no reports: reports stop with the stream, and the router's own
+    accounting of what it sent decides."""
 
-    def __init__(self, subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        subscriber: Any,
+        *,
+        model: str | None = None,
+        max_age_s: float = 5.0,
+        refresh_s: float = 0.05,
+        live: Callable[[], bool] | None = None,
+    ) -> None:
         _check_number("max_age_s", max_age_s, positive=True)
+        if live is not None and not callable(live):
+            raise TypeError(f"live must be a callable () -> bool, got {type(live).__name__}")
         self.subscriber = subscriber
         self.model = model
         self.max_age_s = max_age_s
         self.refresh_s = refresh_s
+        self.live = live
         self._cache: dict[str, Any] = {}
         self._read_at = -math.inf
 
     def _fresh(self) -> dict[str, Any]:
+        if self.live is not None and not self.live():
+            # A new empty dict each time: the router hands the core a changed answer by identity.
+            self._read_at = -math.inf  # back up: read afresh, not what was cached before
+            self._cache = {}
+            return self._cache
         now = time.monotonic()
         if now - self._read_at >= self.refresh_s:
             fresh: dict[str, Any] = {}
@@ -714,10 +732,15 @@ class ReportLoads:
 
 
 def report_loads(
-    subscriber: Any, *, model: str | None = None, max_age_s: float = 5.0, refresh_s: float = 0.05
+    subscriber: Any,
+    *,
+    model: str | None = None,
+    max_age_s: float = 5.0,
+    refresh_s: float = 0.05,
+    live: Callable[[], bool] | None = None,
 ) -> ReportLoads:
     """:class:`ReportLoads` over ``subscriber``: load = latest report + routed since."""
-    return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s)
+    return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s, live=live)
 
 
 def _as_dict(scores: Scores) -> dict[str, Any]:
