@@ -63,11 +63,33 @@ def test_config_from_env_and_keywords():
         ({}, {"KVBRIDGE_MAX_BATCH_EVENTS": "many"}, "KVBRIDGE_MAX_BATCH_EVENTS"),
         ({"max_batch_events": 0}, {}, "max_batch_events"),
         ({"bogus": 1}, {}, "unknown kvbridge option"),
+        ({"worker_id": ""}, {}, r"worker_id \(KVBRIDGE_WORKER_ID\): must be non-empty"),
+        ({"model": None}, {}, r"model \(KVBRIDGE_MODEL\): must be a str"),
+        ({"jetstream": "no"}, {}, "jetstream .*True or False"),
+        ({"metrics_port": "9100"}, {}, "metrics_port .*TCP port"),
+        ({"heartbeat_s": float("nan")}, {}, "heartbeat_s .*finite number"),
+        ({"worker_timeout_s": float("inf")}, {}, "worker_timeout_s .*finite number"),
+        ({"request_timeout_s": float("nan")}, {}, "request_timeout_s .*> 0"),
+        ({"subject_prefix": "kv..x"}, {}, "subject_prefix"),
+        ({"metrics_addr": ""}, {}, "metrics_addr"),
     ],
 )
 def test_config_errors_are_clear(kwargs, env, words):
     with pytest.raises(ConfigError, match=words):
         Config.from_env(env, **kwargs)
+
+
+async def test_a_closed_publisher_is_not_started_again(nats_server):
+    pub = await KvEventPublisher(servers=[nats_server.url], model="m", worker_id="once").start()
+    await pub.close()
+    with pytest.raises(RuntimeError, match="closed KvEventPublisher cannot be started again"):
+        await pub.start()
+
+
+def test_step_before_attach_says_what_is_missing():
+    pub = KvEventPublisher(model="m", worker_id="unattached")
+    with pytest.raises(RuntimeError, match=r"attach\(manager\) first"):
+        pub.step()
 
 
 # The "fast" in these tests is a bound on how long a failure takes to be reported (a refused

@@ -4,6 +4,7 @@ late/restarted subscribers, worker restarts, garbage on the subjects."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -162,7 +163,8 @@ def _garbage(rnd: random.Random, epoch: str, good: bytes) -> tuple[bytes, dict |
 
 
 @pytest.mark.timeout(180)
-async def test_malformed_messages_counted_and_skipped(nats_server):
+async def test_malformed_messages_counted_and_skipped(nats_server, caplog):
+    caplog.set_level(logging.WARNING)
     sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="junk")).start()
     pubs = await start_workers(nats_server, 2, subject_prefix="junk")
     engines = {(MODEL, p.config.worker_id): Engine(p, 20_000, seed=40 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
@@ -187,6 +189,10 @@ async def test_malformed_messages_counted_and_skipped(nats_server):
     await wait_until(lambda: views_match(sub, engines), 60, "views == pools despite garbage")
     print(f"malformed: {sub.stats}")
     assert sub.stats["malformed"] == n
+    # logged with the reason, the 1st, 2nd, 4th, ... so that a flood cannot fill the log
+    warned = [r.getMessage() for r in caplog.records if "malformed event message" in r.getMessage()]
+    assert len(warned) == n.bit_length(), warned
+    assert "(1 malformed so far)" in warned[0] and f"({1 << (n.bit_length() - 1)} malformed so far)" in warned[-1]
     await close_all(*pubs, sub)
 
 

@@ -15,13 +15,14 @@ import kvbridge
 PACKAGE = pathlib.Path(kvbridge.__file__).parent
 
 # kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20) and the
-# router's EngineModel (issue 30), copied here so a change to it is a change here.
+# router's EngineModel (issue 30) and the LoadReport that KvEventSubscriber.loads holds, copied
+# here so a change to it is a change here.
 TOP_LEVEL = [
     "ALGORITHMS", "AllBlocksCleared", "AuthenticationError", "BackgroundPublisher", "BlockHasher",
     "BlockRemoved", "BlockStored", "Config", "ConfigError", "ConnectError", "DecodeError", "DiscoveryError",
     "EngineModel", "Index", "IndexClient", "IndexQueryError", "IndexService", "IndexUnavailableError", "Error",
     "JetStreamError", "KVCacheManager", "KVEventBatch", "KvEventPublisher", "KvEventSubscriber",
-    "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "TraceError", "Update",
+    "LoadReport", "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "TraceError", "Update",
     "WorkerIdInUseError", "WorkerView", "__version__", "decode_batch", "encode_batch", "hash_blocks",
 ]  # fmt: skip
 

@@ -17,6 +17,7 @@ from kvbridge.wire.events import (
     BlockStored,
     DecodeError,
     KVEventBatch,
+    LoadReport,
     decode_batch,
     encode_batch,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "KVEventBatch",
     "KvEventPublisher",
     "KvEventSubscriber",
+    "LoadReport",
     "NatsServerError",
     "NoWorkersError",
     "PermissionDeniedError",

@@ -160,15 +160,17 @@ class Config:
                 _fail(name, f"file not found: {path}")
         if self.encoding not in CONTENT_TYPES:
             _fail("encoding", f"must be one of {sorted(CONTENT_TYPES)}, got {self.encoding!r}")
-        for name in ("subject_prefix",):
+        value = self.subject_prefix
+        if not isinstance(value, str) or any(c in value for c in " *>\t\r\n") or "" in value.split("."):
+            _fail("subject_prefix", f"{value!r} is not a valid subject prefix (dot-separated tokens, no wildcards)")
+        for name in ("model", "worker_id"):
             value = getattr(self, name)
-            if not value or any(c in value for c in " *>\t\r\n") or value.startswith(".") or value.endswith("."):
-                _fail(name, f"{value!r} is not a valid subject prefix")
-        try:
-            self.model = sanitize_token(self.model)
-            self.worker_id = sanitize_token(self.worker_id)
-        except ValueError:
-            _fail("model", "model and worker_id must be non-empty")
+            if not isinstance(value, str):
+                _fail(name, f"must be a str, got {value!r}")
+            try:
+                setattr(self, name, sanitize_token(value))
+            except ValueError:
+                _fail(name, "must be non-empty")
         for name, low in (
             ("max_batch_events", 1),
             ("max_batch_bytes", 1024),
@@ -182,11 +184,11 @@ class Config:
         for name in ("linger_ms", "heartbeat_s", "reconnect_wait_s", "stream_duplicate_window_s", "worker_timeout_s",
                      "load_interval_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                _fail(name, f"must be a number >= 0, got {value!r}")
+            if not _number(value) or not 0 <= value < math.inf:
+                _fail(name, f"must be a finite number >= 0, got {value!r}")
         for name in ("connect_timeout_s", "request_timeout_s", "stream_max_age_s", "ping_interval_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if not _number(value) or not value > 0:
                 _fail(name, f"must be a number > 0, got {value!r}")
         if not math.isfinite(self.ping_interval_s):
             _fail("ping_interval_s", f"must be a finite number of seconds > 0, got {self.ping_interval_s!r}")
@@ -194,8 +196,13 @@ class Config:
             _fail("max_reconnect_attempts", "must be -1 (forever) or a count >= 0")
         if self.dp_rank is not None and (not isinstance(self.dp_rank, int) or self.dp_rank < 0):
             _fail("dp_rank", f"must be a non-negative integer, got {self.dp_rank!r}")
-        if self.metrics_port is not None and not (0 <= self.metrics_port <= 65535):
-            _fail("metrics_port", f"must be a TCP port, got {self.metrics_port!r}")
+        if not isinstance(self.jetstream, bool):
+            _fail("jetstream", f"must be True or False, got {self.jetstream!r}")
+        port = self.metrics_port
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535):
+            _fail("metrics_port", f"must be a TCP port (an int from 0 to 65535) or None, got {port!r}")
+        if not isinstance(self.metrics_addr, str) or not self.metrics_addr:
+            _fail("metrics_addr", f"must be a host address, got {self.metrics_addr!r}")
         if not self.inbox_prefix or any(c in self.inbox_prefix for c in "*> \t") or "" in self.inbox_prefix.split("."):
             _fail("inbox_prefix", f"must be a subject without wildcards or empty tokens, got {self.inbox_prefix!r}")
         if not isinstance(self.stream_replicas, int) or isinstance(self.stream_replicas, bool) or not (
@@ -243,6 +250,10 @@ class Config:
         if ctx is not None:
             opts["tls"] = ctx
         return opts
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fail(name: str, why: str) -> None:

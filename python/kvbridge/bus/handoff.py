@@ -5,8 +5,8 @@ the loop. Everything here may run on any thread; what the loop does with a hand-
 Threading contract
 ------------------
 * ``publish(batch_or_events)`` may be called from any thread (the engine's step thread, typically).
-  It appends to a bounded hand-off queue under a tiny lock and returns; it never waits for the
-  network, the event loop or the pool lock. When the queue is full, the oldest hand-offs are
+  It appends to a bounded hand-off queue without a lock (one serialises only overflow drops) and
+  returns; it never waits for the network, the event loop or the pool lock. When the queue is full, the oldest hand-offs are
   dropped and counted, and the seq skips so consumers see the hole and resync.
 * Everything else -- coalescing, framing (:mod:`kvbridge.bus.framer`: encoding within the
   limits, slices, holes), seq assignment, the ring buffer, sending, answering replay and snapshot
@@ -235,6 +235,8 @@ class HandOff:
         """Publish the attached pool's new events (under ``self.lock``); returns how many."""
         with self.lock:
             manager = self._manager
+            if manager is None:
+                raise RuntimeError("step() publishes an attached pool's events: attach(manager) first")
             # A native pool hands over its record: its events are written from it, never made
             # into Python objects (kvbridge.bus.framer).
             native = manager.__class__.take_events is _NATIVE_TAKE_EVENTS

@@ -51,8 +51,10 @@ _PROBE_TIMEOUT_S = 0.5
 class KvEventPublisher(Sender, Answers):
     """Publishes one worker's KV events to ``<prefix>.events.<model>.<worker>``.
 
-    ``await start()`` connects (failing fast with :class:`kvbridge.ConnectError` /
-    :class:`kvbridge.AuthenticationError`), ``publish()`` hands events over from any thread,
+    ``await start()`` connects (failing fast with :class:`kvbridge.ConnectError`,
+    :class:`kvbridge.AuthenticationError`, :class:`kvbridge.PermissionDeniedError`,
+    :class:`kvbridge.WorkerIdInUseError` or, with JetStream, :class:`kvbridge.JetStreamError`),
+    ``publish()`` hands events over from any thread,
     ``await close()`` sends what is left and disconnects. Also an async context manager.
     """
 
@@ -65,6 +67,8 @@ class KvEventPublisher(Sender, Answers):
         register("publisher", self)
 
     async def start(self) -> KvEventPublisher:
+        if self._closing:  # its epoch's stream has ended: a new one is a new publisher
+            raise RuntimeError("a closed KvEventPublisher cannot be started again: make a new one")
         if self._nc is not None:
             return self
         self._loop = asyncio.get_running_loop()

@@ -329,8 +329,9 @@ class KvEventSubscriber(Liveness, Resync):
             if not headers:
                 raise DecodeError("no headers")
             epoch, seq, batch = parse_event_msg(headers, data, self._raw_bodies)
-        except DecodeError:
-            counts["malformed"] += 1
+        except DecodeError as exc:
+            if (n := tally(counts, "malformed")) is not None:
+                log.warning("kvbridge: malformed event message on %s skipped (%d malformed so far): %s", subject, n, exc)
             return
         w = self._workers.get(key)
         if w is None:

@@ -29,8 +29,8 @@ class Body:
     validates the whole payload against the schema and keeps its events' hashes and what the
     residency rule reads, making no Python object per hash: ``read``, which a :class:`WorkerView`
     applies without reading the bytes again, then drops), and the KVEventBatch is decoded on first
-    access to ``batch``. Everything else is decoded at once, as before, so a malformed payload is
-    still rejected on arrival.
+    access to ``batch``. Everything else is decoded at once, so a malformed payload is rejected on
+    arrival.
     """
 
     __slots__ = ("payload", "fmt", "_batch", "read", "ts", "rank", "n_events", "n_blocks")
@@ -84,12 +84,16 @@ class Body:
 class Update:
     """One step of one worker's event stream, delivered exactly once, in seq order.
 
-    ``reset=True`` (snapshots): forget everything known about this worker, then apply ``batch``;
-    ``seq`` is then the seq the snapshot is consistent with. ``source``: "live" | "replay" |
-    "snapshot" | "stream" (an incarnation's start, JetStream).
+    ``reset=True``: forget everything known about this worker, then apply ``batch`` (a snapshot,
+    a stream's start, a view handed to an iterator that fell behind); ``seq`` is then the seq the
+    state is consistent with. ``source``: "live" | "replay" | "snapshot" | "stream" (an
+    incarnation's start, JetStream) | "behind" (the state given to an iterator that fell behind)
+    | "expired" (the worker was dropped: no events, ``seq`` -1).
 
     ``batch`` (the KVEventBatch) is decoded on first access; ``ts``, ``n_events`` and
-    ``n_blocks`` (block hashes stored + removed) are known without decoding it.
+    ``n_blocks`` (block hashes stored + removed) are known without decoding it, except for a
+    payload read natively for an index (then decoded on first access: DecodeError if it is not
+    one).
     """
 
     __slots__ = ("model", "worker", "epoch", "seq", "reset", "source", "_body")
@@ -125,9 +129,13 @@ class Update:
         return self._body.n_blocks
 
     def __repr__(self) -> str:
+        try:  # a raw payload decodes here: a log line must not raise
+            counts = f"events={self.n_events}, blocks={self.n_blocks}"
+        except DecodeError:
+            counts = "payload=undecodable"
         return (
             f"Update(model={self.model!r}, worker={self.worker!r}, epoch={self.epoch!r}, seq={self.seq}, "
-            f"events={self.n_events}, blocks={self.n_blocks}, reset={self.reset}, source={self.source!r})"
+            f"{counts}, reset={self.reset}, source={self.source!r})"
         )
 
 
@@ -136,7 +144,8 @@ class WorkerView:
     :class:`kvbridge._native.ResidencyView` (``sources=False``: the rule of
     :mod:`kvbridge.wire.residency` run in Rust, read like a ``Residency``: per ``(medium,
     group)``, each hash's copies; each group's kind and largest block size; what was skipped),
-    ``held`` and ``blocks``, the hashes held anywhere."""
+    ``held`` (``{(medium, group): {hash: copies}}``), ``blocks`` (every hash held anywhere), and
+    ``epoch`` / ``seq``, those of the last update applied."""
 
     __slots__ = ("residency", "epoch", "seq")
 
@@ -187,14 +196,16 @@ def parse_event_msg(headers: dict[str, str], data: bytes, raw: bool = False) -> 
     ``raw``, its payload) are not those of one."""
     epoch = headers.get(HDR_EPOCH)
     raw_seq = headers.get(HDR_SEQ)
-    if not epoch or raw_seq is None or HDR_REPLY in headers:
-        raise DecodeError("missing Kv-Epoch / Kv-Seq")
+    if HDR_REPLY in headers:
+        raise DecodeError(f"a reply ({HDR_REPLY}: {headers[HDR_REPLY]!r}) on an events subject")
+    if not epoch or raw_seq is None:
+        raise DecodeError(f"missing {HDR_EPOCH} / {HDR_SEQ}")
     try:
         seq = int(raw_seq)
     except ValueError:
-        raise DecodeError("Kv-Seq is not an integer") from None
+        raise DecodeError(f"{HDR_SEQ} {raw_seq!r} is not an integer") from None
     if seq < 0:
-        raise DecodeError("negative Kv-Seq")
+        raise DecodeError(f"{HDR_SEQ} {raw_seq!r} is negative")
     content_type = headers.get(HDR_CONTENT_TYPE)
     fmt = "msgpack" if content_type is None else FORMATS.get(content_type)
     if fmt is None:
