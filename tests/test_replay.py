@@ -162,6 +162,24 @@ def test_cli_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
     proc = _replay(str(SAMPLE), "--num-blocks", "10")
     assert proc.returncode == 2 and "does not fit a worker's 10 blocks" in proc.stderr
+    proc = _replay(str(SAMPLE), "--workers", "abc")
+    assert proc.returncode == 2 and "--workers: must be a positive integer, got 'abc'" in proc.stderr
+    # a bad second trace (or plot target) fails before the first is replayed: nothing printed
+    proc = _replay(str(SAMPLE), str(bad), "--policy", "rr")
+    assert proc.returncode == 2 and f"{bad}:2: not JSON" in proc.stderr and proc.stdout == ""
+    proc = _replay(str(SAMPLE), "--policy", "rr", "--plot", str(tmp_path / "no" / "such" / "p.png"))
+    assert proc.returncode == 2 and "--plot" in proc.stderr and "cannot write in" in proc.stderr and proc.stdout == ""
+
+
+def test_a_trace_is_read_as_bytes_and_no_further_than_first(tmp_path):
+    """A line that is not UTF-8 is an error naming it; ``--first N`` does not read line N + 1."""
+    good = _line(timestamp=0, input_length=10, output_length=1, hash_ids=[1]).encode()
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(good + b"\n" + b'{"timestamp": "\xe9"}\n')
+    with pytest.raises(TraceError, match=f"{path}:2: not JSON"):
+        load_trace(path)
+    (r,) = load_trace(path, limit=1)
+    assert r.input_length == 10
 
 
 def test_round_robin_reproduces_dynamo_s_own_replay_on_the_sample():

@@ -99,6 +99,26 @@ def test_a_prompt_larger_than_the_pool_is_refused_not_waited_for():
     assert s_small.generated == 3
 
 
+def test_a_request_that_outgrows_the_pool_while_decoding_is_refused_not_retried_forever():
+    """20 prompt tokens + 14 output need 33 slots of a 32-token pool: the request decodes until
+    its next block cannot be had, gives way to itself, and can never be admitted again. The
+    engine refuses it (as with a prompt too large), the request behind it is served, the replay
+    ends, and the router hears the refused request's end."""
+    from kvbridge.replay.fleet import FleetConfig, simulate
+    from kvbridge.replay.policies import make_policy
+
+    grows = request(0, range(20), 14)
+    small = request(1, range(500, 508), 2, at_ms=1)
+    policy = make_policy("kv")
+    (s_grows, s_small), fleet, _ = simulate([grows, small], policy, FleetConfig(workers=1, engine=EngineConfig(
+        num_blocks=2, block_size=16)))  # fmt: skip
+    e = fleet.engines[0]
+    assert e.rejected == 1 and e.preemptions >= 1
+    assert s_grows.first_token_ms >= 0 and s_grows.done_ms < 0 and s_grows.generated < 14
+    assert s_small.generated == 2 and s_small.done_ms >= 0
+    assert policy.router.in_flight.get(fleet.names[0], 0) == 0
+
+
 def test_engine_config_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_blocks must be a positive int"):
         EngineConfig(num_blocks=0)

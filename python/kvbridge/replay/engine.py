@@ -261,6 +261,25 @@ class Engine:
 
     # -- one pass --------------------------------------------------------------------------------
 
+    def start_next(self, now: float) -> tuple[float | None, list[Seq]]:
+        """An idle engine with work starts a pass: ``(its duration in ms, or None if none
+        started; the requests refused meanwhile)``. A pass that runs nothing (a request gave way
+        to itself: it is admitted again in the next) ends at once; twice nothing means the
+        waiting queue's head can never fit this pool (its prompt and output outgrow it, or a
+        hybrid pool's groups take blocks each): it is refused, counted in ``rejected``."""
+        refused: list[Seq] = []
+        stalled = False
+        while not self.busy and self.has_work():
+            duration = self.start_pass()
+            if duration > 0 or self.running:
+                return duration, refused
+            self.end_pass(now)  # nothing ran: nothing comes out
+            if stalled:
+                self.rejected += 1
+                refused.append(self.waiting.popleft())
+            stalled = not stalled
+        return None, refused
+
     def start_pass(self) -> float:
         """Schedules one pass; returns its duration in ms."""
         cfg = self.config

@@ -157,10 +157,15 @@ def simulate(
                 seq.worker = w
                 if not engines[w].enqueue(seq):
                     finished_cb(seq)  # refused: the router hears its end at once
-        # 3. idle workers with work start a pass
+        # 3. idle workers with work start a pass (a request that can never fit is refused: the
+        # router hears its end)
         for e in engines:
             if not e.busy and e.has_work():
-                heapq.heappush(ends, (now + e.start_pass(), e.index))
+                duration, refused = e.start_next(now)
+                if duration is not None:
+                    heapq.heappush(ends, (now + duration, e.index))
+                for seq in refused:
+                    finished_cb(seq)
     if progress is not None:
         progress(completed)
     return seqs, fleet, time.perf_counter() - started

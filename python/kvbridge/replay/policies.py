@@ -10,8 +10,8 @@
   ``DefaultScorer::score_worker``, scorer.rs 165-228, and the state of ``dynamo-kv-router``'s
   ``ActiveSequencesMultiWorker``; ``dynamo-replay-model.md`` section 5): per worker the prompt
   blocks of its active requests (refcounted) and the uncached prompt tokens of those not yet
-  through their first token, ``cost = (active_prefill + ISL) / bs - overlap + active_blocks +
-  n - active_overlap``, the minimum winning, exact ties broken at random (seeded here).
+  through their first token, ``cost = max(0, (active_prefill + ISL) / bs - overlap) +
+  active_blocks + n - active_overlap``, the minimum winning, exact ties broken at random (seeded here).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _timestamp(obj: dict[str, Any], where: str) -> float:
     return float(v)
 
 
-def parse_trace(lines: Iterable[str], *, name: str = "<trace>", trace_block_size: int = MOONCAKE_BLOCK) -> Iterator[Request]:
+def parse_trace(lines: Iterable[str | bytes], *, name: str = "<trace>", trace_block_size: int = MOONCAKE_BLOCK) -> Iterator[Request]:
     """The requests of a trace's lines, in order (blank lines skipped). Arrivals are relative to
     the first request's timestamp; timestamps must not go back."""
     if isinstance(trace_block_size, bool) or not isinstance(trace_block_size, int) or trace_block_size <= 0:
@@ -99,7 +99,7 @@ def parse_trace(lines: Iterable[str], *, name: str = "<trace>", trace_block_size
         where = f"{name}:{lineno}"
         try:
             obj = json.loads(line)
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError too: bytes that are not UTF-8
             raise TraceError(f"{where}: not JSON ({e})") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -159,9 +159,11 @@ def _from_hash_ids(obj: dict[str, Any], in_len: int, tbs: int, canon: dict[Any, 
 def load_trace(path: str | PathLike[str], *, trace_block_size: int = MOONCAKE_BLOCK, limit: int | None = None) -> list[Request]:
     """The requests of a trace file (at most ``limit`` of them)."""
     out: list[Request] = []
-    with open(path, encoding="utf-8") as f:
+    if limit is not None and limit <= 0:
+        return out
+    with open(path, "rb") as f:  # json reads UTF-8 bytes; a line that is not is named as such
         for req in parse_trace(f, name=str(path), trace_block_size=trace_block_size):
-            if limit is not None and len(out) >= limit:
-                break
             out.append(req)
+            if len(out) == limit:
+                break  # what follows is not read
     return out

@@ -258,22 +258,14 @@ class _Fleet:
         """Every idle worker with work starts a pass."""
         for i, w in enumerate(self.workers):
             e = w.engine
-            stalled = False
-            while not e.busy and e.has_work():
-                with w.publisher.lock:
-                    duration = e.start_pass()
-                if duration > 0 or e.running:
-                    heapq.heappush(self.ends, (now + duration, i))
-                    break
-                with w.publisher.lock:
-                    e.end_pass(now)  # nothing ran (a request that gave way to itself runs in the next)
-                if not stalled:
-                    stalled = True
-                    continue
-                # Twice nothing: the queue's head can never fit in this pool (a hybrid pool's groups
-                # take blocks each). It is not served.
-                self._refuse(w, e.waiting.popleft(), now)
-                stalled = False
+            if e.busy or not e.has_work():
+                continue
+            with w.publisher.lock:
+                duration, refused = e.start_next(now)
+            if duration is not None:
+                heapq.heappush(self.ends, (now + duration, i))
+            for seq in refused:  # can never fit in this pool (kvbridge.replay.engine): not served
+                self._refuse(w, seq, now)
 
     def serve(self, now: float, prompt: list[int], output: int, burst: _Burst | None = None) -> Seq:
         """Routes a request arriving at ``now``; it joins the chosen worker's waiting queue."""
@@ -312,9 +304,10 @@ class _Fleet:
 
     def _refuse(self, w: _Worker, seq: Seq, now: float) -> None:
         """``seq`` can never fit in ``w``'s pool: it is not served."""
-        seq.done_ms = now  # done without a first token: left out of the TTFT figures
         self.skipped += 1
-        self.awaiting_first -= 1
+        if seq.first_token_ms < 0:  # else its first token was counted (it outgrew the pool since)
+            self.awaiting_first -= 1
+        seq.done_ms = now  # ended without being served: left out of the TTFT figures
         if self.router is not None:
             self.router.done(w.name, seq.id)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -17,21 +19,30 @@ _POLICY_HELP = (
 
 
 def _positive_int(text: str) -> int:
-    v = int(text)
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return v
 
 
 def _positive(text: str) -> float:
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
     if not 0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
 
 
 def _non_negative(text: str) -> float:
-    v = float(text)
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
     if not 0 <= v < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return v
@@ -65,9 +76,11 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--event-lag-ms", type=_non_negative, default=0.0,
                    help="KV events reach the router this long after their pass ends (default 0)")  # fmt: skip
     r.add_argument("--report-interval-ms", type=_non_negative, default=100.0,
-                   help="load reports every this many ms, for kv-reports (default 100, the plugin's)")  # fmt: skip
+                   help="load reports every this many ms, for kv-reports (default 100; the vLLM plugin sends one "
+                   "per load_interval_s, 1 s by default: 1000 matches it)")  # fmt: skip
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
-    r.add_argument("--json", action="store_true", help="one JSON object per trace instead of tables")
+    r.add_argument("--json", action="store_true",
+                   help="print JSON instead of tables (one object; a list of them for several traces)")  # fmt: skip
     r.add_argument("--plot", metavar="FILE.png", help="write TTFT CDFs and per-worker queued work over time "
                    "(needs matplotlib: the 'plot' extra); with several traces, one file each (FILE-<n>.png)")  # fmt: skip
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -96,8 +109,18 @@ def run(args: argparse.Namespace) -> int:
         report_interval_ms=args.report_interval_ms,
     )
     progress = not args.no_progress and sys.stderr.isatty()
-    out = []
-    for n, path in enumerate(args.traces):
+    targets = [args.plot if len(args.traces) == 1 else f"{os.path.splitext(args.plot)[0]}-{n}.png"
+               for n in range(len(args.traces))] if args.plot else []  # fmt: skip
+    if targets:  # what would fail after minutes of replay fails now
+        if importlib.util.find_spec("matplotlib") is None:
+            print("kvbridge replay: --plot needs matplotlib: pip install 'kvbridge[plot]'", file=sys.stderr)
+            return 2
+        folder = os.path.dirname(os.path.abspath(targets[0]))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            print(f"kvbridge replay: --plot {args.plot}: cannot write in {folder}", file=sys.stderr)
+            return 2
+    traces = []  # every trace read and checked before the first replay
+    for path in args.traces:
         try:
             requests = load_trace(path, trace_block_size=args.trace_block_size, limit=args.first)
         except OSError as exc:
@@ -114,13 +137,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvbridge replay: {path}: request {too_long.index} ({too_long.input_length} tokens) does not fit "
                   f"a worker's {args.num_blocks} blocks of {args.block_size} tokens", file=sys.stderr)  # fmt: skip
             return 2
+        traces.append((path, requests))
+    out = []
+    for n, (path, requests) in enumerate(traces):
         summaries, runs = compare(requests, policies, config, seed=args.seed, progress=progress,
                                   sample_ms=1000.0 if args.plot else 0.0)  # fmt: skip
         title = (f"{path}: {len(requests)} requests, {args.workers} workers, arrivals x{args.speedup:g}, "
                  f"{args.num_blocks} x {args.block_size}-token blocks")  # fmt: skip
-        if args.plot:
-            target = args.plot if len(args.traces) == 1 else args.plot.replace(".png", "") + f"-{n}.png"
-            plot(target, runs, title)
+        if targets:
+            try:
+                plot(targets[n], runs, title)
+            except OSError as exc:
+                print(f"kvbridge replay: cannot write {targets[n]}: {exc.strerror or exc}", file=sys.stderr)
+                return 2
         if args.json:
             out.append({"trace": path, "requests": len(requests), "workers": args.workers, "speedup": args.speedup,
                         "engine": {k: getattr(engine, k) for k in engine.__slots__},
