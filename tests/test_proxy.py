@@ -652,3 +652,31 @@ def test_cli_policy_seed_and_engine_model_flags():
             parse(["proxy", "--model", "m", *bad])
     with pytest.raises(ValueError, match="policy"):
         KvProxy(None, model="m", port=0, policy="fastest")  # type: ignore[arg-type]
+
+
+def test_upstreams_forget_a_worker_the_subscriber_dropped():
+    """A learned worker whose reports stop is forgotten ``forget_s`` after its last one while NATS
+    is up, also once the subscriber has dropped it from ``loads`` (it expires silent workers);
+    kept while NATS is down, and given ``forget_s`` to report again once NATS is back."""
+    from kvbridge import LoadReport
+    from kvbridge.routing.upstreams import Upstreams
+
+    now = [100.0]
+    ups = Upstreams(forget_s=30.0, clock=lambda: now[0])
+    report = LoadReport(ts=0.0, kv_cache_usage=0.0, running=0, url="http://127.0.0.1:9/")
+    ups.learn({("m", "w1"): (report, 1.0), ("m", "w2"): (report, 1.0), ("other", "w3"): (report, 1.0)}, "m", True)
+    assert sorted(ups.all) == ["w1", "w2"]
+    now[0] += 20.0
+    ups.learn({("m", "w2"): (report, 0.5)}, "m", True)  # w1 dropped by the subscriber (expired)
+    assert sorted(ups.all) == ["w1", "w2"]  # 21 s since w1's last report
+    now[0] += 15.0
+    ups.learn({("m", "w2"): (report, 0.5)}, "m", True)
+    assert sorted(ups.all) == ["w2"]  # 36 s: forgotten
+    now[0] += 100.0
+    ups.learn({}, "m", False)  # NATS down: the last known fleet keeps serving
+    assert sorted(ups.all) == ["w2"]
+    ups.learn({}, "m", True)  # back: w2 has forget_s to report again
+    assert sorted(ups.all) == ["w2"]
+    now[0] += 31.0
+    ups.learn({}, "m", True)
+    assert ups.all == {}

@@ -251,3 +251,24 @@ def test_router_weighs_tiers_when_choosing():
         Router(block_size=BS, medium_weights={})
     with pytest.raises(TypeError, match="remote must be a bool"):
         Router(block_size=BS, remote="yes")
+
+
+def test_a_route_block_ends_its_own_request_not_the_worker_s_oldest():
+    """``with router.route(...)`` ends the request it chose, even when the worker has an older one
+    in flight (``done(worker)`` without an id would end that one)."""
+    router = Router(Index(16), workers=["a"], provisional_ttl_s=0)
+    router.choose(list(range(40)), request_id="x")
+    with router.route(list(range(100, 140))) as (worker, _):
+        assert worker == "a" and router.in_flight["a"] == 2
+    assert router.in_flight["a"] == 1
+    router.done("a", "x")  # still in flight: the block did not end it
+    assert router.in_flight.get("a", 0) == 0
+
+
+def test_a_str_is_not_taken_for_a_list_of_workers():
+    with pytest.raises(TypeError, match="workers must be a collection of worker names, not a str"):
+        Router(Index(16), workers="gpu-0")
+    router = Router(Index(16), workers=["gpu-0", "gpu-1"])
+    with pytest.raises(TypeError, match="workers must be a collection of worker names, not a str"):
+        router.choose(list(range(40)), workers="gpu-0")
+    assert router.choose(list(range(40)), workers=["gpu-1"])[0] == "gpu-1"

@@ -120,9 +120,9 @@ def test_the_cap_drops_the_oldest_entries_and_counts_them():
     assert p.scores(list(range(100, 116))) == {"b": 16}
     p.add("b", list(range(100, 108)) + [7])  # a renewed prefix and one more block: within the cap
     assert len(p) == 17 and p.scores(list(range(100, 108)) + [7]) == {"b": 9}
-    with pytest.raises(ValueError, match="provisional_ttl_s must be a number of seconds >= 0"):
+    with pytest.raises(ValueError, match=r"ttl_s \(Router: provisional_ttl_s\) must be a number of seconds >= 0"):
         ProvisionalResidency(-1)
-    with pytest.raises(ValueError, match="max_provisional must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"max_entries \(Router: max_provisional\) must be an int >= 1"):
         Router(Index(BS), max_provisional=0)
 
 

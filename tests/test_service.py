@@ -348,7 +348,8 @@ async def test_two_replicas_one_killed_mid_stream_no_query_lost(nats_server):
 
 async def test_per_medium_answers_and_remote_blocks_over_nats(nats_server):
     """Tiers through the service: a worker's GPU and CPU copies answered per medium (what the
-    router weighs), a block on another node (locality REMOTE) credited only when asked."""
+    router weighs), a block on another node (locality REMOTE) credited only when asked, a block
+    without a medium (SGLang's events) answered as None, which the router weighs as GPU."""
     from kvbridge import BlockStored
     from kvbridge.routing.router import Router
 
@@ -361,21 +362,25 @@ async def test_per_medium_answers_and_remote_blocks_over_nats(nats_server):
     service = IndexService(cfg(nats_server, model, "svc"))
     async with service, IndexClient(cfg(nats_server, model, "client"), timeout=5) as client:
         async with KvEventPublisher(cfg(nats_server, model, "gpu-cpu")) as a, \
-                KvEventPublisher(cfg(nats_server, model, "far")) as b:  # fmt: skip
+                KvEventPublisher(cfg(nats_server, model, "far")) as b, \
+                KvEventPublisher(cfg(nats_server, model, "plain")) as c:  # fmt: skip
             a.publish([ev(2, "GPU"), ev(6, "CPU")])
             b.publish([ev(8, "GPU", locality="REMOTE")])
+            c.publish([ev(4, None)])
 
             async def arrived() -> bool:
-                return await client.find_matches(tokens, remote=True) == {"gpu-cpu": 6, "far": 8}
+                return await client.find_matches(tokens, remote=True) == {"gpu-cpu": 6, "far": 8, "plain": 4}
 
-            await _eventually(arrived, "both workers' events at the service")
-            assert await client.find_matches(tokens) == {"gpu-cpu": 6}
+            await _eventually(arrived, "the workers' events at the service")
+            assert await client.find_matches(tokens) == {"gpu-cpu": 6, "plain": 4}
             assert await client.find_matches(tokens, medium="GPU") == {"gpu-cpu": 2}
             media = await client.find_matches(tokens, by_medium=True)
-            assert media == {"gpu-cpu": {"GPU": 2, "CPU": 6}}
+            assert media == {"gpu-cpu": {"GPU": 2, "CPU": 6}, "plain": {None: 4}}
             assert await client.find_matches(tokens, by_medium=True, remote=True) == {
-                "gpu-cpu": {"GPU": 2, "CPU": 6}, "far": {"GPU": 8},
+                "gpu-cpu": {"GPU": 2, "CPU": 6}, "far": {"GPU": 8}, "plain": {None: 4},
             }  # fmt: skip
-            # a router weighing the service's per-medium answer: 2 blocks at 1.0 + 4 at 0.75
-            router = Router(block_size=BS, workers=["gpu-cpu", "other"], provisional_ttl_s=0, cost="blocks")
-            assert router.costs_from_scores(media, 8)["gpu-cpu"] == 8 - (2 + 4 * 0.75)
+            # a router weighing the service's per-medium answer: 2 blocks at 1.0 + 4 at 0.75; no
+            # medium counts as GPU
+            router = Router(block_size=BS, workers=["gpu-cpu", "plain", "other"], provisional_ttl_s=0, cost="blocks")
+            costs = router.costs_from_scores(media, 8)
+            assert costs["gpu-cpu"] == 8 - (2 + 4 * 0.75) and costs["plain"] == 8 - 4

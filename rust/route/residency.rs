@@ -39,7 +39,7 @@ impl ProvisionalResidency {
                     Some(t) if t >= 0.0 => t,
                     _ => {
                         return Err(PyValueError::new_err(format!(
-                            "provisional_ttl_s must be a number of seconds >= 0, got {}",
+                            "ttl_s (Router: provisional_ttl_s) must be a number of seconds >= 0, got {}",
                             v.repr()?
                         )))
                     }
@@ -54,7 +54,7 @@ impl ProvisionalResidency {
                     Some(n) if n >= 1 => n as usize,
                     _ => {
                         return Err(PyValueError::new_err(format!(
-                            "max_provisional must be an int >= 1, got {}",
+                            "max_entries (Router: max_provisional) must be an int >= 1, got {}",
                             v.repr()?
                         )))
                     }

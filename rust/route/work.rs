@@ -114,8 +114,9 @@ impl Work {
         self.flights.push_back(flight);
     }
 
-    /// Request `id` (None: the oldest without one) has its first token: it and everything
-    /// routed before it are through the queue. False if there is no such request waiting.
+    /// Request `id` (None: the oldest without one) has its first token: the queue is reset to
+    /// the uncached tokens of the requests still waiting for theirs. False if there is no such
+    /// request waiting.
     pub fn first_token(&mut self, id: Option<u64>, now: f64) -> bool {
         let found = match id {
             Some(id) => self.flights.iter_mut().find(|f| f.id == id),
@@ -285,7 +286,7 @@ mod tests {
     }
 
     #[test]
-    fn a_first_token_drains_what_was_sent_before() {
+    fn a_first_token_resets_the_queue_to_the_prompts_still_waiting() {
         let mut w = Work::default();
         let rate = dynamo().routing_rate();
         for id in 0..3 {

@@ -108,7 +108,7 @@ def tiered_overlap(by_medium: Mapping[str | None, int], weights: Mapping[str, fl
     """Leading blocks held, each counted at the best tier holding it: ``by_medium`` gives per
     medium how many leading blocks it holds, so block ``i`` is worth the largest weight among the
     media holding more than ``i`` blocks. (The router's core applies this rule natively,
-    rust/route.rs; tests/test_router.py holds the two to the same figures.)"""
+    rust/route/scoring.rs; tests/test_router_native.py holds the two to the same figures.)"""
     lowest = min(weights.values(), default=0.0)
     tiers = sorted(
         ((n, weights.get("GPU" if m is None else m, lowest)) for m, n in by_medium.items() if n > 0),
@@ -140,12 +140,14 @@ def softmax_probabilities(costs: Mapping[str, float], temperature: float) -> dic
 class Router:
     """Chooses a worker per request from an index's overlap scores and the workers' load.
 
-    ``index``: anything with ``find_matches(tokens, lora_name=..., extra_keys=...)`` -> ``{worker:
-    leading blocks held}`` and ``workers`` (a :class:`kvbridge.Index`); ``None`` if only
+    ``index``: a :class:`kvbridge.Index`, or anything with ``workers`` and ``find_matches(tokens, *,
+    lora_name, extra_keys, by_medium, remote)`` answering as it does (``by_medium=True``:
+    ``{worker: {medium: leading blocks held there}}``); ``None`` if only
     :meth:`choose_scores` is used (scores from an :class:`kvbridge.IndexClient`).
     ``block_size``: tokens per block (default: ``index.block_size``).
-    ``loads``: a mapping worker -> load, or a callable ``load(worker)`` returning a number or
-    None; a worker it has no number for is weighed by the router's own in-flight count.
+    ``loads`` (``cost="blocks"`` only): a mapping worker -> load, or a callable ``load(worker)``
+    returning a number or None; a worker it has no number for is weighed by the router's own
+    in-flight count.
     ``workers``: candidates besides those the index knows (a worker with nothing cached yet).
     ``medium_weights``: what a block held in each storage tier is worth against one to prefill
     (default :data:`DEFAULT_MEDIUM_WEIGHTS`); ``remote``: credit blocks whose events said
@@ -171,7 +173,7 @@ class Router:
     and which are being repaired, and which restarted (see :attr:`stats`); ``model`` picks its
     workers when it follows several models.
 
-    Load: with ``loads=report_loads(...)`` a worker's load is its newest report's running +
+    Load (``cost="blocks"``): with ``loads=report_loads(...)`` a worker's load is its newest report's running +
     waiting plus the requests routed to it after that report's timestamp and still in flight
     (this router's, and its peers' with :class:`kvbridge.routing.sync.RouteSync`); with other
     ``loads`` the number as given; without a number, the requests in flight.
@@ -242,7 +244,7 @@ class Router:
         self.overlap_weight = _check_number("overlap_weight", overlap_weight)
         self.temperature = _check_number("temperature", temperature)
         self.loads = loads
-        self.workers = tuple(_check_worker("workers", w) for w in workers)
+        self.workers = tuple(_check_worker("workers", w) for w in _names("workers", workers))
         if medium_weights is None:
             medium_weights = DEFAULT_MEDIUM_WEIGHTS
         if not isinstance(medium_weights, Mapping) or not medium_weights:
@@ -504,7 +506,7 @@ class Router:
         """One decision by the core (under the lock): ``(worker, leading, decision id, keys)``
         or, with ``costs_only``, the costs; and the clock's time it was made at."""
         if workers is not None:
-            workers = list(workers)
+            workers = list(_names("workers", workers))
             if not workers:
                 raise NoWorkersError("workers is empty: no candidate to route to")
         resyncing = None
@@ -553,7 +555,8 @@ class Router:
 
     def first_token(self, worker: str, request_id: Hashable | None = None) -> None:
         """A request sent to ``worker`` produced its first token (``request_id``; None: its
-        oldest request without one): its prompt, and any sent there before it, left the queue.
+        oldest request without one): its prompt left the queue, which is reset to the uncached
+        prompt tokens of the requests there still waiting for their first token.
         A request not known (already done, or never chosen here) is ignored."""
         with self._lock:
             ident = None
@@ -658,16 +661,26 @@ class Router:
         extra_keys: Any = None,
         workers: Sequence[str] | None = None,
     ) -> Iterator[tuple[str, int]]:
-        """:meth:`choose`, then :meth:`done` when the block exits (normally or not)."""
-        worker, overlap = self.choose(tokens, lora_name=lora_name, extra_keys=extra_keys, workers=workers)
+        """:meth:`choose`, then :meth:`done` when the block exits (normally or not): this
+        request's, whatever else the worker serves meanwhile."""
+        rid = _RouteBlock()
+        worker, overlap = self.choose(tokens, lora_name=lora_name, extra_keys=extra_keys, workers=workers,
+                                      request_id=rid)  # fmt: skip
         try:
             yield worker, overlap
         finally:
-            self.done(worker)
+            self.done(worker, rid)
+
+
+class _RouteBlock:
+    """The request id of one :meth:`Router.route` block (its identity is the id)."""
+
+    __slots__ = ()
 
 
 class ReportLoads:
-    """``loads=`` for a :class:`Router` from the workers' ``LoadReport`` s, as a
+    """``reports=`` for a time-cost :class:`Router` (or ``loads=`` with ``cost="blocks"``) from the
+    workers' ``LoadReport`` s, as a
     :class:`kvbridge.KvEventSubscriber` collects them (``subscriber.loads``): a worker's load is its
     ``running + waiting`` requests, the same unit as the router's in-flight count, and
     :meth:`as_of` tells the router when the report was taken, so it adds what it routed there
@@ -746,6 +759,13 @@ def report_loads(
 def _as_dict(scores: Scores) -> dict[str, Any]:
     """Scores as the core reads them: a dict (a worker's per-medium counts may be any mapping)."""
     return scores if type(scores) is dict else dict(scores)
+
+
+def _names(name: str, workers: Any) -> Any:
+    """``workers`` as given, refused if a str (whose letters would each be a worker)."""
+    if isinstance(workers, str):
+        raise TypeError(f"{name} must be a collection of worker names, not a str: got {workers!r}")
+    return workers
 
 
 def _check_worker(name: str, worker: Any) -> str:

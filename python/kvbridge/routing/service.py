@@ -8,7 +8,7 @@ queue group, so any number of replicas share the queries and a router anywhere c
              (+ "lora_name", "extra_keys", "medium", "remote", "by_medium")
     reply    {"scores": {worker: leading blocks held}, "workers": N}   or   {"error": "..."}
              with "by_medium": true also "media": {worker: {medium: leading blocks held there}}
-             (a medium the engine did not name is "")
+             (a medium the engine did not name is ""; IndexClient gives it back as None)
 
 JSON or msgpack, chosen by the request's ``Content-Type`` (JSON when absent, so ``nats req
 kv.query.m '{"tokens": [1, 2, 3]}'`` works); the reply uses the request's encoding. A malformed
@@ -368,7 +368,8 @@ class IndexClient:
         if by_medium:
             if not isinstance(reply.get("media"), dict):
                 raise IndexQueryError(f"index service on {self.subject}: no per-medium answer (an older service?)")
-            return reply["media"]
+            # the wire's "" for a block without a medium is None again, as Index answers it
+            return {w: {m or None: n for m, n in held.items()} for w, held in reply["media"].items()}
         return reply["scores"]
 
     async def _request(self, payload: bytes, timeout: float) -> dict[str, Any]:

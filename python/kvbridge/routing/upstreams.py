@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -42,24 +42,38 @@ class Upstreams:
     offered, unless every worker is down (then all are: trying beats refusing).
 
     Learned workers are kept while NATS is down -- the last known fleet keeps serving -- and
-    forgotten when their reports stop for ``forget_s`` while NATS is up."""
+    forgotten when no report of theirs was heard for ``forget_s`` while NATS is up (counted from
+    NATS coming back, so that a fleet reports again before it is forgotten), whether their last
+    report is still in ``loads`` or the subscriber has dropped them."""
 
-    def __init__(self, static: Mapping[str, Target] | None = None, *, down_s: float = 5.0, forget_s: float = 30.0) -> None:
+    def __init__(self, static: Mapping[str, Target] | None = None, *, down_s: float = 5.0, forget_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.clock = clock
         self.static = dict(static or {})
         self.learned: dict[str, Target] = {}
         self.down_s, self.forget_s = down_s, forget_s
         self._down_until: dict[str, float] = {}
+        self._heard: dict[str, float] = {}  # learned worker -> monotonic time of its latest report
+        self._up_since: float | None = None  # monotonic time NATS was last seen coming up
 
     def learn(self, loads: Mapping[tuple[str, str], tuple[Any, float]], model: str, nats_up: bool) -> None:
         """Take workers from a subscriber's ``loads`` (``{(model, worker): (LoadReport, age)}``)."""
+        now = self.clock()
         for (m, worker), (report, age) in loads.items():
             url = getattr(report, "url", None)
             if m != model or not url:
                 continue
-            if nats_up and age > self.forget_s:
+            self.learned[worker] = Target(url.rstrip("/"), report.dp_rank)
+            self._heard[worker] = now - age
+        if not nats_up:
+            self._up_since = None
+            return
+        if self._up_since is None:
+            self._up_since = now
+        for worker, heard in list(self._heard.items()):
+            if now - max(heard, self._up_since) > self.forget_s:
+                del self._heard[worker]
                 self.learned.pop(worker, None)
-            else:
-                self.learned[worker] = Target(url.rstrip("/"), report.dp_rank)
 
     @property
     def all(self) -> dict[str, Target]:
@@ -68,15 +82,15 @@ class Upstreams:
     def up(self) -> dict[str, Target]:
         """The workers to offer the router now (see the class doc)."""
         everyone = self.all
-        now = time.monotonic()
+        now = self.clock()
         live = {w: t for w, t in everyone.items() if self._down_until.get(w, 0.0) <= now}
         return live or everyone
 
     def mark_down(self, worker: str) -> None:
-        self._down_until[worker] = time.monotonic() + self.down_s
+        self._down_until[worker] = self.clock() + self.down_s
 
     def is_down(self, worker: str) -> bool:
-        return self._down_until.get(worker, 0.0) > time.monotonic()
+        return self._down_until.get(worker, 0.0) > self.clock()
 
 
 class TokenCache:

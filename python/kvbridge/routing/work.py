@@ -11,7 +11,8 @@ For a prompt of ``L`` tokens of which worker ``w`` holds a prefix, it predicts::
 * ``queued(w)``: prompt tokens routed to ``w`` whose first token has not come out yet, less what
   the engine has done of them since: vLLM's scheduler serves running prefills then the waiting
   queue first come first served, so a new prompt's first token waits for all of it. Its first
-  token tells the router that it, and what was routed before it, is done.
+  token takes its prompt out: the queue is reset to the uncached prompt tokens of the requests
+  still waiting for theirs.
 * ``T(x)``: the time an engine needs for ``x`` prompt tokens, in passes of at most
   ``max_num_batched_tokens`` (:class:`EngineModel`), each pass also running a decode step of the
   worker's active requests (longer as their context fills the KV cache).

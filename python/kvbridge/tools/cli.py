@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--engine-max-batched-tokens", type=int, metavar="N",
                    help="prompt tokens per pass, vLLM's max_num_batched_tokens (default 8192)")
     e.add_argument("--engine-kv-tokens", type=int, metavar="N",
-                   help="tokens of KV cache per worker (default 1048576; 0: unknown, memory not weighed)")
+                   help="tokens of KV cache per worker (default 1048576; 0: unknown, KV-cache use does not slow the decode step)")
     x.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
     x.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (default 5)")
     x.add_argument("--read-timeout", type=float, default=600.0,
