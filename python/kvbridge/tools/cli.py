@@ -20,6 +20,7 @@ import msgspec
 
 from kvbridge.config import Config, ConfigError
 from kvbridge.errors import Error
+from kvbridge.tools.argtypes import non_negative, non_negative_int, positive, positive_int
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 __all__ = ["main"]
@@ -260,13 +261,17 @@ async def _proxy(args: argparse.Namespace) -> int:
         engine = _engine_model(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    proxy = KvProxy(
-        config, model=args.model, host=host, port=port, workers=workers, block_size=args.block_size,
-        tokenizer=args.tokenizer, index_service=args.index_service, overlap_weight=args.overlap_weight,
-        max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
-        read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
-        tokenize_cache=args.tokenize_cache, seed=args.seed, policy=args.policy, engine=engine, record=args.record,
-    )  # fmt: skip
+    try:
+        proxy = KvProxy(
+            config, model=args.model, host=host, port=port, workers=workers, block_size=args.block_size,
+            tokenizer=args.tokenizer, index_service=args.index_service, overlap_weight=args.overlap_weight,
+            max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
+            read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
+            tokenize_cache=args.tokenize_cache, seed=args.seed, policy=args.policy, engine=engine, record=args.record,
+        )  # fmt: skip
+    except OSError as exc:  # the listening socket is bound here (or --record's file opened)
+        where = f"--record {args.record}" if exc.filename else f"--listen {host}:{port}"
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
     stop = _stop_on_signals()
     async with proxy:
         index = "index service" if args.index_service else "in-process index"
@@ -309,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvbridge",
         description="Watch the KV-cache event stream on NATS, relay a stock vLLM/SGLang engine's ZMQ KV events to "
-        "NATS, serve overlap queries from a KV index, or run the end-to-end demo.",
+        "NATS, serve overlap queries from a KV index, run a KV-aware OpenAI-compatible gateway (proxy), compare "
+        "routing policies by time on a request trace (replay), print least-privilege NATS users (auth-config), or "
+        "run the end-to-end demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -324,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--model", help="only this model (default: all)")
     w.add_argument("--worker", help="only this worker (default: all)")
     w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
-    w.add_argument("--count", type=int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
+    w.add_argument("--count", type=non_negative_int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
     w.add_argument("--heartbeats", action="store_true", help="also print heartbeats (empty batches idle publishers send)")
     _connection_args(w)
 
@@ -343,10 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a vLLM API server, http://HOST:PORT: relay every rank its /kv_event_sources lists (* there means HOST); "
         "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
     )  # fmt: skip
-    r.add_argument("--interval", type=float, default=2.0, help="with --discover: seconds between polls (default 2)")
+    r.add_argument("--interval", type=positive, default=2.0, help="with --discover: seconds between polls (default 2)")
     r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558; without it a gap is a loss")
     r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
-    r.add_argument("--dp-rank", type=int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
+    r.add_argument("--dp-rank", type=non_negative_int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
     r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL; with --discover, default: the served "
                    "model name from /v1/models)")
     r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>); with "
@@ -359,13 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Subscribe to <prefix>.events.<model>.*, keep an index of every worker's cached blocks, and "
         "answer queries on <prefix>.query.<model> in a queue group (run several for load sharing and failover). "
         "Request: {\"tokens\": [...]} or {\"block_hashes\": [...]}, optionally with \"lora_name\", \"extra_keys\" "
-        "(one entry per block: null or a list) and \"medium\"; JSON, or msgpack with Content-Type: "
+        "(one entry per block: null or a list), \"medium\", \"remote\" (also credit copies on another node) and "
+        "\"by_medium\" (the reply then adds \"media\": {worker: {medium: leading blocks held there}}, \"\" for a "
+        "medium the engine did not name); JSON, or msgpack with Content-Type: "
         "application/msgpack. Reply: {\"scores\": {worker: leading blocks held}, \"workers\": N} in the same "
         "encoding, or {\"error\": \"...\"}. Try: nats req kv.query.MODEL '{\"tokens\": [1, 2, 3]}'. "
         "Runs until SIGINT/SIGTERM.",
     )  # fmt: skip
     i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL)")
-    i.add_argument("--block-size", type=int, default=16, help="tokens per block, as the engines use (default 16)")
+    i.add_argument("--block-size", type=positive_int, default=16, help="tokens per block, as the engines use (default 16)")
     i.add_argument(
         "--key", choices=("tokens", "engine"), default="tokens",
         help="tokens (default): the index hashes token ids itself, queries send tokens; engine: keyed by the "
@@ -388,32 +397,32 @@ def build_parser() -> argparse.ArgumentParser:
         "The chats arrive for --duration s, then the bursts; the run ends once every request has its first token (what "
         "is still decoding stops there). Exit status 1 if a subscriber's view of a pool, or an index, ends different from the pools.",
     )  # fmt: skip
-    d.add_argument("--workers", type=int, default=3, help="simulated engine workers per fleet (default 3)")
-    d.add_argument("--duration", type=float, default=8.0, help="seconds of chat traffic, simulated and wall clock (default 8)")
-    d.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 16384; --http: 2048)")
-    d.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    d.add_argument("--workers", type=positive_int, default=3, help="simulated engine workers per fleet (default 3)")
+    d.add_argument("--duration", type=positive, default=8.0, help="seconds of chat traffic, simulated and wall clock (default 8)")
+    d.add_argument("--num-blocks", type=positive_int, help="KV blocks per worker (default 16384; --http: 2048)")
+    d.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
     d.add_argument("--no-kill", action="store_true", help="do not SIGKILL the broker mid-run")
     d.add_argument("--seed", type=int, default=0, help="workload random seed (default 0)")
     d.add_argument("--encoding", choices=("msgpack", "json"), default="msgpack", help="wire encoding (default msgpack)")
-    d.add_argument("--turns-per-s", type=float, default=60.0,
+    d.add_argument("--turns-per-s", type=positive, default=60.0,
                    help="chat turns arriving per second, the same turns at the same times at every fleet (default 60)")
     d.add_argument(
-        "--prefill-ms-per-block", type=float,
+        "--prefill-ms-per-block", type=non_negative,
         help="with --http: milliseconds a stand-in engine waits per block not found cached before the first token "
         "(default 2.0)",
     )  # fmt: skip
-    d.add_argument("--bursts", type=int, default=4, metavar="N",
+    d.add_argument("--bursts", type=non_negative_int, default=4, metavar="N",
                    help="after the chats, N bursts of requests sharing a new 512-token prefix arriving together, as "
                    "agentic fan-out does, 200 ms apart (default 4; 0: none)")  # fmt: skip
-    d.add_argument("--burst-size", type=int, default=12, help="requests per burst (default 12)")
-    d.add_argument("--sliding-window", type=int, default=0, metavar="W",
+    d.add_argument("--burst-size", type=positive_int, default=12, help="requests per burst (default 12)")
+    d.add_argument("--sliding-window", type=non_negative_int, default=0, metavar="W",
                    help="a hybrid model: each worker's pool has a full-attention and a sliding-window KV-cache group "
                    "of W tokens, as vLLM runs gpt-oss or Gemma 3 (default 0: one full-attention group)")  # fmt: skip
     d.add_argument("--http", action="store_true",
                    help="instead: stand-in OpenAI-compatible engines behind `kvbridge proxy`, chats sent through the "
                    "openai client, against round-robin and random (needs the openai package)")  # fmt: skip
-    d.add_argument("--http-turns", type=int, default=120, help="with --http: chat turns per policy (default 120)")
-    d.add_argument("--cluster", type=int, default=0, metavar="N",
+    d.add_argument("--http-turns", type=positive_int, default=120, help="with --http: chat turns per policy (default 120)")
+    d.add_argument("--cluster", type=non_negative_int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
     x = sub.add_parser(
@@ -431,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--worker", action="append", default=[], metavar="ID=URL[@RANK]",
                    help="a worker and its API server (repeat); @RANK pins that DP rank with X-data-parallel-rank; "
                    "adds to, and overrides, what load reports say")  # fmt: skip
-    x.add_argument("--block-size", type=int, default=16, help="tokens per KV block, as the engines use (default 16)")
+    x.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block, as the engines use (default 16)")
     x.add_argument("--tokenizer", metavar="PATH", help="a tokenizers JSON file (tokenizer.json) to tokenize completions' "
                    "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
     x.add_argument("--index-service", action="store_true",
@@ -443,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--record", metavar="FILE", help="append each routed request to FILE as a Mooncake trace line "
                    "(arrival ms, input and output tokens, the prompt's 512-token block hashes; no text) for "
                    "`kvbridge replay`")  # fmt: skip
-    x.add_argument("--overlap-weight", type=float, default=1.0, help="weight of the prompt's own uncached tokens "
+    x.add_argument("--overlap-weight", type=non_negative, default=1.0, help="weight of the prompt's own uncached tokens "
                    "against the prompt work queued ahead of it on a worker (default 1)")  # fmt: skip
     e = x.add_argument_group("engine model: how the router times a worker's work (default: Dynamo 1.6.1's replay "
                              "model of a vLLM engine; docs/proxy.md)")  # fmt: skip
@@ -452,17 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "16.50142,0.01518344,4.209989e-07)")  # fmt: skip
     e.add_argument("--engine-decode", type=_coefficients, metavar="D0,D1,D2",
                    help="a decode step's ms at KV-cache use u in [0, 1]: D0 + D1 u + D2 u^2 (default 5.74,54.01,-25.74)")
-    e.add_argument("--engine-max-batched-tokens", type=int, metavar="N",
+    e.add_argument("--engine-max-batched-tokens", type=positive_int, metavar="N",
                    help="prompt tokens per pass, vLLM's max_num_batched_tokens (default 8192)")
-    e.add_argument("--engine-kv-tokens", type=int, metavar="N",
+    e.add_argument("--engine-kv-tokens", type=non_negative_int, metavar="N",
                    help="tokens of KV cache per worker (default 1048576; 0: unknown, KV-cache use does not slow the decode step)")
-    x.add_argument("--max-body-bytes", type=int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
-    x.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a worker (default 5)")
-    x.add_argument("--read-timeout", type=float, default=600.0,
+    x.add_argument("--max-body-bytes", type=positive_int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
+    x.add_argument("--connect-timeout", type=positive, default=5.0, help="seconds to connect to a worker (default 5)")
+    x.add_argument("--read-timeout", type=positive, default=600.0,
                    help="seconds a worker may stay silent, prefill included (default 600)")
-    x.add_argument("--tokenize-timeout", type=float, default=5.0, help="seconds for a /tokenize answer (default 5)")
-    x.add_argument("--down-s", type=float, default=5.0, help="seconds a failed worker is left out (default 5)")
-    x.add_argument("--tokenize-cache", type=int, default=4096, help="prompts whose token ids are kept (default 4096)")
+    x.add_argument("--tokenize-timeout", type=positive, default=5.0, help="seconds for a /tokenize answer (default 5)")
+    x.add_argument("--down-s", type=non_negative, default=5.0, help="seconds a failed worker is left out (default 5)")
+    x.add_argument("--tokenize-cache", type=non_negative_int, default=4096, help="prompts whose token ids are kept (default 4096)")
     _connection_args(x)
 
     from kvbridge.tools import replay_cmd

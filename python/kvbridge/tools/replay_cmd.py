@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from kvbridge.tools.argtypes import non_negative, positive, positive_int
+
 __all__ = ["add_parser", "run"]
 
 _POLICY_HELP = (
@@ -16,36 +18,6 @@ _POLICY_HELP = (
     "with the workers' LoadReports too (the proxy's mode); dynamo: a port of Dynamo 1.6.1's default KV router; "
     "rr: round robin; random"
 )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return v
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
-
-
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
 
 
 def add_parser(sub: Any) -> None:
@@ -61,21 +33,21 @@ def add_parser(sub: Any) -> None:
     r.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s), each replayed on its own")
     r.add_argument("--policy", default="kv,kv-reports,dynamo,rr,random",
                    help=f"comma-separated policies to compare (default all). {_POLICY_HELP}")  # fmt: skip
-    r.add_argument("--workers", type=_positive_int, default=4, help="simulated workers (default 4)")
-    r.add_argument("--speedup", type=_positive, default=1.0, help="divide the trace's arrival times by this (default 1)")
-    r.add_argument("--first", type=_positive_int, metavar="N", help="replay only the first N requests")
-    r.add_argument("--block-size", type=_positive_int, default=64, help="tokens per KV block (default 64)")
-    r.add_argument("--num-blocks", type=_positive_int, default=16384, help="KV blocks per worker (default 16384)")
-    r.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+    r.add_argument("--workers", type=positive_int, default=4, help="simulated workers (default 4)")
+    r.add_argument("--speedup", type=positive, default=1.0, help="divide the trace's arrival times by this (default 1)")
+    r.add_argument("--first", type=positive_int, metavar="N", help="replay only the first N requests")
+    r.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default 64)")
+    r.add_argument("--num-blocks", type=positive_int, default=16384, help="KV blocks per worker (default 16384)")
+    r.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
                    help="the engine's token budget per pass (default 8192)")  # fmt: skip
-    r.add_argument("--max-num-seqs", type=_positive_int, default=256, help="the engine's seats (default 256)")
-    r.add_argument("--engine-speedup", type=_positive, default=1.0,
+    r.add_argument("--max-num-seqs", type=positive_int, default=256, help="the engine's seats (default 256)")
+    r.add_argument("--engine-speedup", type=positive, default=1.0,
                    help="divide the timing model's prefill and decode times by this (default 1)")  # fmt: skip
-    r.add_argument("--trace-block-size", type=_positive_int, default=512,
+    r.add_argument("--trace-block-size", type=positive_int, default=512,
                    help="tokens per hash_id in a Mooncake trace (default 512)")  # fmt: skip
-    r.add_argument("--event-lag-ms", type=_non_negative, default=0.0,
+    r.add_argument("--event-lag-ms", type=non_negative, default=0.0,
                    help="KV events reach the router this long after their pass ends (default 0)")  # fmt: skip
-    r.add_argument("--report-interval-ms", type=_non_negative, default=100.0,
+    r.add_argument("--report-interval-ms", type=non_negative, default=100.0,
                    help="load reports every this many ms, for kv-reports (default 100; the vLLM plugin sends one "
                    "per load_interval_s, 1 s by default: 1000 matches it)")  # fmt: skip
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
