@@ -205,13 +205,17 @@ class IndexService:
         if self._nc is not None:
             return self
         await self.subscriber.start()
+        nc = None
         try:
-            self._nc = await connect(self.config)
-            await self._nc.subscribe(self.subject, queue=self.queue_group, cb=self._on_query)
-            await self._nc.flush()
-        except BaseException:
+            nc = await connect(self.config)
+            await nc.subscribe(self.subject, queue=self.queue_group, cb=self._on_query)
+            await nc.flush()
+        except BaseException:  # nothing kept: a second start() tries again
+            if nc is not None:
+                await nc.close()
             await self.subscriber.close()
             raise
+        self._nc = nc
         if self.config.metrics_port is not None:
             start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self

@@ -101,9 +101,14 @@ class RouteSync:
             return self
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
-        self._nc = await connect(self.config)
-        await self._nc.subscribe(self.subject, cb=self._on_msg)
-        await self._nc.flush()  # subscribed at the server before start() returns: no decision missed after it
+        nc = await connect(self.config)
+        try:
+            await nc.subscribe(self.subject, cb=self._on_msg)
+            await nc.flush()  # subscribed at the server before start() returns: no decision missed after it
+        except BaseException:  # nothing kept: a second start() tries again
+            await nc.close()
+            raise
+        self._nc = nc
         self._sender = asyncio.create_task(self._send_loop(), name="kvbridge-route-sync")
         self.router.listeners.append(self._on_decision)
         return self
