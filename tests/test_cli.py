@@ -148,6 +148,14 @@ def test_out_of_range_flags_are_usage_errors_naming_the_flag(argv, words, capsys
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_relay_discover_refuses_what_it_would_ignore(capsys):
+    from kvbridge.tools.cli import main
+
+    code = main(["relay", "--discover", "http://127.0.0.1:1", "--dp-rank", "1", "--topic", "kv"])
+    assert code == 2
+    assert "--discover takes --topic, --dp-rank from the server's /kv_event_sources: drop them" in capsys.readouterr().err
+
+
 def test_proxy_on_a_port_in_use_says_so(capsys):
     import socket
 

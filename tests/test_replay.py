@@ -60,7 +60,7 @@ def test_a_trace_of_token_ids_is_read_as_given():
         (_line(timestamp=0, input_length=10, output_length=0, hash_ids=[1]), "output_length must be >= 1, got 0"),
         (_line(timestamp=-1, input_length=10, output_length=1, hash_ids=[1]), "timestamp must be >= 0"),
         (_line(timestamp=0, input_length=600, output_length=1, hash_ids=[1, 2, 3]),
-         "3 hash_ids for input_length 600: at most 2"),
+         "3 hash_ids for input_length 600: 2 expected"),
         (_line(timestamp=0, input_length=600, output_length=1, hash_ids=[1]), "1 hash_ids for input_length 600: 2 expected"),
         (_line(timestamp=0, output_length=1, tokens=[1, -2]), r"tokens\[1\] must be a token id"),
         (_line(timestamp=0, output_length=1, tokens=[1, 2], input_length=3), "input_length 3 != 2 tokens"),

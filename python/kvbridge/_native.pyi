@@ -159,9 +159,15 @@ def _encode_layout() -> Literal["api", "signed-size", "tagged-value"]:
 #: consecutive events of one kind and the same medium, group_idx, spec kind and window merged, a
 #: parent-None store always starting an op (root: its length, else 0) -- kvbridge.wire.residency.Op.
 #: None when the payload is not vLLM's msgpack shape and needs a full decode.
-def unpack_query_ints(raw: Buffer, field: str) -> memoryview | None:
-    """A query field's msgpack array of ints (a msgspec.Raw) as a memoryview of packed ints ('I'
-    for "tokens", else 'Q'); None when absent or nil; ValueError in msgspec's words."""
+def scan_batch_msgpack(
+    payload: bytes
+) -> tuple[
+    float,
+    int | None,
+    int,
+    int,
+    list[tuple[int, list[int | bytes], str | None, int | None, int, str | None, int | None, int]],
+] | None: ...
 
 # --- native batch decode (rust/decode.rs; used by kvbridge.wire.events.decode_batch) -----------
 
@@ -173,16 +179,6 @@ class BatchDecoder:
     def __new__(cls, batch: type, stored: type, removed: type, cleared: type) -> BatchDecoder: ...
     def decode(self, payload: bytes) -> object | None:
         """The batch, or None for a payload in a shape it does not read (msgspec decodes it)."""
-
-def scan_batch_msgpack(
-    payload: bytes
-) -> tuple[
-    float,
-    int | None,
-    int,
-    int,
-    list[tuple[int, list[int | bytes], str | None, int | None, int, str | None, int | None, int]],
-] | None: ...
 
 # --- NATS protocol reading (rust/natsproto.rs; used by kvbridge.bus.natsclient) -------------------
 
@@ -400,6 +396,11 @@ class Index:
     def __len__(self) -> int:
         """Distinct blocks held by any worker."""
 
+
+# rust/index/args.rs: the index service's query fields (kvbridge.routing.service)
+def unpack_query_ints(raw: Buffer, field: str) -> memoryview | None:
+    """A query field's msgpack array of ints (a msgspec.Raw) as a memoryview of packed ints ('I'
+    for "tokens", else 'Q'); None when absent or nil; ValueError in msgspec's words."""
 
 # --- views from payload bytes (rust/view.rs; behind engine.relay.RelayView and bus.update.WorkerView) ---
 

@@ -3,8 +3,10 @@
 Every error kvbridge raises on purpose (bad configuration, a refused or failed connection, a
 payload that is not a KV event batch, JetStream or the local nats-server not being usable)
 derives from :class:`Error`, so an application or the CLI can catch "kvbridge said no" in one
-clause. Each subclass also keeps the builtin base it had before (``ValueError``,
-``ConnectionError``, ``RuntimeError``), so code that catches those keeps working.
+clause. Each subclass also keeps the builtin base it had before (e.g. ``ValueError``,
+``ConnectionError``, ``TimeoutError``, ``RuntimeError``), so code that catches those keeps
+working. A wrong argument to a function (a type, a range) is a plain ``TypeError`` /
+``ValueError`` naming it, as Python's own functions raise.
 
 This module imports nothing from kvbridge: every other module can import it.
 """

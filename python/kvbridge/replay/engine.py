@@ -61,7 +61,7 @@ def prefill_ms(new_tokens: int, speedup: float = 1.0) -> float:
 
 def decode_ms(context_tokens: int, capacity_tokens: int, speedup: float = 1.0) -> float:
     """A pass's decode time when its decoding requests hold ``context_tokens`` tokens of a pool
-    of ``capacity_tokens`` (at least 1 ms)."""
+    of ``capacity_tokens`` (at least 1 ms before ``speedup`` divides it)."""
     u = min(1.0, context_tokens / capacity_tokens)
     return max(1.0, DECODE_A * u * u + DECODE_B * u + DECODE_C) / speedup
 

@@ -138,13 +138,11 @@ def _from_hash_ids(obj: dict[str, Any], in_len: int, tbs: int, canon: dict[Any, 
     if not isinstance(ids, list):
         raise TraceError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
     blocks = -(-in_len // tbs)
-    if len(ids) > blocks:
+    if len(ids) != blocks:
         raise TraceError(
-            f"{where}: {len(ids)} hash_ids for input_length {in_len}: at most {blocks} "
-            f"(one per {tbs}-token block)"
+            f"{where}: {len(ids)} hash_ids for input_length {in_len}: {blocks} expected "
+            f"(one per {tbs}-token block, the last possibly partial)"
         )
-    if len(ids) < blocks:
-        raise TraceError(f"{where}: {len(ids)} hash_ids for input_length {in_len}: {blocks} expected (one per {tbs}-token block)")
     runs = []
     for i, h in enumerate(ids):
         if isinstance(h, bool) or not isinstance(h, (int, str)):

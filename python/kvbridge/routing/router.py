@@ -81,8 +81,10 @@ PEER_IN_FLIGHT_MAX_S = 600.0
 
 class Decision(NamedTuple):
     """A routing decision (``op="route"``) or its end (``op="done"``), as replicas share them:
-    which router (``replica``, its ``id`` for it), which worker, when (wall clock) and the
-    prompt's :meth:`Router.block_keys`."""
+    which router (``replica``, its ``id`` for it), which worker, when (the router's ``clock``:
+    wall-clock seconds by default, which replicas compare with their own, so a router shared
+    through :class:`~kvbridge.routing.sync.RouteSync` keeps the default clock) and the prompt's
+    :meth:`Router.block_keys`."""
 
     op: Literal["route", "done"]
     replica: str

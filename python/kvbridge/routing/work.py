@@ -71,15 +71,18 @@ class EngineModel:
         return c0 + c1 * tokens + c2 * tokens * tokens
 
     def decode_ms(self, context_tokens: float) -> float:
-        """One decode step's time when the decoding requests hold ``context_tokens``."""
+        """One decode step's time when the decoding requests hold ``context_tokens``:
+        ``max(1, d0 + d1 u + d2 u^2)``, ``u = min(1, context_tokens / kv_capacity_tokens)`` (0
+        when the capacity is unknown)."""
         cap = self.kv_capacity_tokens
         u = min(1.0, context_tokens / cap) if cap else 0.0
         d0, d1, d2 = self.decode
         return max(1.0, d0 + d1 * u + d2 * u * u)
 
     def prompt_ms(self, tokens: float, step_ms: float) -> float:
-        """Time to compute ``tokens`` prompt tokens in full passes and a last partial one, each
-        pass also taking ``step_ms`` of decoding."""
+        """Time to compute ``tokens`` prompt tokens, each pass also taking ``step_ms`` of decoding:
+        one pass when they fit the budget, else ``tokens / budget`` full passes' time (the last,
+        partial pass prorated)."""
         if tokens <= 0:
             return 0.0
         budget = self.max_num_batched_tokens

@@ -181,6 +181,11 @@ async def _relay(args: argparse.Namespace) -> int:
     from kvbridge.engine.relay import Relay
 
     if args.discover:
+        given = [flag for flag, v in (("--replay-endpoint", args.replay_endpoint), ("--topic", args.topic),
+                                      ("--dp-rank", args.dp_rank)) if v not in (None, "")]  # fmt: skip
+        if given:
+            raise ConfigError(f"--discover takes {', '.join(given)} from the server's /kv_event_sources: drop "
+                              f"{'it' if len(given) == 1 else 'them'}")  # fmt: skip
         return await _discover(args)
 
     extra = {k: v for k, v in (("model", args.model), ("worker_id", args.worker), ("encoding", args.encoding)) if v}
@@ -373,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         "encoding, or {\"error\": \"...\"}. Try: nats req kv.query.MODEL '{\"tokens\": [1, 2, 3]}'. "
         "Runs until SIGINT/SIGTERM.",
     )  # fmt: skip
-    i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL)")
+    i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL; default: default)")
     i.add_argument("--block-size", type=positive_int, default=16, help="tokens per block, as the engines use (default 16)")
     i.add_argument(
         "--key", choices=("tokens", "engine"), default="tokens",
@@ -444,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--tokenizer", metavar="PATH", help="a tokenizers JSON file (tokenizer.json) to tokenize completions' "
                    "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
     x.add_argument("--index-service", action="store_true",
-                   help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process")
+                   help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process "
+                   "(they must run --key tokens, the default, with the proxy's --block-size)")  # fmt: skip
     x.add_argument("--policy", choices=("kv", "rr", "random"), default="kv",
                    help="kv (default): the KV-aware router; rr: round robin; random: a seeded random pick (to "
                    "compare, or to --record traffic as a blind policy sees it)")  # fmt: skip
@@ -469,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--connect-timeout", type=positive, default=5.0, help="seconds to connect to a worker (default 5)")
     x.add_argument("--read-timeout", type=positive, default=600.0,
                    help="seconds a worker may stay silent, prefill included (default 600)")
-    x.add_argument("--tokenize-timeout", type=positive, default=5.0, help="seconds for a /tokenize answer (default 5)")
+    x.add_argument("--tokenize-timeout", type=positive, default=5.0, help="seconds for a /tokenize answer or an index-service query (default 5)")
     x.add_argument("--down-s", type=non_negative, default=5.0, help="seconds a failed worker is left out (default 5)")
     x.add_argument("--tokenize-cache", type=non_negative_int, default=4096, help="prompts whose token ids are kept (default 4096)")
     _connection_args(x)
