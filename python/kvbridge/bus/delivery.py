@@ -27,7 +27,7 @@ from kvbridge.wire.events import KVEventBatch
 
 __all__ = ["Delivery"]
 
-log = logging.getLogger("kvbridge.consumer")
+log = logging.getLogger("kvbridge.subscriber")
 
 
 class Delivery:

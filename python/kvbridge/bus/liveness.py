@@ -20,7 +20,7 @@ from kvbridge.wire.events import KVEventBatch
 
 __all__ = ["Liveness"]
 
-log = logging.getLogger("kvbridge.consumer")
+log = logging.getLogger("kvbridge.subscriber")
 
 # An epoch given up that sends new seqs is a second live publisher only if it keeps at it for
 # longer than this (or the worker's heartbeat interval, if longer): what a dead incarnation had

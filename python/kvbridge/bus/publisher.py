@@ -135,7 +135,9 @@ class KvEventPublisher(Sender, Answers):
             )
 
     async def close(self, timeout: float = 5.0) -> None:
-        """Send everything handed over so far (best effort within ``timeout``), then disconnect."""
+        """Send everything handed over so far, then disconnect. Best effort: the sending (with
+        JetStream, the stream's acks first) waits up to ``timeout``, the server's confirmation of
+        the flush up to ``max(timeout, 1)`` more."""
         if self._nc is None or self._closing:
             return
         if self._js is not None:  # JetStream: closed means stored, as far as the timeout allows

@@ -40,7 +40,7 @@ from kvbridge.wire.subjects import (
 
 __all__ = ["Resync"]
 
-log = logging.getLogger("kvbridge.consumer")
+log = logging.getLogger("kvbridge.subscriber")
 
 # JetStream mode: how long a hole may wait for the stream to fill it before the worker is asked.
 _STREAM_HOLE_GRACE_S = 0.5

@@ -68,7 +68,7 @@ from kvbridge.wire.subjects import HDR_HEARTBEAT, events_pattern, load_subject, 
 
 __all__ = ["KvEventSubscriber", "Update", "WorkerView"]
 
-log = logging.getLogger("kvbridge.consumer")
+log = logging.getLogger("kvbridge.subscriber")
 
 # Events subjects remembered with their (model, worker); far more than any deployment's workers.
 _MAX_SUBJECT_KEYS = 4096

@@ -215,7 +215,7 @@ class Residency:
         return None
 
     def store(
-        self, hashes: list[Any], medium: str | None, group_idx: Any = None, kind: str | None = None,
+        self, hashes: list[Any], medium: str | None, group_idx: Any = None, spec_kind: str | None = None,
         window: Any = None, root: int = 0, n: int = 1, windows: bool = False,
     ) -> tuple[Key, int] | None:  # fmt: skip
         """Applies ``n`` stores (one op). Returns the ``(medium, group)`` and the index of the first
@@ -225,17 +225,17 @@ class Residency:
         group = self._group(group_idx, n)
         if group is None:
             return None
-        if kind is not None:
-            if kind in WINDOW_KINDS:
+        if spec_kind is not None:
+            if spec_kind in WINDOW_KINDS:
                 if window.__class__ is not int or window < 1:
                     self.stats["bad_windows"] += n
                     return None
-            elif kind not in KINDS:
+            elif spec_kind not in KINDS:
                 self.stats["unknown_kinds"] += n
                 return None
             else:
                 window = None
-            self.kinds[group] = (kind, window)
+            self.kinds[group] = (spec_kind, window)
         if group in self.kinds and self.kinds[group][0] in UNSCORED_KINDS:
             self.stats["unscored_group_events"] += n
         key = (medium, group)
