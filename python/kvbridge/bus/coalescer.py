@@ -2,8 +2,9 @@
 
 Hand-offs are coalesced in queue order into runs of events (a native pool's records kept as
 records), framed by :mod:`kvbridge.bus.framer` and given seqs in the
-:class:`~kvbridge.bus.outbox.Outbox`; a snapshot's cut, a loss marked by ``mark_loss()`` and
-dropped hand-offs become seq holes where they stand. Messages are framed for the server's
+:class:`~kvbridge.bus.outbox.Outbox`; a loss marked by ``mark_loss()`` and dropped hand-offs
+become seq holes where they stand, and a snapshot's cut marks the seq its snapshot is consistent
+with. Messages are framed for the server's
 ``max_payload``, read from every connection anew: held messages a smaller one refuses are
 re-framed (``_refit``). Each message's header block is made here too, for the live send and the
 replay alike. Nothing here awaits: the sender (:mod:`kvbridge.bus.sender`) and the replay and
