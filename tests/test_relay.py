@@ -390,6 +390,37 @@ async def test_an_engine_restart_starts_a_new_epoch(zctx, nats_sub, nats_server,
     assert relay_hashes(relay) == expected
 
 
+async def test_an_engine_restart_while_nats_is_down_waits_for_nats(zctx, own_nats_server, vllm_frames):
+    """The engine restarts while the broker is dead: the new epoch's publisher cannot connect, so
+    the relay retries (counted) instead of ending, and once NATS is back the new incarnation's
+    batches reach a subscriber, its view equal to the engine's cache."""
+    frames, _ = vllm_frames
+    server = own_nats_server
+    engine = zctx()
+    cfg = relay_config(server, "w-down", connect_timeout_s=0.5, max_reconnect_attempts=-1, reconnect_wait_s=0.1)
+    key = ("m-relay", "w-down")
+    async with Relay(cfg, endpoint=engine.endpoint, replay_endpoint=engine.replay_endpoint) as relay:
+        await engine.wait_subscribed()
+        for f in frames:
+            await engine.send(*f)
+        await wait_until(lambda: relay.stats["forwarded"] == len(frames), WAIT, "the first incarnation relayed")
+        first_epoch = relay.publisher.epoch
+        server.kill()
+        assert not server.running  # kill -9: the broker is gone
+        engine.restart()
+        for f in frames[:3]:  # the engine counts from 0 again
+            await engine.send(*f)
+        await wait_until(lambda: relay.stats["epoch_start_failures"] >= 2, WAIT, "the new epoch waiting for NATS")
+        assert relay.stats["engine_restarts"] == 1 and not relay._task.done()
+        server.start()
+        async with KvEventSubscriber(cfg, model="m-relay", worker="w-down") as sub:
+            expected = hashes_after([p for _, _, p in frames[:3]])
+            await wait_until(lambda: key in sub.views and sub.views[key].epoch not in (None, first_epoch)
+                             and sub.views[key].blocks == expected, WAIT, "the new incarnation on NATS")  # fmt: skip
+        assert relay.publisher.epoch != first_epoch and relay.stats["lost_batches"] == 0
+        assert relay_hashes(relay) == expected
+
+
 # --- payloads unchanged ------------------------------------------------------------------------------
 
 TOPIC = b"kv@127.0.0.1@model-x"

@@ -491,6 +491,19 @@ async def test_discovery_follows_ranks_that_appear_and_go_away(nats_server, rank
         sources_server.sources = ["not", "a", "map"]
         await wait_until(lambda: disc.stats["poll_failures"] >= 1, WAIT, "a bad answer counted")
         assert len(disc.relays) == 1  # kept while the answer is bad
+        # an entry no relay can follow (a negative rank) is a bad answer too: counted, said, and
+        # the discovery goes on (it used to end its task without a word)
+        failures = disc.stats["poll_failures"]
+        entry = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{e1.port}", "topic": "kv"}
+        sources_server.sources = {"-1": entry}
+        await wait_until(lambda: disc.stats["poll_failures"] > failures, WAIT, "the negative rank counted")
+        assert len(disc.relays) == 1 and not disc._task.done()
+        # a rank whose relay cannot be made (port 0: the engine's own choice, unknown here) is
+        # logged and left, the others relayed
+        sources_server.set_ranks([(1, e1)])
+        sources_server.sources["2"] = {**entry, "endpoint": "tcp://*:0"}
+        await wait_until(lambda: disc.relays.stats["start_failures"] >= 1, WAIT, "the port-0 relay refused")
+        assert f"tcp://127.0.0.1:{e1.port}" in disc.relays.specs and not disc._task.done()
 
 
 # --- process exit -------------------------------------------------------------------------------------------

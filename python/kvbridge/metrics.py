@@ -85,6 +85,8 @@ RELAY_METRICS = {
     "split_batches": ("kvbridge_relay_split_batches", "Engine batches over max_payload, sent split", "counter"),
     "replay_failures": ("kvbridge_relay_replay_failures", "Replay requests that failed or timed out", "counter"),
     "engine_restarts": ("kvbridge_relay_engine_restarts", "Engine restarts seen (each starts a new epoch)", "counter"),
+    "epoch_start_failures": ("kvbridge_relay_epoch_start_failures",
+                             "Tries to start a new epoch's publisher that NATS refused (retried)", "counter"),
     "view_blocks": ("kvbridge_relay_view_blocks", "Blocks in the relay's view of the engine's cache", "gauge"),
     "view_skipped_events": ("kvbridge_relay_view_skipped_events",
                             "Engine events the view skipped: a bad group_idx, an unknown kind, a bad window", "counter"),

@@ -18,6 +18,7 @@ the API server's host. Each API server lists only the ranks it manages.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import os
@@ -205,8 +206,8 @@ async def start_retrying(make: Callable[[], Any], what: str, logger: logging.Log
     pause = _RETRY_FIRST_S
     warn = RateLimitedLog(logger)
     while True:
-        obj = make()
         try:
+            obj = make()
             await obj.start()
             return obj
         except ConfigError as exc:
@@ -216,6 +217,9 @@ async def start_retrying(make: Callable[[], Any], what: str, logger: logging.Log
         except (ConnectError, OSError, asyncio.TimeoutError) as exc:
             stats["start_failures"] += 1
             warn.warning(what, "kvbridge: %s not started, retrying in the background: %s", what, exc)
+        except Exception as exc:  # unforeseen (a JetStream not ready yet, ...): said, and tried again
+            stats["start_failures"] += 1
+            warn.warning(what, "kvbridge: %s failed to start, retrying in the background: %r", what, exc)
         await asyncio.sleep(pause)
         pause = min(pause * 2, _RETRY_MAX_S)
 
@@ -251,8 +255,8 @@ def fetch_json(url: str, timeout: float) -> Any:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
-    except (urllib.error.URLError, OSError) as exc:
-        raise DiscoveryError(f"GET {url}: {exc}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, timed out, cut short
+        raise DiscoveryError(f"GET {url}: {exc!r}") from None
     try:
         return json.loads(body)
     except ValueError as exc:
@@ -328,7 +332,6 @@ class Discovery:
         self.relays = RelaySet()
         self._fetch = fetch
         self._task: asyncio.Task | None = None
-        self._ready = asyncio.Event()
         self.stats = {"polls": 0, "poll_failures": 0}
         self._failing = False
 
@@ -340,10 +343,6 @@ class Discovery:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="kvbridge-discover")
         return self
-
-    async def wait_polled(self) -> None:
-        """Return once the first answer was applied."""
-        await self._ready.wait()
 
     async def close(self) -> None:
         if self._task is not None:
@@ -379,7 +378,7 @@ class Discovery:
                 await self._served_model()
                 sources = await self._get(self.url)
                 specs = specs_from_sources(sources, self.host, self.config, self.worker)
-            except DiscoveryError as exc:
+            except ValueError as exc:  # DiscoveryError, or a ConfigError from an entry it cannot relay
                 self.stats["poll_failures"] += 1
                 if not self._failing:  # once per outage; the relays keep running meanwhile
                     log.warning("kvbridge: discovery from %s failed, retrying every %.1fs: %s", self.url, self.interval_s, exc)
@@ -395,5 +394,4 @@ class Discovery:
                 if before.keys() != after.keys():
                     log.info("kvbridge: relaying DP ranks %s (%s)", sorted(s.rank for s in after.values()),
                                 ", ".join(f"{s.rank}: {s.endpoint}" for s in sorted(after.values(), key=lambda s: s.rank)) or "none")  # fmt: skip
-                self._ready.set()
             await asyncio.sleep(self.interval_s)

@@ -68,6 +68,7 @@ from kvbridge.wire.events import (
     slice_event,
 )
 from kvbridge.wire.residency import WINDOW_KINDS, kind_event, view_payload
+from kvbridge.bus.connection import ConnectError
 from kvbridge.bus.publisher import KvEventPublisher
 
 __all__ = ["Relay", "RelayView", "engine_endpoint", "snapshot_events"]
@@ -78,6 +79,9 @@ _END_SEQ = 0xFFFF_FFFF_FFFF_FFFF  # (-1).to_bytes(8, "big", signed=True), vLLM's
 # The engine's PUB keeps up to 100k batches per subscriber; ours should not be the tighter bound
 # while a replay keeps the loop from reading.
 _RCVHWM = 100_000
+# Pauses between a new epoch's tries to connect (an engine restart while NATS is down).
+_EPOCH_RETRY_FIRST_S = 0.2
+_EPOCH_RETRY_MAX_S = 5.0
 # Frames taken without yielding to the loop while the engine's are queued (see Relay._run).
 _BURST = 8
 # A plain int: pyzmq's flag enums cost an enum operation per use.
@@ -273,7 +277,8 @@ class Relay:
         self._expected: int | None = None  # the engine seq that should come next; None: any
         self._counts = dict.fromkeys(
             ("frames", "forwarded", "replayed", "malformed", "lost_batches", "replay_requests", "replay_failures",
-             "engine_restarts", "split_batches", "idle_probes", "duplicates", "view_unread_batches"),
+             "engine_restarts", "split_batches", "idle_probes", "duplicates", "view_unread_batches",
+             "epoch_start_failures"),
             0,
         )  # fmt: skip
         register("relay", self)
@@ -577,4 +582,19 @@ class Relay:
         self._probed = {}
         old = self.publisher
         await old.close()  # the old epoch's tail goes out before the new epoch's first message
-        await self._start_publisher()
+        # The new epoch's publisher connects: with NATS down it waits for it, the engine's frames
+        # queued in the SUB socket meanwhile (a gap past its high-water mark is replayed).
+        pause = _EPOCH_RETRY_FIRST_S
+        while True:
+            try:
+                await self._start_publisher()
+                return
+            except ConnectError as exc:
+                if (n := tally(self._counts, "epoch_start_failures")) is not None:
+                    log.warning("kvbridge relay: the new epoch cannot start yet (%d tries so far), retrying: %s", n, exc)
+            self._reading = True  # close() may cancel the wait
+            try:
+                await asyncio.sleep(pause)
+            finally:
+                self._reading = False
+            pause = min(pause * 2, _EPOCH_RETRY_MAX_S)
