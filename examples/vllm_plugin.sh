@@ -17,5 +17,5 @@ vllm serve meta-llama/Llama-3.1-8B-Instruct --data-parallel-size 2 --kv-events-c
   '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567", "topic": "kv"}'
 
 # Rank r publishes on port 5557 + r (replay 5567 + r); the log says what kvbridge relays:
-#   kvbridge: attached to model meta-llama/Llama-3.1-8B-Instruct (dp0=host-dp0, dp1=host-dp1), API server 0: relaying ...
+#   kvbridge: attached to model meta-llama/Llama-3_1-8B-Instruct (dp0=host-dp0, dp1=host-dp1), API server 0: relaying ...
 # Watch it:  kvbridge watch --servers nats://127.0.0.1:4222

@@ -261,3 +261,27 @@ def test_demo_on_a_3_node_cluster_converges_and_leaves_nothing_running():
     # The demo's cluster is named after its process: none of its nodes outlived it.
     left = subprocess.run(["pgrep", "-f", f"kvbridge-demo-{proc.pid}"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout
+
+
+def test_relay_names_its_worker_from_a_dp_rank_template(monkeypatch):
+    """KVBRIDGE_WORKER_ID as the vLLM plugin takes it (``gpu-{dp_rank}``) names a plain relay's rank
+    too, not a worker called ``gpu-{dp_rank}``."""
+    import kvbridge.engine.relay
+    from kvbridge.tools.cli import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def made(config, **kw):
+        seen["worker"] = config.worker_id
+        raise Stop
+
+    monkeypatch.setenv("KVBRIDGE_WORKER_ID", "gpu-{dp_rank}")
+    monkeypatch.setattr(kvbridge.engine.relay, "Relay", made)
+    try:
+        main(["relay", "--endpoint", "tcp://127.0.0.1:5557", "--dp-rank", "3", "--servers", "nats://127.0.0.1:1"])
+    except Stop:
+        pass
+    assert seen == {"worker": "gpu-3"}

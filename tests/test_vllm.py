@@ -200,6 +200,7 @@ def test_plan_follows_vllms_rank_offsets_names_and_nodes():
     assert [s.config.dp_rank for s in p.relays] == [0, 1]
     assert len(p.sidecar) == 2 and all("another node" in s for s in p.sidecar)  # ranks 2, 3
     assert "--dp-rank 2" in p.sidecar[0] and f"--worker {HOST}-dp2" in p.sidecar[0]
+    assert "--endpoint 'tcp://*:6000'" in p.sidecar[0] and "--servers nats://127.0.0.1:1" in p.sidecar[0]
 
 
 def test_plan_names_and_options():
@@ -222,6 +223,8 @@ def test_plan_names_what_a_relay_here_cannot_reach(endpoint, why):
     cfg.kv_events_config.endpoint = endpoint
     p = kv_vllm.plan(cfg, [0, 1], {}, {})
     assert p.relays == [] and len(p.sidecar) == 2 and all(why in s for s in p.sidecar)
+    if why == "--discover":  # the relays it asks for name workers as this plugin's load reports do
+        assert f"--worker '{HOST}-dp{{dp_rank}}'" in p.sidecar[0]
 
 
 # --- the plugin, as vLLM loads it ---------------------------------------------------------------------

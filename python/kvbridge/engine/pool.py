@@ -171,6 +171,7 @@ class NativeKVCacheManager(_NativeManager):
     enable_events=True, groups=None, retention_interval=None)``; ``allocate(request_id, token_ids, *, lora_name=None,
     lora_id=None)``, ``append``, ``free``, ``reset``, ``take_events``, ``snapshot``,
     ``get_block_ids``, ``get_group_block_ids``, ``hit_blocks(token_ids, *, lora_name=None)``,
+    ``can_allocate``,
     ``num_tokens``, ``in``, ``len``, ``groups``, ``retention_interval``; ``.pool`` for the pool's
     queries. ``take_record()`` drains the events as ``take_events()`` does but keeps them native
     (an ``EventRecord``: ``events()`` builds them); the publisher's ``step()`` and ``publish()``

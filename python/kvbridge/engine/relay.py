@@ -1,7 +1,7 @@
 """A sidecar that carries a stock vLLM or SGLang engine's ZMQ KV events to NATS.
 
 The engine publishes on a ZMQ PUB socket (``--kv-events-config '{"enable_kv_cache_events": true,
-"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic":
+"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567", "topic":
 "kv"}'``) multipart frames ``[topic, seq (u64 big-endian), msgpack KVEventBatch]``, and keeps its
 last batches (10,000 by default) for a DEALER that sends ``[b"", start_seq]`` to its ROUTER replay
 endpoint: the answer is ``[b"", (topic,) seq, payload]`` per held batch with seq >= start, then
@@ -564,12 +564,14 @@ class Relay:
                     got[seq] = frames[-1]
                 if stop is not None and seq >= stop - 1:
                     return got  # the rest is live traffic the SUB socket holds
-            log.warning("kvbridge relay: replay from %s timed out after %d batches", self.replay_endpoint, len(got))
+            why = f"no answer within {self.config.request_timeout_s:g}s after {len(got)} batches"
         except (_Malformed, zmq.ZMQError, asyncio.TimeoutError) as exc:
-            log.warning("kvbridge relay: replay from %s failed: %s", self.replay_endpoint, exc)
+            why = str(exc) or f"no answer within {self.config.request_timeout_s:g}s"
         finally:
             sock.close(linger=0)
-        self._counts["replay_failures"] += 1
+        # 1st, 2nd, 4th...: a wrong or absent replay endpoint cannot fill the log
+        if (n := tally(self._counts, "replay_failures")) is not None:
+            log.warning("kvbridge relay: replay from %s failed (%d so far): %s", self.replay_endpoint, n, why)
         return got
 
     async def _new_epoch(self, seq: int) -> None:

@@ -229,12 +229,15 @@ def plan(vllm_config: Any, engine_indexes: list[int] | None, options: dict[str, 
         elif not _is_bind(endpoint):
             p.sidecar.append(f"dp{r}: the engine connects to {endpoint}: give it a bind endpoint (tcp://*:PORT)")
         elif _port(endpoint) == 0 or (replay and _port(replay) == 0):
+            # --worker: the names this plugin's load reports use, so that a router joins the two
             p.sidecar.append(f"dp{r}: port 0 is chosen by the engine: run `kvbridge relay --discover "
-                             f"http://API_HOST:API_PORT --model {config.model}` anywhere")  # fmt: skip
+                             f"http://API_HOST:API_PORT --model {config.model} --worker '{template}' "
+                             f"--servers {','.join(config.servers)}` anywhere")  # fmt: skip
         elif not dp_index <= r < dp_index + local:
-            cmd = (f"kvbridge relay --endpoint {endpoint} "
-                   + (f"--replay-endpoint {replay} " if replay else "")
-                   + f"--topic '{topic}' --dp-rank {r} --model {config.model} --worker {e.worker_id}")  # fmt: skip
+            cmd = (f"kvbridge relay --endpoint '{endpoint}' "
+                   + (f"--replay-endpoint '{replay}' " if replay else "")
+                   + f"--topic '{topic}' --dp-rank {r} --model {config.model} --worker {e.worker_id} "
+                   + f"--servers {','.join(config.servers)}")  # fmt: skip
             p.sidecar.append(f"dp{r} runs on another node: run `{cmd}` there")
         else:
             p.relays.append(RelaySpec(
@@ -526,10 +529,11 @@ class KvBridgeStatLogger(_AggregateBase):
         what = (f"relaying DP ranks {[s.rank for s in p.relays]} "
                 f"({', '.join(s.endpoint for s in p.relays)})" if p.relays else f"no relay ({p.no_relay or 'none to run here'})")
         shared = len(p.relays) - len(new)
-        log.info("kvbridge: attached to model %s (%s), API server %d: %s%s; load reports every %ss to NATS %s",
+        every = f"load reports every {p.config.load_interval_s}s" if p.config.load_interval_s > 0 else "no load reports"
+        log.info("kvbridge: attached to model %s (%s), API server %d: %s%s; %s to NATS %s",
                  p.config.model, workers, p.api_rank, what,
                  f" ({shared} already run by another kvbridge logger)" if shared else "",
-                 p.config.load_interval_s, ",".join(p.config.servers))  # fmt: skip
+                 every, ",".join(p.config.servers))  # fmt: skip
         if p.sidecar:
             log.warning("kvbridge: not relayed from this process: %s", "; ".join(p.sidecar))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -188,7 +189,13 @@ async def _relay(args: argparse.Namespace) -> int:
                               f"{'it' if len(given) == 1 else 'them'}")  # fmt: skip
         return await _discover(args)
 
-    extra = {k: v for k, v in (("model", args.model), ("worker_id", args.worker), ("encoding", args.encoding)) if v}
+    extra = {k: v for k, v in (("model", args.model), ("encoding", args.encoding)) if v}
+    # A worker template (the vLLM plugin's KVBRIDGE_WORKER_ID may hold {dp_rank}) names this rank.
+    template = args.worker or os.environ.get("KVBRIDGE_WORKER_ID")
+    if template:
+        from kvbridge.engine.discover import worker_name
+
+        extra["worker_id"] = worker_name(template, args.dp_rank or 0)
     relay = Relay(
         _config(args, **extra), endpoint=args.endpoint, replay_endpoint=args.replay_endpoint, topic=args.topic,
         dp_rank=args.dp_rank,
@@ -343,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "relay", help="publish a stock vLLM/SGLang engine's ZMQ KV events on NATS (a sidecar), gaps repaired by replay",
         description="Subscribe to the engine's ZMQ KV events (vLLM: --kv-events-config '{\"enable_kv_cache_events\": "
-        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\", "
         "\"topic\": \"kv\"}') and publish every batch, unchanged, on <prefix>.events.<model>.<worker>. "
         "With --discover, one relay per data-parallel rank that a vLLM API server lists at /kv_event_sources, "
         "following ranks that appear or go away. Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
@@ -356,13 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
     )  # fmt: skip
     r.add_argument("--interval", type=positive, default=2.0, help="with --discover: seconds between polls (default 2)")
-    r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5558; without it a gap is a loss")
+    r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5567; without it a gap is a loss")
     r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
     r.add_argument("--dp-rank", type=non_negative_int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
     r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL; with --discover, default: the served "
                    "model name from /v1/models)")
-    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>); with "
-                   "--discover a template, {dp_rank} replaced (default <HOST>-dp{dp_rank})")
+    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>), "
+                   "{dp_rank} replaced by --dp-rank (0 without it); with --discover a template for every rank "
+                   "(default <HOST>-dp{dp_rank})")  # fmt: skip
     r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
     _connection_args(r)
 
