@@ -392,6 +392,10 @@ async def test_record_never_raises(caplog):
                      "the NATS failure logged")  # fmt: skip
     with pytest.raises(ConfigError, match="unknown kvbridge option"):
         kv_vllm.logger_factory(srevers=["nats://127.0.0.1:1"])  # in the caller's code, not inside vLLM
+    for worker, words in ((5, "worker_id: must be a str"), ("", "worker_id .*must be non-empty")):
+        with pytest.raises(ConfigError, match=words):
+            kv_vllm.logger_factory(worker_id=worker)
+    kv_vllm.logger_factory(worker_id="gpu-{dp_rank}")  # a template is a worker id
 
 
 def test_bad_environment_is_one_error_line_never_an_exception(monkeypatch, caplog):

@@ -663,10 +663,13 @@ def logger_factory(**options: Any) -> type[KvBridgeStatLogger]:
     ``options`` (:class:`kvbridge.Config` fields, e.g. ``servers=``, ``model=``, ``worker_id=``)
     bound; they win over ``KVBRIDGE_*``. Checked here: an unknown or malformed option raises
     :class:`kvbridge.ConfigError` in the caller, not later inside vLLM."""
-    probe = {k: v for k, v in options.items() if k != "worker_id"}
+    probe = dict(options)
+    if "worker_id" in options:  # a template ({dp_rank}) checked as the rank-0 name it makes
+        worker = options["worker_id"]
+        if not isinstance(worker, str):
+            raise ConfigError(f"kvbridge config worker_id: must be a str (a {{dp_rank}} template allowed), got {worker!r}")
+        probe["worker_id"] = worker_name(worker, 0)
     Config.from_env(**probe)
-    if "worker_id" in options:
-        worker_name(str(options["worker_id"]), 0)
     return type("KvBridgeStatLogger", (KvBridgeStatLogger,), {"_options": dict(options), "__module__": __name__})
 
 
