@@ -746,16 +746,9 @@ class ReportLoads:
         return self._fresh().get(worker)
 
 
-def report_loads(
-    subscriber: Any,
-    *,
-    model: str | None = None,
-    max_age_s: float = 5.0,
-    refresh_s: float = 0.05,
-    live: Callable[[], bool] | None = None,
-) -> ReportLoads:
-    """:class:`ReportLoads` over ``subscriber``: load = latest report + routed since."""
-    return ReportLoads(subscriber, model=model, max_age_s=max_age_s, refresh_s=refresh_s, live=live)
+#: ``report_loads(subscriber, model=...)``: the name the README and the proxy use for a
+#: :class:`ReportLoads` over a subscriber's reports.
+report_loads = ReportLoads
 
 
 def _as_dict(scores: Scores) -> dict[str, Any]:
