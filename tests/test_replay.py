@@ -162,6 +162,8 @@ def test_cli_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
     proc = _replay(str(SAMPLE), "--num-blocks", "10")
     assert proc.returncode == 2 and "does not fit a worker's 10 blocks" in proc.stderr
+    proc = _replay(str(SAMPLE), "--max-num-seqs", "512", "--max-num-batched-tokens", "256")
+    assert proc.returncode == 2 and "--max-num-batched-tokens (256) must be >= --max-num-seqs (512)" in proc.stderr
     proc = _replay(str(SAMPLE), "--workers", "abc")
     assert proc.returncode == 2 and "--workers: must be a positive integer, got 'abc'" in proc.stderr
     # a bad second trace (or plot target) fails before the first is replayed: nothing printed

@@ -122,5 +122,7 @@ def test_a_request_that_outgrows_the_pool_while_decoding_is_refused_not_retried_
 def test_engine_config_errors_name_the_argument():
     with pytest.raises(ValueError, match="num_blocks must be a positive int"):
         EngineConfig(num_blocks=0)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(128\) must be >= max_num_seqs \(256\)"):
+        EngineConfig(max_num_batched_tokens=128)
     with pytest.raises(ValueError, match="speedup must be a finite number > 0"):
         EngineConfig(speedup=0)

@@ -83,6 +83,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:  # vLLM's SchedulerConfig refuses it too
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every seat decodes a token per pass")  # fmt: skip
         if isinstance(self.speedup, bool) or not isinstance(self.speedup, (int, float)) or not self.speedup > 0 or math.isinf(self.speedup):
             raise ValueError(f"speedup must be a finite number > 0, got {self.speedup!r}")
 

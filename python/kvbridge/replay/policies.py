@@ -103,7 +103,6 @@ class KvRouterPolicy(_Indexed):
         if loads not in ("flight", "reports"):
             raise ValueError(f"loads must be 'flight' or 'reports', got {loads!r}")
         self.seed = seed
-        self.loads = loads
         self.needs_reports = loads == "reports"
         if loads == "reports":
             self.name = "kv-reports"

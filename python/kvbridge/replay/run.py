@@ -43,8 +43,8 @@ def compare(
         finally:
             if bar is not None:
                 bar.close()
-        summaries.append(summarize(name, seqs, fleet, wall))
-        runs[name] = (seqs, fleet)
+        summaries.append(summarize(policy.name, seqs, fleet, wall))
+        runs[policy.name] = (seqs, fleet)
     return summaries, runs
 
 

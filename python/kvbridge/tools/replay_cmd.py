@@ -72,10 +72,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvbridge replay: --policy: unknown {', '.join(unknown) or '(none given)'}; "
               f"expected a comma-separated list of {', '.join(POLICIES)}", file=sys.stderr)  # fmt: skip
         return 2
-    engine = EngineConfig(
-        num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, speedup=args.engine_speedup,
-    )
+    try:
+        engine = EngineConfig(
+            num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, speedup=args.engine_speedup,
+        )
+    except ValueError as exc:  # a combination of flags (each is checked by argparse)
+        print(f"kvbridge replay: {str(exc).replace('max_num_', '--max-num-').replace('_', '-')}", file=sys.stderr)
+        return 2
     config = FleetConfig(
         workers=args.workers, engine=engine, arrival_speedup=args.speedup, event_lag_ms=args.event_lag_ms,
         report_interval_ms=args.report_interval_ms,
