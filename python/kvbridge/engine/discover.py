@@ -160,6 +160,8 @@ class RelaySet:
         """Start the relay, retrying while it cannot; restart it if it crashes; close it when cancelled."""
         spec = entry.spec
         what = f"relay for DP rank {spec.rank} ({spec.endpoint})"
+        crashes = RateLimitedLog(self.log)
+        pause = _RETRY_FIRST_S
         try:
             while True:
                 relay = await start_retrying(
@@ -177,11 +179,15 @@ class RelaySet:
                     raise
                 except Exception as exc:  # logged by the relay; a new epoch follows
                     self.stats["crashed"] += 1
-                    self.log.warning("kvbridge: %s stopped (%r); restarting", what, exc)
+                    crashes.warning(what, "kvbridge: %s stopped (%r); restarting (%d crashes so far)", what, exc,
+                                    self.stats["crashed"])  # fmt: skip
+                else:
+                    pause = _RETRY_FIRST_S  # it ran to its end: the next start is not a crash loop
                 finally:
                     entry.relay = None
                     await close_quietly(relay, what, self.log)
-                await asyncio.sleep(_RETRY_FIRST_S)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, _RETRY_MAX_S)
         except asyncio.CancelledError:
             pass
 
@@ -334,6 +340,7 @@ class Discovery:
         self._task: asyncio.Task | None = None
         self.stats = {"polls": 0, "poll_failures": 0}
         self._failing = False
+        self._warn = RateLimitedLog(log)  # a server that never says its model: not a line per poll
 
     @property
     def url(self) -> str:
@@ -366,8 +373,8 @@ class Discovery:
             models = await self._get(f"{self.base}/v1/models")
             name = models["data"][0]["id"]
         except (DiscoveryError, KeyError, IndexError, TypeError) as exc:
-            log.warning("kvbridge: served model name not read from %s/v1/models (%s); using %r (--model sets it)",
-                        self.base, exc, self.config.model)  # fmt: skip
+            self._warn.warning("model", "kvbridge: served model name not read from %s/v1/models (%s); using %r "
+                               "(--model sets it)", self.base, exc, self.config.model)  # fmt: skip
             return
         self.config = self.config.replace(model=name)
         self._model_given = True
@@ -391,7 +398,7 @@ class Discovery:
                 before = self.relays.specs
                 await self.relays.sync(specs)
                 after = self.relays.specs
-                if before.keys() != after.keys():
+                if before.keys() != after.keys() or self.stats["polls"] == 1:  # the first answer, even if none
                     log.info("kvbridge: relaying DP ranks %s (%s)", sorted(s.rank for s in after.values()),
                                 ", ".join(f"{s.rank}: {s.endpoint}" for s in sorted(after.values(), key=lambda s: s.rank)) or "none")  # fmt: skip
             await asyncio.sleep(self.interval_s)
