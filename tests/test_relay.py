@@ -231,6 +231,13 @@ def test_a_port_0_endpoint_cannot_be_connected_to():
         Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:0", dp_rank=1)
 
 
+@pytest.mark.parametrize("kw, words", [({"idle_probe_s": -1}, "idle_probe_s must be a finite number of seconds >= 0"),
+                                       ({"topic": None}, "topic must be a str")])  # fmt: skip
+def test_relay_arguments_are_checked_by_name(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", **kw)
+
+
 # --- relaying --------------------------------------------------------------------------------------
 
 

@@ -255,6 +255,10 @@ class Relay:
         **options: Any,
     ) -> None:
         config = Config.resolve(config, **options)
+        if isinstance(idle_probe_s, bool) or not isinstance(idle_probe_s, (int, float)) or not 0 <= idle_probe_s < float("inf"):
+            raise ConfigError(f"idle_probe_s must be a finite number of seconds >= 0 (0: never), got {idle_probe_s!r}")
+        if not isinstance(topic, str):
+            raise ConfigError(f"topic must be a str (\"\" takes everything), got {topic!r}")
         if dp_rank is not None and config.dp_rank is None:
             config = config.replace(dp_rank=dp_rank)
         self.config = config
