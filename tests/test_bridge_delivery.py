@@ -106,8 +106,10 @@ async def test_late_and_restarted_subscribers_converge(nats_server):
         e.start()
     await wait_until(lambda: min(e.published for e in engines.values()) >= 20_000, 60, "20k events")
     late = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
-    await early.close()  # "killed"
+    assert min(e.published for e in engines.values()) < min(e.n_events for e in engines.values())  # mid-stream
+    await early.close()  # a subscriber gone (closed) and another started in its place
     restarted = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
+    assert any(e.published < e.n_events for e in engines.values())  # still mid-stream
     for e in engines.values():
         await asyncio.to_thread(e.finish)
     for name, sub in (("late", late), ("restarted", restarted)):

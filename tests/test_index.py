@@ -792,7 +792,7 @@ def test_wrong_argument_types_raise_naming_the_argument():
 
 
 def test_block_hashes_from_numpy_any_byte_order_and_stride():
-    np = pytest.importorskip("numpy")
+    import numpy as np  # in the test extra: fail loudly if missing
     idx = Index(BS, key="engine")
     idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2**63 + 5, 7, 9], None, [1] * 6, BS, None, "GPU", None)])))
     keys = [2**63 + 5, 7, 9, 11]
@@ -807,7 +807,7 @@ def test_block_hashes_read_in_place_or_copied():
     ones: the same answer either way, and the caller's object is left as it was."""
     from array import array
 
-    np = pytest.importorskip("numpy")
+    import numpy as np  # in the test extra: fail loudly if missing
     idx = Index(BS, key="engine")
     idx.apply("a", encode_batch(KVEventBatch(0.0, [BlockStored([2**63 + 5, 7, 9], None, [1] * 6, BS, None, "GPU", None)])))
     keys = array("Q", [2**63 + 5, 7, 9, 11])
@@ -831,7 +831,7 @@ def test_token_buffers_in_place_or_copied_answer_alike():
     way answers as a list does, in any order of long, short, empty and failing calls."""
     from array import array
 
-    np = pytest.importorskip("numpy")
+    import numpy as np  # in the test extra: fail loudly if missing
     idx = Index(4, key="tokens")
     chain = list(range(1, 4 * 40 + 1))
     for w, n in (("a", 40), ("b", 3), ("c", 1)):

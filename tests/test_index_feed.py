@@ -96,9 +96,14 @@ async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
     engines = {p.config.worker_id: Engine(p, 20_000, seed=60 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
     for e in engines.values():
         e.start()
-    # Queried while it is being fed, from another thread, as a router would.
-    mid = await asyncio.to_thread(lambda: [tokens_idx.find_matches(t) for t in queries(engines)])
-    assert all(isinstance(m, dict) for m in mid)
+    # Queried while it is being fed, from another thread, as a router would: answers name known
+    # workers and never more blocks than the query has.
+    await wait_until(lambda: tokens_idx.workers, 30, "the index fed")
+    asked = queries(engines)
+    mid = await asyncio.to_thread(lambda: [tokens_idx.find_matches(t) for t in asked])
+    assert any(e.published < e.n_events for e in engines.values())  # still being fed
+    for q, m in zip(asked, mid):
+        assert set(m) <= set(engines) and all(0 <= n <= len(q) // BS for n in m.values()), (m, len(q))
     for e in engines.values():
         await asyncio.to_thread(e.finish)
     waited = await wait_converged(tokens_idx, engine_idx, subs, engines, 60, "index == pools")

@@ -642,21 +642,27 @@ def test_snapshot_from_another_thread_while_the_engine_mutates(Manager):
     m = Manager(64, 4)
     stop = threading.Event()
     errors = []
+    steps = [0]
 
     def engine():
-        i = 0
-        while not stop.is_set():
-            rid = i % 8
-            if rid in m:
-                m.free(rid)
-            m.allocate(rid, [i % 5] * 8 + list(range(i % 13)))
-            m.append(rid, [1, 2, 3])
-            i += 1
+        try:
+            while not stop.is_set():
+                i = steps[0]
+                rid = i % 8
+                if rid in m:
+                    m.free(rid)
+                m.allocate(rid, [i % 5] * 8 + list(range(i % 13)))
+                m.append(rid, [1, 2, 3])
+                steps[0] = i + 1
+        except Exception as exc:  # an engine thread that died would leave a static pool behind
+            errors.append(exc)
 
     t = threading.Thread(target=engine)
     t.start()
+    seen = set()  # the engine's step count at each snapshot
     try:
         for _ in range(200):
+            seen.add(steps[0])
             snap = m.snapshot()
             try:
                 View().apply_all(snap, 4)
@@ -666,6 +672,7 @@ def test_snapshot_from_another_thread_while_the_engine_mutates(Manager):
         stop.set()
         t.join()
     assert not errors
+    assert len(seen) > 1  # the pool changed while the snapshots were taken
 
 
 # --- the native manager equals the spec on every algorithm --------------------------------------
