@@ -6,7 +6,10 @@ policy is. The same open-loop load goes through the proxy under each ``--policy`
 ~6,400 tokens over 18 shared 6,144-token system prompts, a request every ~40 ms (Poisson), 3
 workers whose KV caches hold 10 prompts each: the blind policies' caches thrash and their queues
 grow, the KV-aware router keeps each prefix where it is cached and spreads the rest. TTFT is the
-openai client's, from sending to the first streamed chunk."""
+engine model's (``StandinEngine.model_ttft_ms``: from a request's arrival at its engine to the
+end of the pass that made its first token, passes kept on the model's schedule), so a busy
+machine's late wake-ups do not decide the comparison; the routing itself runs on the real
+proxy, fed by the real streams and load reports."""
 
 from __future__ import annotations
 
@@ -40,9 +43,6 @@ OUTPUT = 4
 SPEEDUP = 1.0  # the engine model's time divided by this
 ENGINE = EngineConfig(num_blocks=1024, block_size=64, speedup=SPEEDUP)  # 65,536 tokens of KV cache
 SEED = 0
-#: A run is timed only if the event loop woke within this of its sleeps (p99): the engines'
-#: passes, the proxy and the clients share it; a starved process measures its scheduler.
-MAX_LAG_MS = 30.0
 
 
 def workload(seed: int) -> list[tuple[float, str]]:
@@ -82,15 +82,9 @@ async def run(policy: str, server: Any, work: list[tuple[float, str]]) -> dict[s
         client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         stack.push_async_callback(client.close)
 
-        async def one(prompt: str) -> tuple[float, str]:
-            start = time.perf_counter()
+        async def one(prompt: str) -> int:
             stream = await client.completions.create(model=model, prompt=prompt, max_tokens=OUTPUT, stream=True)
-            ttft, rid = None, ""
-            async for chunk in stream:
-                if ttft is None:
-                    ttft, rid = time.perf_counter() - start, chunk.id
-            assert ttft is not None
-            return ttft * 1000.0, rid
+            return len([chunk async for chunk in stream])
 
         lags: list[float] = []
         monitor = asyncio.create_task(_loop_lag(lags))
@@ -99,19 +93,24 @@ async def run(policy: str, server: Any, work: list[tuple[float, str]]) -> dict[s
         for at, prompt in work:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             tasks.append(asyncio.create_task(one(prompt)))
-        answers = await asyncio.gather(*tasks)
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:
+            monitor.cancel()
+            await asyncio.gather(monitor, *tasks, return_exceptions=True)
         wall = time.perf_counter() - t0
-        monitor.cancel()
+        assert all(n >= OUTPUT for n in answers)  # every stream carried its tokens
         counts = {e.worker_id: e.requests for e in engines}
         cached = sum(e.cached_tokens for e in engines) / max(1, sum(e.prompt_tokens for e in engines))
-    ttfts = sorted(t for t, _ in answers)
+        ttfts = sorted(t for e in engines for t in e.model_ttft_ms)
+    assert len(ttfts) == REQUESTS
     return {"policy": policy, "ttft": ttfts, "counts": counts, "cached": cached, "wall": wall,
             "lag": percentile(sorted(lags), 99)}  # fmt: skip
 
 
 async def _loop_lag(out: list[float], tick: float = 0.005) -> None:
-    """How late the event loop wakes a 5 ms sleep, in ms: everything here (client, proxy,
-    engines) shares the loop, so a starved process shows here first."""
+    """How late the event loop wakes a 5 ms sleep, in ms (printed: everything here, client, proxy
+    and engines, shares the loop, so a starved process shows here first)."""
     while True:
         start = time.perf_counter()
         await asyncio.sleep(tick)
@@ -120,14 +119,7 @@ async def _loop_lag(out: list[float], tick: float = 0.005) -> None:
 
 async def test_kv_routing_beats_blind_policies_on_ttft_where_queues_form(nats_server):
     work = workload(SEED)
-    rows: dict[str, dict[str, Any]] = {}
-    retry_until = time.monotonic() + 45.0
-    for policy in ("kv", "rr", "random"):
-        while True:
-            rows[policy] = row = await run(policy, nats_server, work)
-            if row["lag"] <= MAX_LAG_MS or time.monotonic() > retry_until:
-                break
-            print(f"\n{policy}: the event loop woke {row['lag']:.0f} ms late (p99): the machine is busy, once more")
+    rows = {policy: await run(policy, nats_server, work) for policy in ("kv", "rr", "random")}
     share = REQUESTS / WORKERS
     print(f"\n{REQUESTS} requests, {WORKERS} stand-ins (engine model at speedup {SPEEDUP:g}), mean gap {GAP_MS:g} ms")
     print(f"{'policy':<8} {'cached':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'mean':>8} {'wall':>6} {'lag p99':>8}  per server")
@@ -136,9 +128,6 @@ async def test_kv_routing_beats_blind_policies_on_ttft_where_queues_form(nats_se
         print(f"{r['policy']:<8} {100 * r['cached']:>6.1f}% {percentile(t, 50):>6.0f} ms {percentile(t, 90):>5.0f} ms "
               f"{percentile(t, 99):>5.0f} ms {sum(t) / len(t):>5.0f} ms {r['wall']:>5.1f}s {r['lag']:>5.1f} ms  "
               f"{dict(sorted(r['counts'].items()))}")  # fmt: skip
-    starved = {p: round(r["lag"]) for p, r in rows.items() if r["lag"] > MAX_LAG_MS}
-    if starved:  # the engines' passes and the clients' clocks were the scheduler's, not the model's
-        pytest.skip(f"the event loop woke late (p99 lag ms {starved}, over {MAX_LAG_MS:g}): too busy a machine to time")
     p90 = {p: percentile(r["ttft"], 90) for p, r in rows.items()}
     assert p90["kv"] < p90["rr"] and p90["kv"] < p90["random"], p90
     # No server got more than twice its share: the router's costs weigh time, not counts, and on
@@ -158,21 +147,17 @@ async def test_standin_engine_model_in_real_time():
         client = openai.AsyncOpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
         try:
             prompt = "".join(random.Random(1).choices(string.ascii_letters, k=10_000))
-            start = time.perf_counter()
             stream = await client.completions.create(model="m", prompt=prompt, max_tokens=5, stream=True,
                                                      stream_options={"include_usage": True})  # fmt: skip
-            chunks, ttft_ms = [], 0.0
-            async for chunk in stream:
-                if not chunks:
-                    ttft_ms = (time.perf_counter() - start) * 1000.0
-                chunks.append(chunk)
+            chunks = [chunk async for chunk in stream]
             first = chunks[0]
             assert "".join(c.choices[0].text for c in chunks if c.choices) == " w0 w1 w2 w3 w4"
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
             # passes of 8,192 and 1,808 prompt tokens, nothing decoding beside them
             model_ms = prefill_ms(8192) + prefill_ms(1808)
             assert first.choices and first.choices[0].text == " w0" and engine.sim.passes == 2 + 4
-            assert ttft_ms >= model_ms  # an upper bound would time this machine, not the model
+            # in the model's time: the two passes, plus the engine loop's wake-up after the arrival
+            assert engine.model_ttft_ms[0] >= model_ms
             again = await client.completions.create(model="m", prompt=prompt + "?", max_tokens=2)
             assert again.usage is not None and again.usage.prompt_tokens_details is not None
             assert again.usage.prompt_tokens_details.cached_tokens == 10_000 // 64 * 64

@@ -150,6 +150,10 @@ class StandinEngine:
         self.rank_headers: list[str | None] = []
         #: answer this many of the next generation requests with a 500, before any byte of a stream
         self.fail_next = 0
+        #: engine= mode: each request's time to first token in the model's time (ms from its
+        #: arrival to the end of the pass that made its first token, passes kept on the model's
+        #: schedule), free of the HTTP and event-loop delays a client's clock adds
+        self.model_ttft_ms: list[float] = []
         self.running = 0
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
@@ -373,6 +377,7 @@ class StandinEngine:
             return _error(400, f"the prompt ({len(tokens)} tokens) and its {n} output tokens do not fit the KV cache")
         seq = Seq(Request(next(self._seq_ids), 0.0, len(tokens), n, tokens, runs=False))
         first, finished = self._first[seq.id], self._finished[seq.id] = asyncio.Event(), asyncio.Event()
+        seq.routed_ms = asyncio.get_running_loop().time() * 1000.0  # the engine loop's clock
         sim.enqueue(seq)
         self._wake.set()
         self.running += 1
@@ -382,6 +387,7 @@ class StandinEngine:
                     "model": self.model}  # fmt: skip
             if not body.get("stream"):
                 await finished.wait()
+                self.model_ttft_ms.append(seq.first_token_ms - seq.routed_ms)
                 cached = max(seq.cached_first, 0)
                 self._count(len(tokens), cached)
                 text = "".join(words)
@@ -394,6 +400,7 @@ class StandinEngine:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             await first.wait()
+            self.model_ttft_ms.append(seq.first_token_ms - seq.routed_ms)
             cached = max(seq.cached_first, 0)
             self._count(len(tokens), cached)
             head["object"] = "chat.completion.chunk" if chat else "text_completion"
