@@ -275,11 +275,16 @@ async def test_a_subscriber_far_behind_is_no_dead_link(nats_server):
     try:
         await wait_until(lambda: sub.stats["workers"] == 1 and sub.in_sync(), 30, "the worker in sync before the starving")
         sock = sub._nc._transport._io_writer.transport.get_extra_info("socket")
-        for _ in range(6):  # 1.8 s (not so long that the server drops it as a slow consumer), with
-            # the loop free a moment in every 300 ms
+        # The fault: the loop starved (blocked 300 ms at a time, free a moment in between) for at
+        # least the 0.75 s the keepalive takes to call a link dead, and until the socket holds
+        # 256 KiB unread (its PONGs that far behind); at most 4.5 s, well within what the server
+        # allows a slow consumer.
+        for starved in range(15):
             time.sleep(0.3)
             backlog = max(backlog, struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
             await asyncio.sleep(0)
+            if starved >= 5 and backlog > 256 * 1024:
+                break
         engine.stop_flag.set()
         await asyncio.to_thread(engine.finish)
         waited = await wait_until(lambda: views_match(sub, {(MODEL, "w0"): engine}), 60, "views == pools")

@@ -294,14 +294,19 @@ async def test_nats_down_keeps_serving(own_nats_server):
         # reports stop with the stream, young as the last ones are: the work sent alone decides
         assert [reports.report(e.worker_id) for e in f.engines] == [None] * 3
         for e in f.engines:
-            e.token_delay_s = 0.05  # each request stays in flight while the others are routed
+            e.token_delay_s = 2.0  # each request stays in flight while the others are routed
         async def streamed(i: int) -> str:
             # ~4,000 tokens: a prompt's prefill weighs more than the HTTP between two requests
             stream = await f.client.completions.create(model=f.model, prompt=SYSTEM * 14 + f"q{i}", max_tokens=4,
                                                        stream=True)  # fmt: skip
             return [chunk.id async for chunk in stream][0]
 
-        answers = await asyncio.gather(*(streamed(i) for i in range(9)))
+        sent = [asyncio.create_task(streamed(i)) for i in range(9)]
+        # all nine in flight at once (waited on, not assumed of the delay), then let them finish
+        await wait_until(lambda: sum(e.running for e in f.engines) == 9, 30, "the nine requests in flight")
+        for e in f.engines:
+            e.token_delay_s = 0.0
+        answers = await asyncio.gather(*sent)
         # least loaded among the last known: 9 at once, 3 to each (the router's own accounting: the
         # prompts sent and not through their first token, then the decode steps of those streaming)
         assert sorted(Counter(f.engine_of(a).worker_id for a in answers).values()) == [3, 3, 3]

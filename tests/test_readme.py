@@ -267,10 +267,11 @@ def test_the_demo_shows_what_the_readme_says():
     _demo_claim(r"A third of the way in the broker is SIGKILLed and restarted 2 s later")
     assert "broker SIGKILLed" in out and "broker restarted" in out
     assert "every view equals its pool and every index scores like the pools: yes" in out
-    # One simulated ms per wall ms: 8 s of chats and 4 bursts 200 ms apart end about 8.8 s in.
+    # One simulated ms per wall ms: 8 s of chats and 4 bursts 200 ms apart end 8.8 s in, no sooner
+    # (how much later is the machine's: not asserted).
     _demo_claim(r"Simulated time runs with the wall clock, one simulated millisecond per millisecond")
     stopped = float(re.search(r"\[ *(\d+\.\d)s\] traffic stopped", out).group(1))  # type: ignore[union-attr]
-    assert duration + 0.8 <= stopped <= duration + 3.0, stopped
+    assert stopped >= duration + 0.8, stopped
     workers = [line for line in out.splitlines() if " worker-" in line]
     assert len(workers) == 9 and all(line.endswith("yes") for line in workers), workers
     assert all(int(line.split()[2]) > 0 and int(line.split()[3].replace(",", "")) > 0 for line in workers)
