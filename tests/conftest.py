@@ -70,14 +70,14 @@ def _child_pids() -> set[int]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftovers():
-    """Tests must leave no process or kvbridge thread behind."""
+    """Tests must leave no process, kvbridge thread or test engine thread behind."""
     import threading
     import time
 
     yield
     deadline = time.monotonic() + 5
     while True:
-        threads = [t.name for t in threading.enumerate() if t.name.startswith("kvbridge") and t.is_alive()]
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(("kvbridge", "engine-")) and t.is_alive()]
         children = _child_pids()
         if not threads and not children or time.monotonic() > deadline:
             break

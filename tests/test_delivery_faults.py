@@ -555,8 +555,11 @@ async def test_two_epochs_alternating_on_one_subject_are_warned_about_once(nats_
     # Its first messages after being given up could be a dead incarnation's late ones: conflicts
     # are counted once it has kept speaking past the grace (1 s; its heartbeat 0.2 s is shorter).
     twin = asyncio.create_task(keep_speaking())
-    await wait_until(lambda: sub.stats["epoch_conflicts"] >= 2, 15, "conflicts counted")
-    twin.cancel()
+    try:
+        await wait_until(lambda: sub.stats["epoch_conflicts"] >= 2, 15, "conflicts counted")
+    finally:
+        twin.cancel()
+        await asyncio.gather(twin, return_exceptions=True)
     warnings = [r for r in caplog.records if "two live publishers" in r.getMessage()]
     assert len(warnings) == 1
     assert pub.epoch in warnings[0].getMessage() and "0ther0ther0ther0" in warnings[0].getMessage()
