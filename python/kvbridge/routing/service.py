@@ -142,10 +142,7 @@ class _Latency:
 
 def _config(config: Config | None, model: str | None, options: dict[str, Any]) -> Config:
     """``config`` (or one from ``KVBRIDGE_*``), with ``options`` and ``model`` applied."""
-    if config is None:
-        config = Config.from_env(**options)
-    elif options:
-        config = config.replace(**options)
+    config = Config.resolve(config, **options)
     return config if model is None else config.replace(model=model)
 
 
