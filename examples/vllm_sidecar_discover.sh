@@ -9,5 +9,6 @@ vllm serve meta-llama/Llama-3.1-8B-Instruct --data-parallel-size 2 --port 8000 -
   '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567", "topic": "kv"}' &
 
 # '*' in the listed endpoints means the API server's host; the model name comes from /v1/models
-# unless --model is given; workers are <HOST>-dp<rank> unless --worker 'name-{dp_rank}'.
+# unless --model is given; workers are <HOST>-dp<rank> (this machine's name for 127.0.0.1, as the
+# plugin names them) unless --worker 'name-{dp_rank}'.
 kvbridge relay --discover http://127.0.0.1:8000 --servers nats://127.0.0.1:4222

@@ -458,7 +458,8 @@ def sources_server():
 async def test_cli_relay_discover_relays_both_ranks(nats_server, rank_engines, nats_sub, frames, sources_server):  # noqa: F811
     e0, e1 = rank_engines(2)
     sources_server.set_ranks([(0, e0), (1, e1)])
-    cols = [await nats_sub(f"kv.events.disc-m.127_0_0_1-dp{r}") for r in (0, 1)]
+    # a loopback URL names the ranks after this node, as the plugin does (not 127_0_0_1 on every node)
+    cols = [await nats_sub(f"kv.events.disc-m.{HOST}-dp{r}") for r in (0, 1)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
     env["KVBRIDGE_HEARTBEAT_S"] = "0"
     proc = await asyncio.create_subprocess_exec(
@@ -492,7 +493,7 @@ async def test_discovery_follows_ranks_that_appear_and_go_away(nats_server, rank
         await wait_until(lambda: len(disc.relays) == 2, WAIT, "rank 1 appearing")
         spec1 = disc.relays.specs[f"tcp://127.0.0.1:{e1.port}"]
         assert (spec1.rank, spec1.replay_endpoint, spec1.config.worker_id) == (
-            1, f"tcp://127.0.0.1:{e1.replay_port}", "127_0_0_1-dp1")
+            1, f"tcp://127.0.0.1:{e1.replay_port}", f"{HOST}-dp1")
         sources_server.set_ranks([(1, e1)])
         await wait_until(lambda: list(disc.relays.specs) == [f"tcp://127.0.0.1:{e1.port}"], WAIT, "rank 0 going away")
         sources_server.sources = ["not", "a", "map"]

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import ipaddress
 import json
 import logging
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -305,13 +307,26 @@ def specs_from_sources(
     return sorted(specs, key=lambda s: s.rank)
 
 
+def _node_name(host: str | None) -> str:
+    """The node a worker name stands for: ``host``, or this machine's name for a loopback one."""
+    if not host or host == "localhost":
+        return socket.gethostname()
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return host
+    return socket.gethostname() if loopback else host
+
+
 class Discovery:
     """Follows a vLLM API server's ``/kv_event_sources`` with a :class:`RelaySet`.
 
     ``url``: the API server, ``http://HOST:PORT``. ``config``: NATS and naming options; its model
     is used unless ``model`` is None and ``config.model`` is the default, in which case the served
     model name is read from ``/v1/models``. ``worker``: the worker id template (``{dp_rank}``
-    replaced; default ``KVBRIDGE_WORKER_ID``, else ``<HOST>-dp{dp_rank}``). Polls every ``interval_s``. Async context manager.
+    replaced; default ``KVBRIDGE_WORKER_ID``, else ``<HOST>-dp{dp_rank}``, HOST being this machine's
+    hostname when the URL names a loopback address: the name the vLLM plugin gives the same ranks,
+    and distinct per node where every node's relay asks its own ``127.0.0.1``). Polls every ``interval_s``. Async context manager.
     """
 
     def __init__(
@@ -333,7 +348,7 @@ class Discovery:
         self.host = parts.hostname
         self.config = config if model is None else config.replace(model=model)
         self._model_given = model is not None or config.model != Config.__dataclass_fields__["model"].default
-        self.worker = worker or os.environ.get(ENV_PREFIX + "WORKER_ID") or f"{self.host}-dp{{dp_rank}}"
+        self.worker = worker or os.environ.get(ENV_PREFIX + "WORKER_ID") or f"{_node_name(self.host)}-dp{{dp_rank}}"
         self.interval_s = interval_s
         self.relays = RelaySet()
         self._fetch = fetch

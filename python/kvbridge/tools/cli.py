@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "model name from /v1/models)")
     r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>), "
                    "{dp_rank} replaced by --dp-rank (0 without it); with --discover a template for every rank "
-                   "(default <HOST>-dp{dp_rank})")  # fmt: skip
+                   "(default <HOST>-dp{dp_rank}; this machine's name for a loopback HOST)")  # fmt: skip
     r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
     _connection_args(r)
 
