@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from kvbridge.config import Config, ConfigError
+from kvbridge.config import ENV_PREFIX, Config, ConfigError
 from kvbridge.errors import Error
 from kvbridge.tools.argtypes import non_negative, non_negative_int, positive, positive_int
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -191,7 +191,7 @@ async def _relay(args: argparse.Namespace) -> int:
 
     extra = {k: v for k, v in (("model", args.model), ("encoding", args.encoding)) if v}
     # A worker template (the vLLM plugin's KVBRIDGE_WORKER_ID may hold {dp_rank}) names this rank.
-    template = args.worker or os.environ.get("KVBRIDGE_WORKER_ID")
+    template = args.worker or os.environ.get(ENV_PREFIX + "WORKER_ID")
     if template:
         from kvbridge.engine.discover import worker_name
 

@@ -77,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, speedup=args.engine_speedup,
         )
-    except ValueError as exc:  # a combination of flags (each is checked by argparse)
-        print(f"kvbridge replay: {str(exc).replace('max_num_', '--max-num-').replace('_', '-')}", file=sys.stderr)
+    except ValueError as exc:  # a combination of flags (each is checked by argparse), named as flags
+        why = str(exc)
+        for field in ("max_num_batched_tokens", "max_num_seqs"):
+            why = why.replace(field, "--" + field.replace("_", "-"))
+        print(f"kvbridge replay: {why}", file=sys.stderr)
         return 2
     config = FleetConfig(
         workers=args.workers, engine=engine, arrival_speedup=args.speedup, event_lag_ms=args.event_lag_ms,
