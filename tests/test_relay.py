@@ -688,3 +688,14 @@ def test_cli_bad_endpoint_is_a_clear_error():
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert proc.returncode == 2 and "configuration error" in proc.stderr and "dp rank" in proc.stderr
+
+
+async def test_an_endpoint_zmq_refuses_is_named_as_typed_before_anything_starts():
+    # The engine's bind address ("*") is rewritten to connect; the error names both, and which one.
+    with pytest.raises(ConfigError, match=r"relay endpoint 'tcp://\*:notaport' \(connecting to 'tcp://127.0.0.1:notaport'\)"):
+        await Relay(Config(worker_id="w"), endpoint="tcp://*:notaport").start()
+    with pytest.raises(ConfigError, match=r"relay replay_endpoint 'nonsense://x'"):
+        await Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="nonsense://x").start()
+    # As typed when nothing was rewritten; the dp rank's offset shown when it was.
+    with pytest.raises(ConfigError, match=r"relay replay_endpoint 'tcp://\*:0' \(connecting to 'tcp://127.0.0.1:0'\): port 0"):
+        Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:0", dp_rank=1)

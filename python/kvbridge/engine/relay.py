@@ -95,6 +95,7 @@ def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
     suffix, for one containing ``tcp``, the port + r -- except port 0, which is left to the OS
     (so the engine binds a port of its choosing, and that port is what to connect to). Anything
     else (``ipc://``) cannot be offset: vLLM refuses it too. A bind address ``*`` means this host."""
+    given = endpoint  # errors name what was typed
     endpoint = endpoint.replace("://*:", "://127.0.0.1:")
     if not dp_rank:
         return endpoint
@@ -106,18 +107,24 @@ def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
             number = int(port)
         except ValueError:
             raise ConfigError(
-                f"relay endpoint {endpoint!r}: expected tcp://host:port to offset by the dp rank"
+                f"relay endpoint {given!r}: expected tcp://host:port to offset by the dp rank {dp_rank}"
             ) from None
         return endpoint if number == 0 else f"{base}:{number + dp_rank}"
-    raise ConfigError(f"relay endpoint {endpoint!r}: a dp rank offsets only tcp:// ports and inproc:// names")
+    raise ConfigError(f"relay endpoint {given!r}: a dp rank offsets only tcp:// ports and inproc:// names")
 
 
-def _check_connectable(endpoint: str) -> str:
-    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+def _named(what: str, given: str, resolved: str) -> str:
+    """How an error names an endpoint: as typed, and where that led if it was rewritten."""
+    return f"{what} {given!r}" + (f" (connecting to {resolved!r})" if resolved != given else "")
+
+
+def _connectable(what: str, given: str, dp_rank: int | None) -> str:
+    resolved = engine_endpoint(given, dp_rank)
+    if resolved.startswith("tcp://") and resolved.endswith(":0"):
         raise ConfigError(
-            f"relay endpoint {endpoint!r}: port 0 lets the engine's OS pick its port; pass the port it bound"
+            f"{_named(what, given, resolved)}: port 0 lets the engine's OS pick its port; pass the port it bound"
         )
-    return endpoint
+    return resolved
 
 
 _stored_decoder = msgspec.msgpack.Decoder(BlockStored)
@@ -262,10 +269,9 @@ class Relay:
         if dp_rank is not None and config.dp_rank is None:
             config = config.replace(dp_rank=dp_rank)
         self.config = config
-        self.endpoint = _check_connectable(engine_endpoint(endpoint, dp_rank))
-        self.replay_endpoint = (
-            _check_connectable(engine_endpoint(replay_endpoint, dp_rank)) if replay_endpoint else None
-        )
+        self._given, self._given_replay = endpoint, replay_endpoint
+        self.endpoint = _connectable("relay endpoint", endpoint, dp_rank)
+        self.replay_endpoint = _connectable("relay replay_endpoint", replay_endpoint, dp_rank) if replay_endpoint else None
         self._idle_probe_ms = int(idle_probe_s * 1000) if self.replay_endpoint else 0
         self._probe_due = False  # a frame came since the last probe: probe after the next quiet spell
         self._probed: dict[int, bytes] = {}  # what the last probe forwarded, until live frames pass it
@@ -314,14 +320,21 @@ class Relay:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _RCVHWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        what = _named("relay endpoint", self._given, self.endpoint)
         try:
             sub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                # Checked now, not at the first gap: a typo there would only ever show as loss.
+                what = _named("relay replay_endpoint", self._given_replay, self.replay_endpoint)
+                with ctx.socket(zmq.DEALER) as probe:
+                    probe.setsockopt(zmq.LINGER, 0)
+                    probe.connect(self.replay_endpoint)
             await self._start_publisher()
         except BaseException as exc:
             sub.close(linger=0)
             ctx.term()
             if isinstance(exc, zmq.ZMQError):
-                raise ConfigError(f"relay endpoint {self.endpoint!r}: {exc}") from None
+                raise ConfigError(f"{what}: {exc}") from None
             raise
         self._ctx, self._sub = ctx, sub
         self._task = asyncio.create_task(self._run(), name=f"kvbridge-relay-{self.config.worker_id}")

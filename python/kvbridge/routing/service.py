@@ -36,13 +36,13 @@ from kvbridge.config import Config
 from kvbridge.errors import Error
 from kvbridge.bus.connection import connect
 from kvbridge.bus.subscriber import KvEventSubscriber
-from kvbridge.wire.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, query_subject
+from kvbridge.wire.subjects import CONTENT_TYPES, FORMATS, HDR_CONTENT_TYPE, QUERY_QUEUE_GROUP, query_subject
 
 __all__ = ["IndexClient", "IndexQuery", "IndexQueryError", "IndexService", "IndexUnavailableError"]
 
 log = logging.getLogger("kvbridge.service")
 
-DEFAULT_QUEUE_GROUP = "kvbridge-index"
+DEFAULT_QUEUE_GROUP = QUERY_QUEUE_GROUP
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 # msgspec reads ints up to 2**64-1 and refuses bigger ones itself (no bound above int64 allowed here)

@@ -23,6 +23,7 @@ from kvbridge.config import ENV_PREFIX, Config, ConfigError
 from kvbridge.errors import Error
 from kvbridge.tools.argtypes import non_negative, non_negative_int, positive, positive_int
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvbridge.wire.subjects import QUERY_QUEUE_GROUP
 
 __all__ = ["main"]
 
@@ -393,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens (default): the index hashes token ids itself, queries send tokens; engine: keyed by the "
         "engines' own block hashes, queries send block_hashes",
     )  # fmt: skip
-    i.add_argument("--queue-group", default="kvbridge-index", help="NATS queue group shared by replicas (default kvbridge-index)")
+    i.add_argument("--queue-group", default=QUERY_QUEUE_GROUP, help=f"NATS queue group shared by replicas (default {QUERY_QUEUE_GROUP})")
     i.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (KVBRIDGE_METRICS_PORT)")
     _connection_args(i)
 

@@ -21,6 +21,7 @@ __all__ = [
     "HDR_OLDEST",
     "HDR_REPLY",
     "HDR_SEQ",
+    "QUERY_QUEUE_GROUP",
     "REPLY_END",
     "REPLY_ERROR",
     "REPLY_GONE",
@@ -50,6 +51,9 @@ HDR_CONTENT_TYPE = "Content-Type"
 HDR_REPLY = "Kv-Reply"
 HDR_OLDEST = "Kv-Oldest"
 HDR_COUNT = "Kv-Count"
+
+#: The NATS queue group index service replicas answer queries in (one answer per query).
+QUERY_QUEUE_GROUP = "kvbridge-index"
 
 REPLY_END = "end"  # replay done; Kv-Seq = newest seq the publisher holds (-1: none yet)
 REPLY_GONE = "gone"  # the start seq is no longer buffered; Kv-Oldest = oldest seq still held
