@@ -158,6 +158,8 @@ def test_cli_errors_are_clear(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr
     proc = _replay(str(SAMPLE), "--policy", "kv,fastest")
     assert proc.returncode == 2 and "unknown fastest" in proc.stderr
+    proc = _replay(str(SAMPLE), "--policy", "kv,rr,kv")
+    assert proc.returncode == 2 and "--policy: kv given twice" in proc.stderr
     proc = _replay(str(SAMPLE), "--workers", "0")
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
     proc = _replay(str(SAMPLE), "--num-blocks", "10")

@@ -72,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvbridge replay: --policy: unknown {', '.join(unknown) or '(none given)'}; "
               f"expected a comma-separated list of {', '.join(POLICIES)}", file=sys.stderr)  # fmt: skip
         return 2
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        print(f"kvbridge replay: --policy: {', '.join(twice)} given twice (each policy is one row)", file=sys.stderr)
+        return 2
     try:
         engine = EngineConfig(
             num_blocks=args.num_blocks, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
