@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge import Index
+from kvbridge import BlockRemoved, BlockStored, Index, KVEventBatch
 from kvbridge.wire.events import LoadReport
 from kvbridge.routing.router import Router
-from kvbridge.routing.work import EngineModel
+from kvbridge.routing.work import EngineModel, hit_tokens
 
 from router_support import BS, Clock, store
 
@@ -45,6 +45,54 @@ def test_a_hit_stops_one_token_short_as_vllm_counts_it():
     router, _ = _router(index)
     assert router.costs(prompt)["a"] == pytest.approx(ENGINE.prefill_ms(BS))
     assert router.costs(prompt + [7])["a"] == pytest.approx(ENGINE.prefill_ms(1))
+
+
+def _hybrid(worker: str, window_blocks_held: list[int], n: int) -> KVEventBatch:
+    """``worker`` stores an ``n``-block prompt in a full-attention group 0 and a sliding-window
+    group 1 (a window of one block), then drops group 1's blocks but ``window_blocks_held``."""
+    tokens, hashes = list(range(n * BS)), list(range(1, n + 1))
+    events: list = [
+        BlockStored(hashes, None, tokens, BS, None, "GPU", None, group_idx=g, kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=BS if g else None)  # fmt: skip
+        for g, kind in ((0, "full_attention"), (1, "sliding_window"))
+    ]
+    events.append(BlockRemoved([h for i, h in enumerate(hashes) if i not in window_blocks_held], "GPU", group_idx=1))
+    return KVEventBatch(0.0, events)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_on_a_hybrid_worker_the_window_rule_holds_at_the_cap(native):
+    # vLLM: KVCacheManager.get_computed_blocks asks find_longest_cache_hit for at most
+    # num_tokens - 1 tokens; SlidingWindowManager.find_longest_cache_hit then needs the window's
+    # block before *that* length. "a" holds window blocks 0 and 3 of a 4-block prompt, "b" only 0.
+    index = Index(BS)
+    index.apply("a", _hybrid("a", [0, 3], 4))
+    index.apply("b", _hybrid("b", [0], 4))
+    prompt = list(range(4 * BS))
+    assert index.find_matches(prompt) == {"a": 4, "b": 1}  # the whole prompt: block 3 covers a's window
+    router, _ = _router(index if native else _DuckIndex(index))
+    # Block-aligned: a hit of at most 3 blocks, and at 3 "a"'s window needs block 2: both hit 1.
+    costs = router.costs(prompt)
+    assert costs["a"] == costs["b"] == pytest.approx(ENGINE.prefill_ms(3 * BS))
+    # One token more: at most 4 blocks, and "a"'s window holds at 4.
+    costs = router.costs(prompt + [7])
+    assert costs["a"] == pytest.approx(ENGINE.prefill_ms(1)) and costs["b"] == pytest.approx(ENGINE.prefill_ms(3 * BS + 1))
+
+
+def test_the_part_of_a_prompt_vllm_can_hit():
+    assert hit_tokens(list(range(64)), 16) == list(range(48))  # aligned: the last block is computed
+    assert hit_tokens(list(range(65)), 16) == list(range(64))
+    assert hit_tokens(list(range(15)), 16) == [] and hit_tokens([], 16) == []
+
+
+class _DuckIndex:
+    """An index that is not a kvbridge.Index (the router's Python path)."""
+
+    def __init__(self, index: Index) -> None:
+        self._index = index
+
+    def find_matches(self, tokens, **kw):
+        return self._index.find_matches(tokens, **kw)
 
 
 def test_queued_prompt_work_is_waited_for_drains_with_time_and_ends_at_the_first_token():

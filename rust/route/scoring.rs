@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyMapping, PyString};
 
 use super::residency::{worker_name, ProvisionalResidency};
+use super::work::hit_cap;
 use super::{Ask, RouterCore};
 
 /// A storage tier as the router weighs it.
@@ -89,6 +90,13 @@ impl RouterCore {
             let mut keys = std::mem::take(&mut self.keys);
             let mut read = std::mem::take(&mut self.read);
             let cache = &self.index_slot;
+            num_tokens = tokens.len()? as i64;
+            // vLLM looks for a hit in the prompt less its last token (KVCacheManager.
+            // get_computed_blocks: max_cache_hit_length = num_tokens - 1). On a hybrid worker the
+            // window rule must hold at that length, not at the prompt's: the walk stops there.
+            // (Elsewhere the whole prompt is walked, so provisional entries of a block-aligned
+            // prompt's last block are confirmed too; the cost caps the hit itself.)
+            let hit_cap = hit_cap(num_tokens, self.block_size);
             let got = index.get().route_query(
                 py,
                 tokens,
@@ -96,6 +104,11 @@ impl RouterCore {
                 ask.extra_keys,
                 &mut keys,
                 |core, keys| {
+                    let keys = if core.has_hybrid() {
+                        &keys[..keys.len().min(hit_cap)]
+                    } else {
+                        keys
+                    };
                     core.find_matches_by_medium_into(keys, remote, &mut read.one, &mut read.rows);
                     read.workers_of(core, cache);
                     read.media.clear();
@@ -111,7 +124,6 @@ impl RouterCore {
             let outcome = got.map(|()| self.apply_read(py, &read));
             self.read = read;
             outcome?;
-            num_tokens = tokens.len()? as i64;
             num_blocks = num_tokens / self.block_size as i64;
         } else {
             if let Some(index) = &self.index {

@@ -160,6 +160,16 @@ impl Work {
     }
 }
 
+/// The leading blocks of a prompt of `num_tokens` that vLLM can hit: its full blocks, a token
+/// short of the prompt (the last token is computed for its logits).
+pub fn hit_cap(num_tokens: i64, block_size: usize) -> usize {
+    if num_tokens > 0 {
+        ((num_tokens - 1) / block_size as i64) as usize
+    } else {
+        0
+    }
+}
+
 /// What the time cost reads of one candidate.
 pub struct Candidate {
     /// Leading blocks held, tier-weighted (0: none).
@@ -196,12 +206,7 @@ pub fn time_costs(
     costs: &mut Vec<Cost>,
     rows: &mut Vec<(f64, f64, f64)>,
 ) {
-    // vLLM computes the last token for its logits: a hit stops one token short of the prompt.
-    let cap = if num_tokens > 0 {
-        ((num_tokens - 1) / block_size as i64) as f64
-    } else {
-        0.0
-    };
+    let cap = hit_cap(num_tokens, block_size) as f64;
     let bs = block_size as f64;
     let n = num_tokens as f64;
     costs.clear();

@@ -56,7 +56,7 @@ from kvbridge.config import Config
 from kvbridge.routing.record import TraceRecorder
 from kvbridge.routing.router import Router, report_loads
 from kvbridge.routing.upstreams import ProxyMetrics, Target, TokenCache, Upstreams, parse_worker
-from kvbridge.routing.work import EngineModel
+from kvbridge.routing.work import EngineModel, hit_tokens
 
 __all__ = ["KvProxy"]
 
@@ -420,7 +420,9 @@ class KvProxy:
         kv = self.policy == "kv"
         n_tokens = len(tokens) if tokens else 0
         n_blocks = n_tokens // self.block_size
-        scores = await self._scores(tokens) if kv and n_blocks else {}
+        # Asked of the part vLLM can hit (a hybrid worker's window rule holds at that length).
+        part = hit_tokens(tokens, self.block_size) if kv and n_blocks else ()
+        scores = await self._scores(part) if len(part) else {}
         # Provisional residency (the chosen worker holds the prompt's blocks until its own events
         # say so) while the index is live; with NATS down, the work sent alone decides.
         keys = None

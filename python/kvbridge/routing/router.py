@@ -51,7 +51,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, NamedTu
 from kvbridge._native import Index, RouterCore
 from kvbridge.errors import Error
 from kvbridge.routing.provisional import ProvisionalResidency
-from kvbridge.routing.work import EngineModel
+from kvbridge.routing.work import EngineModel, hit_tokens
 from kvbridge.wire.hashing import hash_blocks
 
 __all__ = [
@@ -375,6 +375,14 @@ class Router:
             tokens, lora_name=lora_name, extra_keys=extra_keys, by_medium=True, remote=self.remote
         )
 
+    def _hit_scores(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> Any:
+        """tier_scores of the part of the prompt vLLM can hit (:func:`hit_tokens`), as the native
+        core asks a kvbridge.Index."""
+        part = hit_tokens(tokens, self.block_size)
+        if extra_keys is not None and len(part) < len(tokens):
+            extra_keys = extra_keys[: len(part) // self.block_size]
+        return self.tier_scores(part, lora_name=lora_name, extra_keys=extra_keys)
+
     def _index(self) -> Any:
         if self.index is None:
             raise ValueError("this router has no index: use choose_scores() with scores from an IndexClient")
@@ -396,7 +404,7 @@ class Router:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
         if not self._native_index:
             keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
-            scores = _as_dict(self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys))
+            scores = _as_dict(self._hit_scores(tokens, lora_name, extra_keys))
             with self._lock:
                 return self._decide(None, scores, len(keys), len(tokens), keys, None, None, workers, True,
                                     costs_only=True)[0]  # fmt: skip
@@ -425,7 +433,7 @@ class Router:
         :class:`NoWorkersError` when there is none."""
         use_keys = self._provisional_on or bool(self.listeners)
         if not self._native_index:
-            scores = self.tier_scores(tokens, lora_name=lora_name, extra_keys=extra_keys)
+            scores = self._hit_scores(tokens, lora_name, extra_keys)
             keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys) if use_keys else None
             n = len(tokens)
             return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,

@@ -31,8 +31,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["EngineModel"]
+__all__ = ["EngineModel", "hit_tokens"]
+
+
+def hit_tokens(tokens: Any, block_size: int) -> Any:
+    """The part of a prompt vLLM looks for a hit in: its full blocks, a token short of the
+    prompt (``get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``). A hybrid
+    worker's window rule must hold at that length, so an index is asked about this part, not
+    the whole prompt (rust/route/work.rs ``hit_cap`` is the same rule)."""
+    n = len(tokens)
+    return tokens[: (n - 1) // block_size * block_size] if n else tokens
 
 
 @dataclass(frozen=True, slots=True)
