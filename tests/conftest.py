@@ -68,6 +68,19 @@ def _child_pids() -> set[int]:
     return pids
 
 
+@pytest.fixture
+def stop_engines_at_end():
+    """Call it with test engine threads (bridge_support.Engine): they are stopped and joined when
+    the test ends, also when it fails midway (a test's own finish() is the success path)."""
+    engines: list = []
+    yield engines.extend
+    for e in engines:
+        e.stop_flag.set()
+    for e in engines:
+        if e.ident is not None:
+            e.join(30)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftovers():
     """Tests must leave no process, kvbridge thread or test engine thread behind."""

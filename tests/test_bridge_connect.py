@@ -312,14 +312,17 @@ async def test_metrics_exporter_serves_counters(nats_server):
     ).start()
     from kvbridge import metrics
 
-    port = metrics.start_exporter(0)
-    pub.publish([stored(1), stored(2, 1), stored(3, 2)])
-    await wait_until(lambda: pub.stats["events"] == 3 and pub.stats["unsent"] == 0, 10, "the 3 events sent")
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
-    text = body.decode()
-    # Values only a working publish path produces: the three events went out, nothing is queued.
-    assert 'kvbridge_published_events_total{model="default",worker="m"} 3.0' in text.splitlines()
-    assert 'kvbridge_queue_depth{model="default",worker="m"} 0.0' in text.splitlines()
-    assert 'kvbridge_published_messages_total{model="default",worker="m"}' in text
-    await pub.close()
-    metrics.stop_exporters()
+    try:  # the exporter's thread and socket outlive a failed test otherwise
+        port = metrics.start_exporter(0)
+        pub.publish([stored(1), stored(2, 1), stored(3, 2)])
+        await wait_until(lambda: pub.stats["events"] == 3 and pub.stats["unsent"] == 0, 10, "the 3 events sent")
+        url = f"http://127.0.0.1:{port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        text = body.decode()
+        # Values only a working publish path produces: the three events went out, nothing is queued.
+        assert 'kvbridge_published_events_total{model="default",worker="m"} 3.0' in text.splitlines()
+        assert 'kvbridge_queue_depth{model="default",worker="m"} 0.0' in text.splitlines()
+        assert 'kvbridge_published_messages_total{model="default",worker="m"}' in text
+    finally:
+        await pub.close()
+        metrics.stop_exporters()

@@ -33,11 +33,12 @@ async def close_all(*closables) -> None:
 
 
 @pytest.mark.timeout(180)
-async def test_three_workers_50k_events_converge(nats_server):
+async def test_three_workers_50k_events_converge(nats_server, stop_engines_at_end):
     rec = Recorder()
     sub = await KvEventSubscriber(cfg(nats_server), model=MODEL, on_update=rec).start()
     pubs = await start_workers(nats_server, 3)
     engines = {(MODEL, p.config.worker_id): Engine(p, 50_000, seed=i) for i, p in enumerate(pubs)}
+    stop_engines_at_end(engines.values())
     t0 = time.monotonic()
     for e in engines.values():
         e.start()
@@ -55,7 +56,7 @@ async def test_three_workers_50k_events_converge(nats_server):
 
 
 @pytest.mark.timeout(180)
-async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
+async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server, stop_engines_at_end):
     server = own_nats_server
     rec = Recorder()
     sub = await KvEventSubscriber(cfg(server), model=MODEL, on_update=rec).start()
@@ -63,6 +64,7 @@ async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
     engines = {
         (MODEL, p.config.worker_id): Engine(p, 50_000, seed=10 + i, step_sleep=0.0005) for i, p in enumerate(pubs)
     }
+    stop_engines_at_end(engines.values())
     for e in engines.values():
         e.start()
     await wait_until(lambda: all(e.published > 5000 for e in engines.values()), 60, "events before the kill")
@@ -96,11 +98,12 @@ async def test_broker_sigkill_mid_stream_loses_nothing(own_nats_server):
 
 
 @pytest.mark.timeout(180)
-async def test_late_and_restarted_subscribers_converge(nats_server):
+async def test_late_and_restarted_subscribers_converge(nats_server, stop_engines_at_end):
     pubs = await start_workers(nats_server, 2, subject_prefix="late")
     engines = {
         (MODEL, p.config.worker_id): Engine(p, 40_000, seed=20 + i, step_sleep=0.0002) for i, p in enumerate(pubs)
     }
+    stop_engines_at_end(engines.values())
     early = await KvEventSubscriber(cfg(nats_server, subject_prefix="late")).start()
     for e in engines.values():
         e.start()
@@ -119,11 +122,12 @@ async def test_late_and_restarted_subscribers_converge(nats_server):
 
 
 @pytest.mark.timeout(120)
-async def test_worker_restart_new_epoch_drops_old_view(nats_server):
+async def test_worker_restart_new_epoch_drops_old_view(nats_server, stop_engines_at_end):
     rec = Recorder()
     sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="restart"), on_update=rec).start()
     (old,) = await start_workers(nats_server, 1, subject_prefix="restart")
     e1 = Engine(old, 10_000, seed=30)
+    stop_engines_at_end([e1])
     e1.start()
     await asyncio.to_thread(e1.finish)
     await wait_until(lambda: views_match(sub, {(MODEL, "w0"): e1}), 30, "first incarnation converged")
@@ -131,6 +135,7 @@ async def test_worker_restart_new_epoch_drops_old_view(nats_server):
     (new,) = await start_workers(nats_server, 1, subject_prefix="restart")
     assert new.epoch != old.epoch
     e2 = Engine(new, 10_000, seed=31)
+    stop_engines_at_end([e2])
     e2.start()
     await asyncio.to_thread(e2.finish)
     await wait_until(lambda: views_match(sub, {(MODEL, "w0"): e2}), 30, "view of the restarted worker")
@@ -165,11 +170,12 @@ def _garbage(rnd: random.Random, epoch: str, good: bytes) -> tuple[bytes, dict |
 
 
 @pytest.mark.timeout(180)
-async def test_malformed_messages_counted_and_skipped(nats_server, caplog):
+async def test_malformed_messages_counted_and_skipped(nats_server, caplog, stop_engines_at_end):
     caplog.set_level(logging.WARNING)
     sub = await KvEventSubscriber(cfg(nats_server, subject_prefix="junk")).start()
     pubs = await start_workers(nats_server, 2, subject_prefix="junk")
     engines = {(MODEL, p.config.worker_id): Engine(p, 20_000, seed=40 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
+    stop_engines_at_end(engines.values())
     for e in engines.values():
         e.start()
     good = encode_batch(KVEventBatch(1.0, [BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", None)]))

@@ -69,12 +69,23 @@ class Fleet:
     async def start(cls, pub_configs: list[Config], sub_config: Config, seed: int, proxies: list[FreezingProxy],
                     step_sleep: float = 0.005) -> Fleet:  # fmt: skip
         rec = Recorder()
-        sub = await KvEventSubscriber(sub_config, on_update=rec).start()
-        pubs = [await KvEventPublisher(c).start() for c in pub_configs]
-        fleet = cls(pubs, sub, rec, seed, proxies, step_sleep)
-        for e in fleet.engines.values():
-            e.start()
-        await fleet.wait_events(300, "events before the freeze")
+        clients: list[Any] = []
+        try:  # a start that fails partway leaves no client, proxy or engine thread behind
+            clients.append(await KvEventSubscriber(sub_config, on_update=rec).start())
+            for c in pub_configs:
+                clients.append(await KvEventPublisher(c).start())
+        except BaseException:
+            for c in (*clients, *proxies):
+                await c.close()
+            raise
+        fleet = cls(clients[1:], clients[0], rec, seed, proxies, step_sleep)
+        try:
+            for e in fleet.engines.values():
+                e.start()
+            await fleet.wait_events(300, "events before the freeze")
+        except BaseException:
+            await fleet.close()
+            raise
         return fleet
 
     async def wait_events(self, n: int, what: str) -> None:

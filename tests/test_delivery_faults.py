@@ -421,8 +421,12 @@ async def _worker_process(
         "--worker", worker, "--blocks", str(blocks), *(["--jetstream"] if jetstream else []), stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "KVBRIDGE_STREAM_NAME": "RST_FAULTS"},
     )  # fmt: skip
-    epoch = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()  # type: ignore[union-attr]
-    assert epoch, "the worker process did not start"
+    try:
+        epoch = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().strip()  # type: ignore[union-attr]
+        assert epoch, "the worker process did not start"
+    except BaseException:  # a process that never said it started is not left running
+        await _kill(proc)
+        raise
     return proc, epoch
 
 

@@ -89,11 +89,12 @@ async def start_indexes(server, prefix: str):
 
 
 @pytest.mark.timeout(180)
-async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server):
+async def test_subscriber_feeds_payload_bytes_to_the_index(nats_server, stop_engines_at_end):
     prefix = "idxfeed"
     tokens_idx, engine_idx, subs = await start_indexes(nats_server, prefix)
     pubs = [await KvEventPublisher(cfg(nats_server, prefix, f"w{i}")).start() for i in range(3)]
     engines = {p.config.worker_id: Engine(p, 20_000, seed=60 + i, step_sleep=0.0002) for i, p in enumerate(pubs)}
+    stop_engines_at_end(engines.values())
     for e in engines.values():
         e.start()
     # Queried while it is being fed, from another thread, as a router would: answers name known

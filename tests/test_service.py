@@ -296,8 +296,12 @@ async def _start_replica(url: str, model: str) -> asyncio.subprocess.Process:
         sys.executable, "-m", "kvbridge", "index", "--servers", url, "--model", model, "--block-size", str(BS),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
-    line = await asyncio.wait_for(proc.stderr.readline(), 60)
-    assert f"answering kv.query.{model} (queue group kvbridge-index)".encode() in line, line
+    try:
+        line = await asyncio.wait_for(proc.stderr.readline(), 60)
+        assert f"answering kv.query.{model} (queue group kvbridge-index)".encode() in line, line
+    except BaseException:  # a replica that did not say it serves is not left running
+        await stop_process(proc, 20)
+        raise
     return proc
 
 
