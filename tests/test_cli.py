@@ -263,6 +263,33 @@ def test_demo_on_a_3_node_cluster_converges_and_leaves_nothing_running():
     assert left.stdout == "", left.stdout
 
 
+@pytest.mark.parametrize("http", [False, True], ids=["engines", "http"])
+def test_a_demo_stopped_by_sigterm_takes_its_nats_server_with_it(http):
+    import re
+    import signal
+    import socket
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", *(["--http"] if http else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        lines = []
+        while not (m := re.search(r"nats-server (?:started )?on nats://127\.0\.0\.1:(\d+)", lines[-1] if lines else "")):
+            lines.append(proc.stdout.readline())  # type: ignore[union-attr]
+            assert lines[-1], "".join(lines)
+        port = int(m.group(1))
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # its server is up
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    assert "Traceback" not in rest, rest
+    with pytest.raises(ConnectionRefusedError):  # and went with the demo (not orphaned)
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
 def test_relay_names_its_worker_from_a_dp_rank_template(monkeypatch):
     """KVBRIDGE_WORKER_ID as the vLLM plugin takes it (``gpu-{dp_rank}``) names a plain relay's rank
     too, not a worker called ``gpu-{dp_rank}``."""

@@ -51,6 +51,20 @@ def _stop_on_signals(event: asyncio.Event | None = None) -> asyncio.Event:
     return stop
 
 
+def _run_to_the_end(coro: Any) -> int:
+    """``asyncio.run(coro)``, a SIGTERM unwinding it as Ctrl-C does (cancelled: every ``with``
+    and ``finally`` runs, so a demo's nats-servers and engine threads go with it): 143."""
+
+    async def main() -> int:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
+        return await coro
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        return 128 + signal.SIGTERM
+
+
 def _config(args: argparse.Namespace, **extra: Any) -> Config:
     names = ("servers", "subject_prefix", "user", "password", "token", "creds_file", "tls_ca", "tls_cert", "tls_key")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -552,10 +566,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.http:
             from kvbridge.tools.demo_http import run_http_demo
 
-            return asyncio.run(run_http_demo(args))
+            return _run_to_the_end(run_http_demo(args))
         from kvbridge.tools.demo import run_demo
 
-        return asyncio.run(run_demo(args))
+        return _run_to_the_end(run_demo(args))
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2

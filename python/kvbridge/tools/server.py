@@ -220,7 +220,11 @@ class NatsServer:
         self._tmp.cleanup()
 
     def __enter__(self) -> NatsServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # __exit__ will not run: leave no process or temp store behind
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -377,7 +381,11 @@ class NatsCluster:
         self._close_nodes()
 
     def __enter__(self) -> NatsCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # __exit__ will not run: leave no node running
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
