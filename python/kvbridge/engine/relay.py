@@ -325,7 +325,7 @@ class Relay:
             sub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 # Checked now, not at the first gap: a typo there would only ever show as loss.
-                what = _named("relay replay_endpoint", self._given_replay, self.replay_endpoint)
+                what = _named("relay replay_endpoint", self._given_replay or "", self.replay_endpoint)
                 with ctx.socket(zmq.DEALER) as probe:
                     probe.setsockopt(zmq.LINGER, 0)
                     probe.connect(self.replay_endpoint)
