@@ -752,7 +752,8 @@ def coarse_streams(draw):
     return ops
 
 
-def check(ops, key: str) -> None:
+def fed(ops, key: str) -> tuple[Index, Model]:
+    """An index and the model, both fed ``ops``."""
     idx, model = Index(BS, key), Model(key)
     for op, w, ev in ops:
         if op == "clear":
@@ -764,6 +765,11 @@ def check(ops, key: str) -> None:
         else:
             idx.apply(w, encode_batch(batch(ev)))
             (model.store if isinstance(ev, BlockStored) else model.remove)(w, ev)
+    return idx, model
+
+
+def check(ops, key: str) -> None:
+    idx, model = fed(ops, key)
     assert {k: idx.stats[k] for k in Model.STATS} == model.stats
     for d in range(len(DOCS)):
         nb = len(DOCS[d]) // BS
@@ -803,3 +809,27 @@ def test_groups_of_larger_blocks_equal_vllms_hit(ops):
     ``score``: each group read at its own size, hits aligned to the lcm of the sizes)."""
     check(ops, "engine")
     check(ops, "tokens")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.integers(2, 3).flatmap(streams), coarse_streams()))
+def test_a_routers_hit_is_vllms_at_the_cap(ops):
+    """What kvbridge.Router credits a worker is vLLM's hit for the prompt less its last token
+    (KVCacheManager.get_computed_blocks: max_cache_hit_length = num_tokens - 1, the window rule
+    held at that length), for every prompt length, block-aligned or not."""
+    from kvbridge import Router
+    from kvbridge.routing.work import EngineModel
+
+    idx, model = fed(ops, "tokens")
+    engine = EngineModel()
+    # Every tier worth a GPU block: the credit is the best medium's hit.
+    router = Router(idx, block_size=BS, engine=engine, medium_weights={"GPU": 1.0, "CPU": 1.0}, provisional_ttl_s=0,
+                    workers=["w0", "w1", "w2"])  # fmt: skip
+    for d, doc in enumerate(DOCS):
+        keys = [root_key(d, b) for b in range(len(doc) // BS)]
+        for n in range(1, len(doc) + 1):
+            cap = (n - 1) // BS
+            held = {w: max(by.values()) for w, by in model.by_medium(keys[:cap]).items()}
+            costs = router.costs(doc[:n])
+            for w, cost in costs.items():
+                assert cost == pytest.approx(engine.prefill_ms(n - BS * held.get(w, 0))), (d, n, w, held)
