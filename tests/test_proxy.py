@@ -153,6 +153,24 @@ async def test_same_prefix_goes_where_it_is_cached(nats_server):
         assert f.metric("kvbridge_proxy_overlap_blocks_sum") >= 9 * n_blocks
 
 
+async def test_a_block_aligned_prompt_held_whole_is_credited_what_vllm_can_hit(nats_server):
+    # vLLM computes a prompt's last token: of a block-aligned prompt held whole it reuses all
+    # blocks but the last (KVCacheManager.get_computed_blocks), and the proxy asks the index of
+    # that part only (routing/work.py hit_tokens), so its overlap is n - 1 blocks, not n.
+    async with fleet(nats_server) as f:
+        prompt = SYSTEM + "x" * (-len(SYSTEM.encode()) % BS)
+        n = len(prompt.encode()) // BS
+        r = await f.client.completions.create(model=f.model, prompt=prompt, max_tokens=1)
+        home = f.engine_of(r.id).worker_id
+        assert f.proxy.index is not None
+        await wait_until(lambda: f.proxy.index.find_matches(list(prompt.encode())).get(home, 0) == n, 10,
+                         "the prompt's every block indexed")  # fmt: skip
+        before = f.metric("kvbridge_proxy_overlap_blocks_sum")
+        r = await f.client.completions.create(model=f.model, prompt=prompt, max_tokens=1)
+        assert f.engine_of(r.id).worker_id == home
+        assert f.metric("kvbridge_proxy_overlap_blocks_sum") - before == n - 1
+
+
 async def test_malformed_requests_get_4xx_json(nats_server):
     async with fleet(nats_server, n=1, max_body_bytes=4096) as f:
         url = f.proxy.url

@@ -24,6 +24,9 @@ from bridge_support import nats_connect, wait_until
 
 BS = 4
 PREFIX = list(range(1000, 1064))  # 16 full blocks nobody holds yet
+#: A prompt of those 16 blocks and one more token: vLLM can hit all 16 (of PREFIX alone, whose
+#: last token is computed for its logits, 15).
+PROMPT = PREFIX + [7]
 WORKERS = ["w0", "w1", "w2", "w3"]
 
 
@@ -77,7 +80,7 @@ def test_load_is_the_report_plus_what_was_routed_after_it():
     clock = FakeClock()
     router = Router(Index(BS), workers=["w0"], loads=reports, provisional_ttl_s=0, clock=clock)
     for clock.now in (clock_ts - 5, clock_ts + 5):
-        router.choose(PREFIX)
+        router.choose(PROMPT)
     assert router.in_flight == {"w0": 2}
     # one request was sent before the report (the report counts it), one after
     assert router.routed_since("w0", clock_ts) == 1
@@ -87,12 +90,12 @@ def test_load_is_the_report_plus_what_was_routed_after_it():
 def test_a_confirming_block_stored_ends_the_provisional_entry():
     index = Index(BS)
     router = Router(index, workers=WORKERS)
-    worker, overlap = router.choose(PREFIX)
+    worker, overlap = router.choose(PROMPT)
     assert overlap == 0
     assert router.stats["provisional_entries"] == 16
     # the worker ran the prefill: its events reach the index
     index.apply(worker, KVEventBatch(0.0, [BlockStored(list(range(1, 17)), None, PREFIX, BS, None, "GPU", None)]))
-    assert router.costs(PREFIX)[worker] == 0 + 1  # all 16 held; one request in flight
+    assert router.costs(PROMPT)[worker] == 0 + 1  # all 16 held; one request in flight
     assert router.stats["provisional_confirmed"] == 1
     assert router.stats["provisional_entries"] == 0
 
@@ -100,12 +103,12 @@ def test_a_confirming_block_stored_ends_the_provisional_entry():
 def test_an_unconfirmed_entry_expires_after_its_ttl():
     router = Router(Index(BS), workers=WORKERS, provisional_ttl_s=2.0)
     clock = router.provisional.clock = FakeClock()
-    worker, _ = router.choose(PREFIX)
+    worker, _ = router.choose(PROMPT)
     router.done(worker)
     clock.now += 1.9
-    assert router.costs(PREFIX)[worker] == 0  # still provisionally held
+    assert router.costs(PROMPT)[worker] == 0  # still provisionally held
     clock.now += 0.2
-    assert router.costs(PREFIX)[worker] == 16  # expired: it must prefill like anyone
+    assert router.costs(PROMPT)[worker] == 16  # expired: it must prefill like anyone
     assert router.stats["provisional_expired"] == 16
     assert router.stats["provisional_entries"] == 0
 
@@ -140,10 +143,10 @@ def test_a_restarted_worker_loses_its_provisional_entries():
     sub = States()
     sub.states = {("m", w): ("exact", "epoch-1") for w in WORKERS}
     router = Router(Index(BS), workers=WORKERS, subscriber=sub, model="m")
-    worker, _ = router.choose(PREFIX)
+    worker, _ = router.choose(PROMPT)
     assert router.stats["provisional_entries"] == 16
     sub.states[("m", worker)] = ("exact", "epoch-2")  # a new incarnation: its cache is empty
-    assert router.costs(PREFIX)[worker] == 16 + 1
+    assert router.costs(PROMPT)[worker] == 16 + 1
     assert router.stats["restarts_seen"] == 1
     assert router.stats["provisional_reset"] == 1
     # a worker that expired (gone from the subscriber) loses them too; so does one the caller
@@ -152,7 +155,7 @@ def test_a_restarted_worker_loses_its_provisional_entries():
     assert router.stats["provisional_reset"] == 2
     other, _ = router.choose(PREFIX + [1])
     del sub.states[("m", other)]
-    router.costs(PREFIX)
+    router.costs(PROMPT)
     assert router.stats["provisional_entries"] == 0
 
 
@@ -165,12 +168,12 @@ def test_a_resyncing_worker_is_scored_by_what_it_was_sent_only_and_still_routabl
     sub.states = {("m", "w0"): ("resyncing", "e"), ("m", "w1"): ("exact", "e")}
     router = Router(index, workers=["w0", "w1", "w2"], subscriber=sub, model="m", loads={"w0": 0, "w1": 5, "w2": 0})
     # w0's index score is not trusted while it resyncs: it costs a full prefill
-    assert router.costs(PREFIX) == {"w0": 16.0, "w1": 5.0, "w2": 16.0}
+    assert router.costs(PROMPT) == {"w0": 16.0, "w1": 5.0, "w2": 16.0}
     assert router.stats["workers"] == {"w0": "resyncing", "w1": "exact", "w2": "provisional-only"}
     # sent there anyway (w1 too busy), it is then scored by provisional residency
     router.loads = {"w0": 0, "w1": 50, "w2": 1}
-    assert router.choose(PREFIX)[0] == "w0"
-    assert router.costs(PREFIX)["w0"] == 0.0
+    assert router.choose(PROMPT)[0] == "w0"
+    assert router.costs(PROMPT)["w0"] == 0.0
 
 
 # -- replicas over NATS ---------------------------------------------------------------------------
@@ -197,7 +200,7 @@ async def test_two_replicas_route_a_burst_as_one_router(nats_server):
     r1, s1 = await _synced(nats_server.url, index, seed=1)
     r2, s2 = await _synced(nats_server.url, index, seed=2)
     try:
-        first, _ = r1.choose(PREFIX)
+        first, _ = r1.choose(PROMPT)
         await wait_until(lambda: s2.stats["applied"] == 1, 10.0, "replica 2 to hear replica 1's decision")
         # the second replica sends the same new prefix where the first did, and counts that request's load
         assert r2.choose(PREFIX + [5])[0] == first
@@ -217,7 +220,7 @@ async def test_a_restarted_replica_converges_and_malformed_messages_are_ignored(
     r1, s1 = await _synced(nats_server.url, index, seed=1)
     r2, s2 = await _synced(nats_server.url, index, seed=2)
     try:
-        first, _ = r1.choose(PREFIX)
+        first, _ = r1.choose(PROMPT)
         await s2.close()  # replica 2 dies mid-burst ...
         r1.choose(PREFIX + [1])
         # that decision is routed by the server before the fresh replica subscribes: it is not one
@@ -254,14 +257,14 @@ async def test_a_worker_restart_seen_by_a_real_subscriber_drops_what_it_was_sent
         await wait_until(lambda: ("prov-restart", "w0") in sub.worker_states(), 10, "the worker to be heard")
         epoch = sub.worker_states()[("prov-restart", "w0")][1]
         router = Router(index, workers=["w0"], subscriber=sub, model="prov-restart")
-        assert router.choose(PREFIX)[0] == "w0"
+        assert router.choose(PROMPT)[0] == "w0"
         assert router.stats["provisional_entries"] == 16
         await pub.close()
         pub = await KvEventPublisher(cfg.replace(worker_id="w0")).start()
         try:
             await wait_until(lambda: sub.worker_states().get(("prov-restart", "w0"), (None, epoch))[1] != epoch,
                              10, "the restarted worker's new epoch")  # fmt: skip
-            router.costs(PREFIX)
+            router.costs(PROMPT)
             assert router.stats["restarts_seen"] == 1
             assert router.stats["provisional_entries"] == 0
         finally:
@@ -274,15 +277,15 @@ def test_an_all_blocks_cleared_drops_the_provisional_entries():
     index = Index(BS)
     index.apply("w0", KVEventBatch(0.0, [BlockStored([77], None, [9, 9, 9, 9], BS, None, "GPU", None)]))
     router = Router(index, workers=["w0"])
-    router.choose(PREFIX)
+    router.choose(PROMPT)
     assert router.stats["provisional_entries"] == 16
-    router.costs(PREFIX)  # nothing cleared: the entries stay
+    router.costs(PROMPT)  # nothing cleared: the entries stay
     assert router.stats["provisional_entries"] == 16
     index.apply("w0", KVEventBatch(0.0, [AllBlocksCleared()]))  # the worker's cache was reset
     assert index.clears("w0") == 1 and index.clears("nobody") is None
-    assert router.costs(PREFIX)["w0"] == 16 + 1
+    assert router.costs(PROMPT)["w0"] == 16 + 1
     assert router.stats["provisional_reset"] == 1 and router.stats["provisional_entries"] == 0
     # a worker the index first hears of after the choice is not "cleared" by that
-    router.choose(PREFIX, workers=["new"])
+    router.choose(PROMPT, workers=["new"])
     index.apply("new", KVEventBatch(0.0, [BlockStored([78], None, [8, 8, 8, 8], BS, None, "GPU", None)]))
-    assert router.costs(PREFIX, workers=["new"])["new"] == 0 + 1
+    assert router.costs(PROMPT, workers=["new"])["new"] == 0 + 1

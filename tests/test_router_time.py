@@ -79,6 +79,16 @@ def test_on_a_hybrid_worker_the_window_rule_holds_at_the_cap(native):
     assert costs["a"] == pytest.approx(ENGINE.prefill_ms(1)) and costs["b"] == pytest.approx(ENGINE.prefill_ms(3 * BS + 1))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_choose_reports_the_blocks_vllm_can_use_on_either_path(native):
+    prompt = list(range(4 * BS))
+    index = Index(BS)
+    store(index, "a", prompt)
+    router, _ = _router(index if native else _DuckIndex(index))
+    assert router.choose(prompt) == ("a", 3)  # block-aligned: the last block is recomputed
+    assert router.choose(prompt + [7]) == ("a", 4)
+
+
 def test_the_part_of_a_prompt_vllm_can_hit():
     assert hit_tokens(list(range(64)), 16) == list(range(48))  # aligned: the last block is computed
     assert hit_tokens(list(range(65)), 16) == list(range(64))

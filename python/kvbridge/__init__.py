@@ -29,7 +29,7 @@ from kvbridge.bus.subscriber import KvEventSubscriber
 from kvbridge.bus.update import Update, WorkerView
 from kvbridge.engine.pool import KVCacheManager
 from kvbridge.routing.router import NoWorkersError, Router
-from kvbridge.routing.work import EngineModel
+from kvbridge.routing.work import EngineModel, hit_tokens
 from kvbridge.replay.trace import TraceError
 from kvbridge.routing.service import IndexClient, IndexQueryError, IndexService, IndexUnavailableError
 
@@ -71,4 +71,5 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "hash_blocks",
+    "hit_tokens",
 ]

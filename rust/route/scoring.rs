@@ -92,10 +92,9 @@ impl RouterCore {
             let cache = &self.index_slot;
             num_tokens = tokens.len()? as i64;
             // vLLM looks for a hit in the prompt less its last token (KVCacheManager.
-            // get_computed_blocks: max_cache_hit_length = num_tokens - 1). On a hybrid worker the
-            // window rule must hold at that length, not at the prompt's: the walk stops there.
-            // (Elsewhere the whole prompt is walked, so provisional entries of a block-aligned
-            // prompt's last block are confirmed too; the cost caps the hit itself.)
+            // get_computed_blocks: max_cache_hit_length = num_tokens - 1), and a hybrid worker's
+            // window must hold at that length, not at the prompt's: the index is asked about
+            // those blocks only, and they are the keys provisional residency and replicas see.
             let hit_cap = hit_cap(num_tokens, self.block_size);
             let got = index.get().route_query(
                 py,
@@ -104,11 +103,7 @@ impl RouterCore {
                 ask.extra_keys,
                 &mut keys,
                 |core, keys| {
-                    let keys = if core.has_hybrid() {
-                        &keys[..keys.len().min(hit_cap)]
-                    } else {
-                        keys
-                    };
+                    let keys = &keys[..keys.len().min(hit_cap)];
                     core.find_matches_by_medium_into(keys, remote, &mut read.one, &mut read.rows);
                     read.workers_of(core, cache);
                     read.media.clear();
@@ -120,6 +115,7 @@ impl RouterCore {
                     }
                 },
             );
+            keys.truncate(hit_cap);
             self.keys = keys;
             let outcome = got.map(|()| self.apply_read(py, &read));
             self.read = read;

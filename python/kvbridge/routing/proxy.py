@@ -420,14 +420,15 @@ class KvProxy:
         kv = self.policy == "kv"
         n_tokens = len(tokens) if tokens else 0
         n_blocks = n_tokens // self.block_size
-        # Asked of the part vLLM can hit (a hybrid worker's window rule holds at that length).
+        # The part of the prompt vLLM can hit (its last token is computed; a hybrid worker's
+        # window must hold at that length) is what the index is asked about and what is recorded.
         part = hit_tokens(tokens, self.block_size) if kv and n_blocks else ()
         scores = await self._scores(part) if len(part) else {}
         # Provisional residency (the chosen worker holds the prompt's blocks until its own events
         # say so) while the index is live; with NATS down, the work sent alone decides.
         keys = None
-        if kv and tokens and n_blocks and self.nats_up and self.router.provisional.enabled:
-            keys = self.router.block_keys(tokens)
+        if len(part) and self.nats_up and self.router.provisional.enabled:
+            keys = self.router.block_keys(part)
         failed: list[str] = []
         last: _Failed | None = None
         for attempt in range(2):

@@ -375,13 +375,15 @@ class Router:
             tokens, lora_name=lora_name, extra_keys=extra_keys, by_medium=True, remote=self.remote
         )
 
-    def _hit_scores(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> Any:
-        """tier_scores of the part of the prompt vLLM can hit (:func:`hit_tokens`), as the native
-        core asks a kvbridge.Index."""
+    def _hit_part(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> tuple[Any, Any, list[int]]:
+        """The Python path's ask, as the native core asks a kvbridge.Index: the part of the
+        prompt vLLM can hit (:func:`~kvbridge.routing.work.hit_tokens`), its scores by tier and
+        its block keys."""
         part = hit_tokens(tokens, self.block_size)
         if extra_keys is not None and len(part) < len(tokens):
             extra_keys = extra_keys[: len(part) // self.block_size]
-        return self.tier_scores(part, lora_name=lora_name, extra_keys=extra_keys)
+        scores = self.tier_scores(part, lora_name=lora_name, extra_keys=extra_keys)
+        return part, scores, self.block_keys(part, lora_name=lora_name, extra_keys=extra_keys)
 
     def _index(self) -> Any:
         if self.index is None:
@@ -403,10 +405,10 @@ class Router:
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
         if not self._native_index:
-            keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys)
-            scores = _as_dict(self._hit_scores(tokens, lora_name, extra_keys))
+            _, scores, keys = self._hit_part(tokens, lora_name, extra_keys)
+            n = len(tokens)
             with self._lock:
-                return self._decide(None, scores, len(keys), len(tokens), keys, None, None, workers, True,
+                return self._decide(None, _as_dict(scores), n // self.block_size, n, keys, None, None, workers, True,
                                     costs_only=True)[0]  # fmt: skip
         with self._lock:
             return self._decide(tokens, None, 0, 0, None, lora_name, extra_keys, workers, True, costs_only=True)[0]
@@ -422,10 +424,11 @@ class Router:
         workers: Sequence[str] | None = None,
         request_id: Hashable | None = None,
     ) -> tuple[str, int]:
-        """Pick a worker for this prompt: ``(worker, leading blocks it holds)``. The request is in
-        flight there until :meth:`done` (or use :meth:`route`), its prompt queued until
-        :meth:`first_token`, and the worker holds the prompt's full blocks provisionally
-        (``provisional_ttl_s``).
+        """Pick a worker for this prompt: ``(worker, leading blocks it holds)``, counted as vLLM
+        can use them: in the prompt less its last token (:func:`~kvbridge.routing.work.hit_tokens`,
+        at most ``floor((L - 1) / block_size)`` blocks). The request is in flight there until
+        :meth:`done` (or use :meth:`route`), its prompt queued until :meth:`first_token`, and the
+        worker holds those blocks provisionally (``provisional_ttl_s``).
 
         ``workers``: choose among exactly these (default: the index's workers and the router's
         ``workers``). ``request_id``: names the request in :meth:`first_token` and :meth:`done`
@@ -433,11 +436,10 @@ class Router:
         :class:`NoWorkersError` when there is none."""
         use_keys = self._provisional_on or bool(self.listeners)
         if not self._native_index:
-            scores = self._hit_scores(tokens, lora_name, extra_keys)
-            keys = self.block_keys(tokens, lora_name=lora_name, extra_keys=extra_keys) if use_keys else None
+            _, scores, keys = self._hit_part(tokens, lora_name, extra_keys)
             n = len(tokens)
-            return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,
-                                      request_id=request_id)  # fmt: skip
+            return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys if use_keys else None,
+                                      num_tokens=n, request_id=request_id)  # fmt: skip
         with self._lock:
             if request_id is not None and request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already in flight")
@@ -470,9 +472,10 @@ class Router:
         request_id: Hashable | None = None,
     ) -> tuple[str, int]:
         """:meth:`choose` from overlap scores obtained elsewhere (e.g. ``await
-        IndexClient.find_matches(tokens)``) for a request of ``num_blocks`` full blocks
+        IndexClient.find_matches(hit_tokens(tokens, block_size))``: asked of the part of the
+        prompt vLLM can hit, as :meth:`choose` asks) for a request of ``num_blocks`` full blocks
         (``num_tokens`` tokens: what the time cost weighs; default ``num_blocks * block_size``).
-        ``keys``: the prompt's :meth:`block_keys`, for provisional residency (none without)."""
+        ``keys``: that part's :meth:`block_keys`, for provisional residency (none without)."""
         num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
             self._check_new(request_id)

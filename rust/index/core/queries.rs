@@ -44,11 +44,6 @@ impl Core {
         Some((plain, any))
     }
 
-    /// Whether some worker is scored by the window rule (its hit is not group 0's leading run).
-    pub fn has_hybrid(&self) -> bool {
-        self.hybrid.iter().any(|&w| w != 0)
-    }
-
     /// Per worker with a hit: how many leading blocks of `keys` it would hit (see `filters` for
     /// `medium` and `remote`), as (worker id, count) in worker id order.
     pub fn find_matches(
@@ -75,7 +70,7 @@ impl Core {
             return;
         };
         let mut sorted = self.plain_matches(keys, &plain, out);
-        if self.has_hybrid() {
+        if self.hybrid.iter().any(|&w| w != 0) {
             self.hybrid_matches(keys.all(), &any, out);
             sorted = false;
         }
