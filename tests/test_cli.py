@@ -269,8 +269,10 @@ def test_a_demo_stopped_by_sigterm_takes_its_nats_server_with_it(http):
     import signal
     import socket
 
+    # A session of its own: if this test fails, its whole group (its nats-server too) is killed.
     proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", *(["--http"] if http else [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
         lines = []
         while not (m := re.search(r"nats-server (?:started )?on nats://127\.0\.0\.1:(\d+)", lines[-1] if lines else "")):
@@ -282,7 +284,7 @@ def test_a_demo_stopped_by_sigterm_takes_its_nats_server_with_it(http):
         rest, _ = proc.communicate(timeout=60)
     finally:
         if proc.returncode is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
     assert "Traceback" not in rest, rest

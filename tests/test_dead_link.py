@@ -75,8 +75,7 @@ class Fleet:
             for c in pub_configs:
                 clients.append(await KvEventPublisher(c).start())
         except BaseException:
-            for c in (*clients, *proxies):
-                await c.close()
+            await close_each(clients, proxies)
             raise
         fleet = cls(clients[1:], clients[0], rec, seed, proxies, step_sleep)
         try:
@@ -136,11 +135,22 @@ class Fleet:
         for e in self.engines.values():
             e.stop_flag.set()
         for e in self.engines.values():
-            await asyncio.to_thread(e.join, 30)
-        for c in (*self.pubs, self.sub):
-            await c.close()
-        for p in self.proxies:
-            await p.close()
+            if e.ident is not None:  # started (a failed start may not have started them all)
+                await asyncio.to_thread(e.join, 30)
+        await close_each(self.pubs, [self.sub], self.proxies)
+
+
+async def close_each(*groups: Any) -> None:
+    """Close every client and proxy, the rest too if one raises (the first error is raised)."""
+    error: BaseException | None = None
+    for group in groups:
+        for c in group:
+            try:
+                await c.close()
+            except BaseException as exc:
+                error = error or exc
+    if error is not None:
+        raise error
 
 
 async def test_publisher_behind_a_dead_path_reconnects_and_resends(nats_server, caplog):

@@ -696,6 +696,8 @@ async def test_an_endpoint_zmq_refuses_is_named_as_typed_before_anything_starts(
         await Relay(Config(worker_id="w"), endpoint="tcp://*:notaport").start()
     with pytest.raises(ConfigError, match=r"relay replay_endpoint 'nonsense://x'"):
         await Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="nonsense://x").start()
-    # As typed when nothing was rewritten; the dp rank's offset shown when it was.
     with pytest.raises(ConfigError, match=r"relay replay_endpoint 'tcp://\*:0' \(connecting to 'tcp://127.0.0.1:0'\): port 0"):
         Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://*:0", dp_rank=1)
+    # A dp rank's offset that cannot be made names the endpoint it was asked of.
+    with pytest.raises(ConfigError, match=r"relay replay_endpoint 'ipc:///tmp/kv': a dp rank offsets only"):
+        Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="ipc:///tmp/kv", dp_rank=1)

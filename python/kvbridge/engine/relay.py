@@ -88,14 +88,15 @@ _BURST = 8
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
+def engine_endpoint(endpoint: str, dp_rank: int | None = None, *, what: str = "relay endpoint") -> str:
     """Where to connect for an engine configured with ``endpoint``, as data-parallel rank
     ``dp_rank``, by vLLM 0.33's rules (``ZmqEventPublisher.offset_endpoint_port``): rank 0 binds
     ``endpoint`` itself; rank r, for an endpoint containing ``inproc``, the name with a ``_dp<r>``
     suffix, for one containing ``tcp``, the port + r -- except port 0, which is left to the OS
     (so the engine binds a port of its choosing, and that port is what to connect to). Anything
-    else (``ipc://``) cannot be offset: vLLM refuses it too. A bind address ``*`` means this host."""
-    given = endpoint  # errors name what was typed
+    else (``ipc://``) cannot be offset: vLLM refuses it too. A bind address ``*`` means this host.
+    Errors name the endpoint as ``what`` and as typed."""
+    given = endpoint
     endpoint = endpoint.replace("://*:", "://127.0.0.1:")
     if not dp_rank:
         return endpoint
@@ -107,10 +108,10 @@ def engine_endpoint(endpoint: str, dp_rank: int | None = None) -> str:
             number = int(port)
         except ValueError:
             raise ConfigError(
-                f"relay endpoint {given!r}: expected tcp://host:port to offset by the dp rank {dp_rank}"
+                f"{what} {given!r}: expected tcp://host:port to offset by the dp rank {dp_rank}"
             ) from None
         return endpoint if number == 0 else f"{base}:{number + dp_rank}"
-    raise ConfigError(f"relay endpoint {given!r}: a dp rank offsets only tcp:// ports and inproc:// names")
+    raise ConfigError(f"{what} {given!r}: a dp rank offsets only tcp:// ports and inproc:// names")
 
 
 def _named(what: str, given: str, resolved: str) -> str:
@@ -119,7 +120,7 @@ def _named(what: str, given: str, resolved: str) -> str:
 
 
 def _connectable(what: str, given: str, dp_rank: int | None) -> str:
-    resolved = engine_endpoint(given, dp_rank)
+    resolved = engine_endpoint(given, dp_rank, what=what)
     if resolved.startswith("tcp://") and resolved.endswith(":0"):
         raise ConfigError(
             f"{_named(what, given, resolved)}: port 0 lets the engine's OS pick its port; pass the port it bound"
@@ -329,6 +330,7 @@ class Relay:
                 with ctx.socket(zmq.DEALER) as probe:
                     probe.setsockopt(zmq.LINGER, 0)
                     probe.connect(self.replay_endpoint)
+                what = "relay"
             await self._start_publisher()
         except BaseException as exc:
             sub.close(linger=0)

@@ -657,7 +657,7 @@ class _ClusterBroker:
         return ",".join(self.cluster.urls)
 
     def __enter__(self) -> _ClusterBroker:
-        self.cluster.start()
+        self.cluster.__enter__()  # a start that fails leaves no node running
         return self
 
     def __exit__(self, *exc: object) -> None:
