@@ -290,7 +290,8 @@ class IndexClient:
         async with IndexClient(servers=[...], model="llama-3-8b") as client:
             scores = await client.find_matches(prompt_ids)     # {worker: leading blocks held}
 
-    A query that gets no reply within ``timeout`` (default ``config.request_timeout_s``) is sent
+    For routing, ask of ``kvbridge.hit_tokens(prompt_ids, block_size)``, the part of the prompt
+    vLLM can hit, as :meth:`kvbridge.Router.choose` does. A query that gets no reply within ``timeout`` (default ``config.request_timeout_s``) is sent
     once more (another replica answers it); then :class:`IndexUnavailableError`. An error reply
     raises :class:`IndexQueryError`.
     """
