@@ -14,7 +14,7 @@ write them (without importing an engine). Field order and struct options are par
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import msgspec
 

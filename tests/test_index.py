@@ -814,11 +814,11 @@ def test_block_hashes_read_in_place_or_copied():
     raw = keys.tobytes()
     unaligned = np.frombuffer(b"\0" + raw, dtype=np.uint64, offset=1)
     assert unaligned.ctypes.data % 8 != 0
-    for given in (raw, bytearray(raw), memoryview(raw), memoryview(b"\0" + raw)[1:], keys, unaligned, np.frombuffer(raw, dtype=np.uint64)):
-        assert idx.find_matches(block_hashes=given) == {"a": 3}, type(given)
-        assert idx.find_matches(block_hashes=given, lists=True) == (["a"], [3]), type(given)
-        assert idx.find_matches(block_hashes=given, top_k=1, lists=True) == (["a"], [3]), type(given)
-        assert idx.find_matches(block_hashes=given, by_medium=True) == {"a": {"GPU": 3}}, type(given)
+    for buf in (raw, bytearray(raw), memoryview(raw), memoryview(b"\0" + raw)[1:], keys, unaligned, np.frombuffer(raw, dtype=np.uint64)):
+        assert idx.find_matches(block_hashes=buf) == {"a": 3}, type(buf)
+        assert idx.find_matches(block_hashes=buf, lists=True) == (["a"], [3]), type(buf)
+        assert idx.find_matches(block_hashes=buf, top_k=1, lists=True) == (["a"], [3]), type(buf)
+        assert idx.find_matches(block_hashes=buf, by_medium=True) == {"a": {"GPU": 3}}, type(buf)
     assert keys.tolist() == [2**63 + 5, 7, 9, 11] and raw == keys.tobytes()
     assert idx.find_matches(block_hashes=b"") == {} and idx.find_matches(block_hashes=array("Q"), lists=True) == ([], [])
     with pytest.raises(TypeError, match=r"block_hashes must be .*not a multiple of 8"):
@@ -984,10 +984,10 @@ def test_buffer_queries_while_long_payloads_apply():
 
     def read() -> list[int]:
         seen = []
-        for given in (packed, packed.tobytes()):
+        for buf in (packed, packed.tobytes()):
             for answer in (
-                idx.find_matches(block_hashes=given, lists=True),
-                idx.find_matches(block_hashes=given, top_k=1, lists=True),
+                idx.find_matches(block_hashes=buf, lists=True),
+                idx.find_matches(block_hashes=buf, top_k=1, lists=True),
             ):
                 assert answer[0] in ([], ["w"])  # one worker's chain, or nothing yet
                 seen.append(answer[1][0] if answer[1] else 0)

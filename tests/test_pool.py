@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvbridge
-from kvbridge import KVCacheManager
 from kvbridge.engine._reference_pool import BlockPool, PyKVCacheManager
 from kvbridge.engine.pool import NativeKVCacheManager
 from kvbridge.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch

@@ -3,7 +3,6 @@ report, replicas sharing decisions over a real nats-server (issue 17)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections import Counter
 

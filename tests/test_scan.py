@@ -4,7 +4,6 @@ Its contract: whenever it returns a result, ``decode_batch`` accepts the same by
 same ts, rank, event count and block hashes in order; anything it is unsure of is ``None``.
 """
 
-import random
 import struct
 
 import msgspec

@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from typing import Any, Awaitable, Callable, Iterable
 
-import nats
 from nats.aio.client import Client
 from nats.errors import AuthorizationError
 
