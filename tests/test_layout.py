@@ -15,8 +15,9 @@ import kvbridge
 PACKAGE = pathlib.Path(kvbridge.__file__).parent
 
 # kvbridge.__all__ as it was before the regroup, plus every public exception (issue 20) and the
-# router's EngineModel (issue 30) and the LoadReport that KvEventSubscriber.loads holds, copied
-# here so a change to it is a change here.
+# router's EngineModel (issue 30), the LoadReport that KvEventSubscriber.loads holds and
+# hit_tokens (what an IndexClient is asked for routing), copied here so a change to it is a
+# change here.
 TOP_LEVEL = [
     "ALGORITHMS", "AllBlocksCleared", "AuthenticationError", "BackgroundPublisher", "BlockHasher",
     "BlockRemoved", "BlockStored", "Config", "ConfigError", "ConnectError", "DecodeError", "DiscoveryError",
@@ -24,6 +25,7 @@ TOP_LEVEL = [
     "JetStreamError", "KVCacheManager", "KVEventBatch", "KvEventPublisher", "KvEventSubscriber",
     "LoadReport", "NatsServerError", "NoWorkersError", "PermissionDeniedError", "Router", "TraceError", "Update",
     "WorkerIdInUseError", "WorkerView", "__version__", "decode_batch", "encode_batch", "hash_blocks",
+    "hit_tokens",
 ]  # fmt: skip
 
 # The alias modules of the regroup, gone before any release (issue 20): each name has one home.
