@@ -9,9 +9,10 @@ from kvbridge.wire.events import DecodeError, LoadReport, encode_load_report
 from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE
 
 
-def report(api: int, ts: float, *, running: int = 0, queries: int = 0, hits: int = 0, interval: float = 1.0) -> LoadReport:
+def report(api: int, ts: float, *, running: int = 0, queries: int = 0, hits: int = 0, interval: float = 1.0,
+           steps: int | None = None) -> LoadReport:  # fmt: skip
     return LoadReport(ts=ts, running=running, prefix_cache_queries=queries, prefix_cache_hits=hits,
-                      interval_s=interval, api_rank=api)  # fmt: skip
+                      interval_s=interval, api_rank=api, steps=steps)  # fmt: skip
 
 
 def test_one_api_server_the_latest_report_and_its_age():
@@ -29,6 +30,26 @@ def test_several_api_servers_newest_gauges_counters_added_while_current():
     (got, age), = loads.latest(now=12.0).values()
     assert (got.api_rank, got.running, got.ts, age) == (1, 4, 2.0, 0.5)  # the newest report's gauges
     assert (got.prefix_cache_queries, got.prefix_cache_hits) == (150, 15)  # api 2 is older than 2 intervals
+
+
+def test_an_api_server_the_steps_did_not_reach_does_not_give_the_gauges():
+    # With --api-server-count 2, the steps' stats went to API server 0 lately: API server 1 still
+    # reports (its URL matters) the gauges of the last step it saw, newer but stale.
+    loads = LoadReports()
+    loads.add(("m", "w"), report(0, 1.0, running=2, queries=30, steps=12), heard=10.0)
+    loads.add(("m", "w"), report(1, 1.5, running=9, queries=0, steps=0), heard=10.5)
+    (got, age), = loads.latest(now=11.0).values()
+    assert (got.api_rank, got.running, got.ts, age) == (0, 2, 1.0, 0.5)  # API server 0's gauges, its ts
+    assert got.prefix_cache_queries == 30
+    # No current report had steps (the engine is idle): the newest gauges stand.
+    loads.add(("m", "w"), report(0, 4.0, running=0, steps=0), heard=13.0)
+    loads.add(("m", "w"), report(1, 4.5, running=9, steps=0), heard=13.5)
+    (got, _), = loads.latest(now=14.0).values()
+    assert (got.api_rank, got.running) == (1, 9)
+    # A report that does not count steps (None) gives its gauges as before.
+    loads.add(("m", "w"), report(0, 5.0, running=3), heard=14.0)
+    (got, _), = loads.latest(now=14.2).values()
+    assert (got.api_rank, got.running) == (0, 3)
 
 
 def test_a_forgotten_worker_has_no_load():

@@ -313,6 +313,8 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
     finally:
         await nc.close()
     assert col.total(w0, "prefix_cache_hits") == 80 and col.total(w1, "prefix_cache_queries") == 32
+    # Each step counted once, in the report after it (later reports of an idle engine say 0).
+    assert col.total(w0, "steps") == 2 and col.total(w1, "steps") == 1
     assert logger.stats["record_errors"] == 0 and logger.stats["loads_published"] >= 2
 
 

@@ -1,10 +1,12 @@
 """Workers' load reports as a subscriber has heard them, combined into one report per worker.
 
 vLLM may run several API servers for one engine; each step's stats reach one of them, and each
-publishes its own :class:`~kvbridge.wire.events.LoadReport` (``api_rank``). So per worker the
-gauges (KV-cache usage, running, waiting) are the newest report's, and the prefix-cache counters
-add up each API server's latest report that is at most two of its own intervals older than the
-newest (an API server that stopped reporting stops counting). No I/O: the subscriber hands
+publishes its own :class:`~kvbridge.wire.events.LoadReport` (``api_rank``). An API server's
+report is current while it is at most two of its own intervals older than the newest (one that
+stopped reporting stops counting). Per worker the gauges (KV-cache usage, running, waiting, and
+``ts``, when they were read) are the newest current report's that had steps since its previous
+one (``steps`` != 0: an API server the steps have not reached lately still reports the gauges of
+its last one), else the newest's; the prefix-cache counters add up the current reports. No I/O: the subscriber hands
 each report over as it arrives; ``routing.router.ReportLoads`` turns the result into a router's
 load term.
 """
@@ -59,11 +61,13 @@ class LoadReports:
         for key, by_api in self._reports.items():
             newest, at = max(by_api.values(), key=lambda r: r[1])
             if len(by_api) > 1:
-                current = [r for r, t in by_api.values() if at - t <= 2 * r.interval_s]
+                current = [(r, t) for r, t in by_api.values() if at - t <= 2 * r.interval_s]
+                stepped = [(r, t) for r, t in current if r.steps != 0]
+                gauges, _ = max(stepped, key=lambda r: r[1]) if stepped else (newest, at)
                 newest = msgspec.structs.replace(
-                    newest,
-                    prefix_cache_queries=sum(r.prefix_cache_queries for r in current),
-                    prefix_cache_hits=sum(r.prefix_cache_hits for r in current),
+                    gauges,
+                    prefix_cache_queries=sum(r.prefix_cache_queries for r, _ in current),
+                    prefix_cache_hits=sum(r.prefix_cache_hits for r, _ in current),
                 )
             out[key] = (newest, now - at)
         return out

@@ -372,13 +372,13 @@ class _Slot:
     Counters only grow here; the loop keeps what it reported, so neither side resets the other's."""
 
     __slots__ = ("usage", "running", "waiting", "queries", "hits", "records", "engine", "subject",
-                 "sink", "sent_queries", "sent_hits", "sent_at")  # fmt: skip
+                 "sink", "sent_queries", "sent_hits", "sent_at", "sent_records")  # fmt: skip
 
     def __init__(self, engine: _Engine, subject: str, sink: _EventSink | None) -> None:
         self.usage = 0.0
         self.running = self.waiting = self.queries = self.hits = self.records = 0
         self.engine, self.subject, self.sink = engine, subject, sink
-        self.sent_queries = self.sent_hits = 0
+        self.sent_queries = self.sent_hits = self.sent_records = 0
         self.sent_at = time.time()
 
 
@@ -635,13 +635,13 @@ class KvBridgeStatLogger(_AggregateBase):
                 if not slot.records and self.plan.url is None:
                     continue  # with a URL an idle engine reports too: a gateway must know it to send it work
                 now = time.time()
-                queries, hits = slot.queries, slot.hits
+                queries, hits, records = slot.queries, slot.hits, slot.records
                 e = slot.engine
                 report = LoadReport(
                     ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
                     prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
                     interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
-                    dp_rank=e.dp_rank, url=self.plan.url,
+                    dp_rank=e.dp_rank, url=self.plan.url, steps=records - slot.sent_records,
                 )  # fmt: skip
                 try:
                     await nc.publish(slot.subject, encode_load_report(report, config.encoding), headers=headers)
@@ -649,7 +649,7 @@ class KvBridgeStatLogger(_AggregateBase):
                     self.stats["load_failures"] += 1
                     self._warn.warning("load", "kvbridge: load report not published: %r", exc)
                     continue
-                slot.sent_queries, slot.sent_hits, slot.sent_at = queries, hits, now
+                slot.sent_queries, slot.sent_hits, slot.sent_at, slot.sent_records = queries, hits, now, records
                 self.stats["loads_published"] += 1
 
 
