@@ -4,11 +4,11 @@ vLLM may run several API servers for one engine; each step's stats reach one of 
 publishes its own :class:`~kvbridge.wire.events.LoadReport` (``api_rank``). An API server's
 report is current while it is at most two of its own intervals older than the newest (one that
 stopped reporting stops counting). Per worker the gauges (KV-cache usage, running, waiting, and
-``ts``, when they were read) are the newest current report's that had steps since its previous
-one (``steps`` != 0: an API server the steps have not reached lately still reports the gauges of
-its last one), else the newest's; the prefix-cache counters add up the current reports. No I/O: the subscriber hands
-each report over as it arrives; ``routing.router.ReportLoads`` turns the result into a router's
-load term.
+``ts``) are those of the newest current report that had steps since its previous one (``steps``
+!= 0: an API server the steps have not reached lately still reports its last step's gauges),
+else the newest's; the prefix-cache counters add up the current reports. No I/O: the subscriber
+hands each report over as it arrives; ``routing.router.ReportLoads`` turns the result into a
+router's load term.
 """
 
 from __future__ import annotations

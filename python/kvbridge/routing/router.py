@@ -375,15 +375,15 @@ class Router:
             tokens, lora_name=lora_name, extra_keys=extra_keys, by_medium=True, remote=self.remote
         )
 
-    def _hit_part(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> tuple[Any, Any, list[int]]:
-        """The Python path's ask, as the native core asks a kvbridge.Index: the part of the
-        prompt vLLM can hit (:func:`~kvbridge.routing.work.hit_tokens`), its scores by tier and
-        its block keys."""
+    def _hit_part(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> tuple[Any, list[int]]:
+        """The Python path's ask, as the native core asks a kvbridge.Index: the scores by tier
+        and the block keys of the part of the prompt vLLM can hit
+        (:func:`~kvbridge.routing.work.hit_tokens`)."""
         part = hit_tokens(tokens, self.block_size)
         if extra_keys is not None and len(part) < len(tokens):
             extra_keys = extra_keys[: len(part) // self.block_size]
         scores = self.tier_scores(part, lora_name=lora_name, extra_keys=extra_keys)
-        return part, scores, self.block_keys(part, lora_name=lora_name, extra_keys=extra_keys)
+        return scores, self.block_keys(part, lora_name=lora_name, extra_keys=extra_keys)
 
     def _index(self) -> Any:
         if self.index is None:
@@ -405,7 +405,7 @@ class Router:
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
         if not self._native_index:
-            _, scores, keys = self._hit_part(tokens, lora_name, extra_keys)
+            scores, keys = self._hit_part(tokens, lora_name, extra_keys)
             n = len(tokens)
             with self._lock:
                 return self._decide(None, _as_dict(scores), n // self.block_size, n, keys, None, None, workers, True,
@@ -436,7 +436,7 @@ class Router:
         :class:`NoWorkersError` when there is none."""
         use_keys = self._provisional_on or bool(self.listeners)
         if not self._native_index:
-            _, scores, keys = self._hit_part(tokens, lora_name, extra_keys)
+            scores, keys = self._hit_part(tokens, lora_name, extra_keys)
             n = len(tokens)
             return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys if use_keys else None,
                                       num_tokens=n, request_id=request_id)  # fmt: skip

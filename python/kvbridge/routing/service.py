@@ -291,9 +291,9 @@ class IndexClient:
             scores = await client.find_matches(prompt_ids)     # {worker: leading blocks held}
 
     For routing, ask of ``kvbridge.hit_tokens(prompt_ids, block_size)``, the part of the prompt
-    vLLM can hit, as :meth:`kvbridge.Router.choose` does. A query that gets no reply within ``timeout`` (default ``config.request_timeout_s``) is sent
-    once more (another replica answers it); then :class:`IndexUnavailableError`. An error reply
-    raises :class:`IndexQueryError`.
+    vLLM can hit, as :meth:`kvbridge.Router.choose` does. A query that gets no reply within
+    ``timeout`` (default ``config.request_timeout_s``) is sent once more (another replica answers
+    it); then :class:`IndexUnavailableError`. An error reply raises :class:`IndexQueryError`.
     """
 
     def __init__(
