@@ -53,7 +53,7 @@ def _stop_on_signals(event: asyncio.Event | None = None) -> asyncio.Event:
 
 def _run_to_the_end(coro: Any) -> int:
     """``asyncio.run(coro)``, a SIGTERM unwinding it as Ctrl-C does (cancelled: every ``with``
-    and ``finally`` runs, so a demo's nats-servers and engine threads go with it): 143."""
+    and ``finally`` runs, so a demo's nats-servers and HTTP servers go with it): 143."""
 
     async def main() -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
