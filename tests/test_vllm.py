@@ -578,6 +578,20 @@ async def test_plugin_and_logger_factory_in_one_engine_share_one_relay_per_rank(
     assert plugin._slots[0].running == 0 and coded.stats["record_errors"] == 0
 
 
+async def test_a_second_logger_under_another_model_name_does_not_report_the_engine_twice(monkeypatch, nats_server,
+                                                                                          rank_engines, caplog):  # fmt: skip
+    # The plugin reports the served name; a logger_factory(model=...) in the same engine would put
+    # the same engine's loads under a second model (its events go through the one relay per rank).
+    e0, _ = rank_engines(2)
+    monkeypatch.setenv("KVBRIDGE_SERVERS", nats_server.url)
+    cfg = vllm_config(e0.port, e0.replay_port, served="served-m")
+    plugin = kv_vllm.KvBridgeStatLogger(vllm_config=cfg, engine_indexes=[0, 1])
+    other = kv_vllm.logger_factory(servers=[nats_server.url], model="other-m")(vllm_config=cfg, engine_indexes=[0, 1])
+    assert all(plugin._slots.values()) and list(other._slots.values()) == [None, None]
+    said = [r.getMessage() for r in caplog.records if "already reported on" in r.getMessage()]
+    assert len(said) == 2 and all("load.served-m." in m and "load.other-m." in m for m in said), said
+
+
 def test_watch_load_columns():
     from kvbridge.tools.cli import load_columns
 

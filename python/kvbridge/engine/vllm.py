@@ -12,7 +12,9 @@ engines' load from ``record()``.
   variables (``KVBRIDGE_SERVERS`` at least), since ``--kv-events-config`` rejects extra keys.
 * **Code**: ``AsyncLLM.from_engine_args(..., stat_loggers=[logger_factory(servers=[...])])`` or
   ``LLMEngine.from_engine_args(..., stat_loggers=[...])`` (stats logging on); keyword options
-  win over ``KVBRIDGE_*``. Both routes in one engine share the relays: one per rank, never two.
+  win over ``KVBRIDGE_*``. Both routes in one engine share the relays and the load reports: one
+  per rank, never two (the first logger built names them; a second one under another model or
+  worker name says so in a warning).
 
 What it does, decided once at construction and said in one log line:
 
@@ -261,7 +263,8 @@ class _Runtime:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.relays = RelaySet(log)
-        self.claimed: set[str] = set()  # load subjects with a reporter: one per worker per process
+        # DP rank -> the load subject its reporter publishes on: one reporter per engine per process
+        self.claimed: dict[int, str] = {}
         self.sinks: dict[str, _EventSink] = {}  # by worker events subject
         self.connections: dict[tuple, _LoadConnection] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -508,10 +511,15 @@ class KvBridgeStatLogger(_AggregateBase):
         relay_of = {s.rank: s.endpoint for s in p.relays}
         for idx, e in p.engines.items():
             subject = load_subject(p.config.subject_prefix, p.config.model, e.worker_id)
-            if subject in rt.claimed:  # another kvbridge logger of this process reports this worker
+            owner = rt.claimed.get(e.dp_rank)
+            if owner is not None:  # another kvbridge logger of this process reports this engine
                 self._slots[idx] = None
+                if owner != subject:  # under another name: say which one the stream uses
+                    log.warning("kvbridge: DP rank %d is already reported on %s by another kvbridge logger of this "
+                                "process (the plugin and a logger_factory both attached?): not also on %s",
+                                e.dp_rank, owner, subject)  # fmt: skip
                 continue
-            rt.claimed.add(subject)
+            rt.claimed[e.dp_rank] = subject
             sink = None
             if p.api_rank == 0:
                 key = f"{p.config.model}/{e.worker_id}"
