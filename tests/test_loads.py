@@ -10,9 +10,9 @@ from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE
 
 
 def report(api: int, ts: float, *, running: int = 0, queries: int = 0, hits: int = 0, interval: float = 1.0,
-           steps: int | None = None) -> LoadReport:  # fmt: skip
+           read: float | None = None) -> LoadReport:  # fmt: skip
     return LoadReport(ts=ts, running=running, prefix_cache_queries=queries, prefix_cache_hits=hits,
-                      interval_s=interval, api_rank=api, steps=steps)  # fmt: skip
+                      interval_s=interval, api_rank=api, gauges_ts=read)  # fmt: skip
 
 
 def test_one_api_server_the_latest_report_and_its_age():
@@ -32,23 +32,25 @@ def test_several_api_servers_newest_gauges_counters_added_while_current():
     assert (got.prefix_cache_queries, got.prefix_cache_hits) == (150, 15)  # api 2 is older than 2 intervals
 
 
-def test_an_api_server_the_steps_did_not_reach_does_not_give_the_gauges():
+def test_the_freshest_gauges_win_not_the_newest_report():
     # With --api-server-count 2, the steps' stats went to API server 0 lately: API server 1 still
-    # reports (its URL matters) the gauges of the last step it saw, newer but stale.
+    # reports (its URL matters) the gauges of the last step it saw, in a newer report.
     loads = LoadReports()
-    loads.add(("m", "w"), report(0, 1.0, running=2, queries=30, steps=12), heard=10.0)
-    loads.add(("m", "w"), report(1, 1.5, running=9, queries=0, steps=0), heard=10.5)
+    loads.add(("m", "w"), report(0, 1.0, running=2, queries=30, read=0.9), heard=10.0)
+    loads.add(("m", "w"), report(1, 1.5, running=9, queries=0, read=0.2), heard=10.5)
     (got, age), = loads.latest(now=11.0).values()
-    assert (got.api_rank, got.running, got.ts, age) == (0, 2, 1.0, 0.5)  # API server 0's gauges, its ts
+    assert (got.api_rank, got.running, got.ts, age) == (0, 2, 1.0, 0.5)  # API server 0's gauges; heard 0.5 s ago
     assert got.prefix_cache_queries == 30
-    # No current report had steps (the engine is idle): the newest gauges stand.
-    loads.add(("m", "w"), report(0, 4.0, running=0, steps=0), heard=13.0)
-    loads.add(("m", "w"), report(1, 4.5, running=9, steps=0), heard=13.5)
+    # The engine went idle: both report again, neither had a step; API server 0's last step is
+    # still the latest, so its gauges stand (not the newest report's).
+    loads.add(("m", "w"), report(0, 4.0, running=0, read=0.9), heard=13.0)
+    loads.add(("m", "w"), report(1, 4.5, running=9, read=0.2), heard=13.5)
     (got, _), = loads.latest(now=14.0).values()
-    assert (got.api_rank, got.running) == (1, 9)
-    # A report that does not count steps (None) gives its gauges as before.
+    assert (got.api_rank, got.running) == (0, 0)
+    # A report without gauges_ts (an older producer) read them at its ts.
     loads.add(("m", "w"), report(0, 5.0, running=3), heard=14.0)
-    (got, _), = loads.latest(now=14.2).values()
+    loads.add(("m", "w"), report(1, 5.5, running=9, read=0.2), heard=14.5)
+    (got, _), = loads.latest(now=14.6).values()
     assert (got.api_rank, got.running) == (0, 3)
 
 

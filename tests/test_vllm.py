@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace as NS
 
@@ -298,6 +299,7 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
                                 prefix_cache_stats=PrefixCacheStats(requests=1, queries=100, hits=40))  # fmt: skip
             s1 = SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5,
                                 prefix_cache_stats=PrefixCacheStats(requests=1, queries=32, hits=16))  # fmt: skip
+            recorded_at = time.time()
             logger.record(s0, None, mm_cache_stats=None, engine_idx=0)  # the manager's form
             logger.record(scheduler_stats=s1, iteration_stats=None, mm_cache_stats=None, engine_idx=1)  # keywords
             logger.record(s0, None, engine_idx=0)
@@ -313,8 +315,9 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
     finally:
         await nc.close()
     assert col.total(w0, "prefix_cache_hits") == 80 and col.total(w1, "prefix_cache_queries") == 32
-    # Each step counted once, in the report after it (later reports of an idle engine say 0).
-    assert col.total(w0, "steps") == 2 and col.total(w1, "steps") == 1
+    # The gauges say when they were read: at the steps, before the reports that carry them.
+    last = [r for s, r in col.reports if s.endswith("." + w0)][-1]
+    assert recorded_at <= last.gauges_ts <= last.ts, (recorded_at, last)
     assert logger.stats["record_errors"] == 0 and logger.stats["loads_published"] >= 2
 
 
@@ -590,6 +593,10 @@ async def test_a_second_logger_under_another_model_name_does_not_report_the_engi
     assert all(plugin._slots.values()) and list(other._slots.values()) == [None, None]
     said = [r.getMessage() for r in caplog.records if "already reported on" in r.getMessage()]
     assert len(said) == 2 and all("load.served-m." in m and "load.other-m." in m for m in said), said
+    # Another engine in the same process (its own config), rank 0 too: reported, by its own logger.
+    second = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=vllm_config(publisher="null", served="second-m"),
+                                                               engine_indexes=[0])  # fmt: skip
+    assert second._slots[0] is not None and second._slots[0].subject.startswith("kv.load.second-m.")
 
 
 def test_watch_load_columns():

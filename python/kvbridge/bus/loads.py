@@ -3,12 +3,12 @@
 vLLM may run several API servers for one engine; each step's stats reach one of them, and each
 publishes its own :class:`~kvbridge.wire.events.LoadReport` (``api_rank``). An API server's
 report is current while it is at most two of its own intervals older than the newest (one that
-stopped reporting stops counting). Per worker the gauges (KV-cache usage, running, waiting, and
-``ts``) are those of the newest current report that had steps since its previous one (``steps``
-!= 0: an API server the steps have not reached lately still reports its last step's gauges),
-else the newest's; the prefix-cache counters add up the current reports. No I/O: the subscriber
-hands each report over as it arrives; ``routing.router.ReportLoads`` turns the result into a
-router's load term.
+stopped reporting stops counting). Per worker the combined report is the current one with the
+freshest gauges (KV-cache usage, running, waiting: read last, by ``gauges_ts``; an API server the
+steps have not reached lately still reports its last step's) with the prefix-cache counters of
+all current ones added up; its age is the newest's (how lately the worker was heard). No I/O: the
+subscriber hands each report over as it arrives; ``routing.router.ReportLoads`` turns the result
+into a router's load term.
 """
 
 from __future__ import annotations
@@ -61,13 +61,12 @@ class LoadReports:
         for key, by_api in self._reports.items():
             newest, at = max(by_api.values(), key=lambda r: r[1])
             if len(by_api) > 1:
-                current = [(r, t) for r, t in by_api.values() if at - t <= 2 * r.interval_s]
-                stepped = [(r, t) for r, t in current if r.steps != 0]
-                gauges, _ = max(stepped, key=lambda r: r[1]) if stepped else (newest, at)
+                current = [r for r, t in by_api.values() if at - t <= 2 * r.interval_s]
+                freshest = max(current, key=lambda r: r.ts if r.gauges_ts is None else r.gauges_ts)
                 newest = msgspec.structs.replace(
-                    gauges,
-                    prefix_cache_queries=sum(r.prefix_cache_queries for r, _ in current),
-                    prefix_cache_hits=sum(r.prefix_cache_hits for r, _ in current),
+                    freshest,
+                    prefix_cache_queries=sum(r.prefix_cache_queries for r in current),
+                    prefix_cache_hits=sum(r.prefix_cache_hits for r in current),
                 )
             out[key] = (newest, now - at)
         return out

@@ -263,8 +263,10 @@ class _Runtime:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.relays = RelaySet(log)
-        # DP rank -> the load subject its reporter publishes on: one reporter per engine per process
-        self.claimed: dict[int, str] = {}
+        # (engine config, DP rank) -> the load subject its reporter publishes on: one reporter per
+        # engine rank per process. Keyed by the config object's id (vLLM hands every logger of one
+        # engine the same one), which is held so that the id stays its.
+        self.claimed: dict[tuple[int, int], tuple[Any, str]] = {}
         self.sinks: dict[str, _EventSink] = {}  # by worker events subject
         self.connections: dict[tuple, _LoadConnection] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -375,14 +377,14 @@ class _Slot:
     Counters only grow here; the loop keeps what it reported, so neither side resets the other's."""
 
     __slots__ = ("usage", "running", "waiting", "queries", "hits", "records", "engine", "subject",
-                 "sink", "sent_queries", "sent_hits", "sent_at", "sent_records")  # fmt: skip
+                 "sink", "sent_queries", "sent_hits", "sent_at", "read_at")  # fmt: skip
 
     def __init__(self, engine: _Engine, subject: str, sink: _EventSink | None) -> None:
         self.usage = 0.0
         self.running = self.waiting = self.queries = self.hits = self.records = 0
         self.engine, self.subject, self.sink = engine, subject, sink
-        self.sent_queries = self.sent_hits = self.sent_records = 0
-        self.sent_at = time.time()
+        self.sent_queries = self.sent_hits = 0
+        self.sent_at = self.read_at = time.time()  # read_at: when the gauges were (zeros: at start)
 
 
 # --- block events carried on the stats --------------------------------------------------------------
@@ -511,15 +513,16 @@ class KvBridgeStatLogger(_AggregateBase):
         relay_of = {s.rank: s.endpoint for s in p.relays}
         for idx, e in p.engines.items():
             subject = load_subject(p.config.subject_prefix, p.config.model, e.worker_id)
-            owner = rt.claimed.get(e.dp_rank)
-            if owner is not None:  # another kvbridge logger of this process reports this engine
+            claim = (id(self.vllm_config), e.dp_rank)
+            if claim in rt.claimed:  # another kvbridge logger of this engine reports this rank
                 self._slots[idx] = None
+                owner = rt.claimed[claim][1]
                 if owner != subject:  # under another name: say which one the stream uses
                     log.warning("kvbridge: DP rank %d is already reported on %s by another kvbridge logger of this "
-                                "process (the plugin and a logger_factory both attached?): not also on %s",
+                                "engine (the plugin and a logger_factory both attached?): not also on %s",
                                 e.dp_rank, owner, subject)  # fmt: skip
                 continue
-            rt.claimed[e.dp_rank] = subject
+            rt.claimed[claim] = (self.vllm_config, subject)
             sink = None
             if p.api_rank == 0:
                 key = f"{p.config.model}/{e.worker_id}"
@@ -537,7 +540,8 @@ class KvBridgeStatLogger(_AggregateBase):
         what = (f"relaying DP ranks {[s.rank for s in p.relays]} "
                 f"({', '.join(s.endpoint for s in p.relays)})" if p.relays else f"no relay ({p.no_relay or 'none to run here'})")
         shared = len(p.relays) - len(new)
-        every = f"load reports every {p.config.load_interval_s}s" if p.config.load_interval_s > 0 else "no load reports"
+        every = (f"load reports every {p.config.load_interval_s}s" if reporting and p.config.load_interval_s > 0
+                 else "no load reports" + ("" if reporting else " (another kvbridge logger sends them)"))  # fmt: skip
         log.info("kvbridge: attached to model %s (%s), API server %d: %s%s; %s to NATS %s",
                  p.config.model, workers, p.api_rank, what,
                  f" ({shared} already run by another kvbridge logger)" if shared else "",
@@ -573,6 +577,7 @@ class KvBridgeStatLogger(_AggregateBase):
             slot.queries += queries
             slot.hits += hits
             slot.records += 1
+            slot.read_at = time.time()  # another API server's report may hold fresher gauges
             events = getattr(s, "kv_cache_events", None)
             if events:
                 self._events(slot, events)
@@ -599,6 +604,7 @@ class KvBridgeStatLogger(_AggregateBase):
             slot.queries += _number(pcs, "queries", 0)
             slot.hits += _number(pcs, "hits", 0)
             slot.records += 1
+            slot.read_at = time.time()
             events = getattr(s, "kv_cache_events", None)
             if events:
                 self._events(slot, events)
@@ -643,13 +649,13 @@ class KvBridgeStatLogger(_AggregateBase):
                 if not slot.records and self.plan.url is None:
                     continue  # with a URL an idle engine reports too: a gateway must know it to send it work
                 now = time.time()
-                queries, hits, records = slot.queries, slot.hits, slot.records
+                queries, hits = slot.queries, slot.hits
                 e = slot.engine
                 report = LoadReport(
                     ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
                     prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
                     interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
-                    dp_rank=e.dp_rank, url=self.plan.url, steps=records - slot.sent_records,
+                    dp_rank=e.dp_rank, url=self.plan.url, gauges_ts=slot.read_at,
                 )  # fmt: skip
                 try:
                     await nc.publish(slot.subject, encode_load_report(report, config.encoding), headers=headers)
@@ -657,7 +663,7 @@ class KvBridgeStatLogger(_AggregateBase):
                     self.stats["load_failures"] += 1
                     self._warn.warning("load", "kvbridge: load report not published: %r", exc)
                     continue
-                slot.sent_queries, slot.sent_hits, slot.sent_at, slot.sent_records = queries, hits, now, records
+                slot.sent_queries, slot.sent_hits, slot.sent_at = queries, hits, now
                 self.stats["loads_published"] += 1
 
 

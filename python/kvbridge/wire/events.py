@@ -246,11 +246,11 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     skipped-waiting requests) are gauges, the latest values. ``prefix_cache_queries`` and
     ``prefix_cache_hits`` (tokens) are counters since the previous report of the same API server
     (``api_rank``), over ``interval_s`` seconds: with several API servers each step's stats reach
-    one of them, so a consumer takes the newest gauges and adds the counters. ``dp_rank`` and
-    ``url`` say where a request for this worker goes: ``url``, with vLLM's
-    ``X-data-parallel-rank: <dp_rank>`` header. ``steps``: how many steps' stats reached this API
-    server since its previous report; 0 says its gauges are an earlier step's (the steps went to
-    another API server), so a consumer takes a fresher one's (None: not counted).
+    one of them, so a consumer takes the freshest gauges and adds the counters: ``gauges_ts`` is
+    when the gauges were read (the wall time of the last step whose stats reached this API
+    server; None: at ``ts``), which for an API server the steps have not reached lately is well
+    before ``ts``. ``dp_rank`` and ``url`` say where a request for this worker goes: ``url``, with
+    vLLM's ``X-data-parallel-rank: <dp_rank>`` header.
     """
 
     ts: float
@@ -267,7 +267,7 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     #: gateway (``kvbridge proxy``) to forward requests to; None when unknown. Last, defaulted:
     #: reports without it still decode.
     url: str | None = None
-    steps: int | None = None
+    gauges_ts: float | None = None
 
 
 _load_decoders: dict[str, msgspec.msgpack.Decoder[LoadReport] | msgspec.json.Decoder[LoadReport]] = {
