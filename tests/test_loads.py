@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.bus.loads import LoadReports, parse_load_msg
-from kvbridge.wire.events import DecodeError, LoadReport, encode_load_report
+from kvbridge.wire.events import DecodeError, LoadReport, decode_load_report, encode_load_report
 from kvbridge.wire.subjects import CONTENT_TYPES, HDR_CONTENT_TYPE
 
 
@@ -74,3 +74,16 @@ def test_a_load_message_is_parsed_by_subject_and_content_type(fmt):
         parse_load_msg("kv.load.m.w", {HDR_CONTENT_TYPE: "text/plain"}, encode_load_report(r, fmt), "kv")
     with pytest.raises(DecodeError):
         parse_load_msg("kv.load.m.w", headers, b"\xc1 not a report", "kv")
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_reports_of_older_and_newer_producers_decode(fmt):
+    import msgspec
+
+    enc = msgspec.msgpack.encode if fmt == "msgpack" else msgspec.json.encode
+    # An older producer: no url, no gauges_ts (read as "at ts").
+    old = decode_load_report(enc({"ts": 2.0, "running": 4, "api_rank": 1}), fmt)
+    assert (old.running, old.url, old.gauges_ts) == (4, None, None)
+    # A newer one: a field this version does not know is left out, not an error.
+    new = decode_load_report(enc({"ts": 2.0, "running": 4, "gauges_ts": 1.5, "future_field": [1, 2]}), fmt)
+    assert (new.running, new.gauges_ts) == (4, 1.5)
