@@ -355,6 +355,28 @@ async def test_stats_carrying_kv_cache_events_are_published(nats_server, nats_su
     assert logger.stats["event_batches"] == len(frames)
 
 
+async def test_stats_carried_events_waiting_for_the_relay_go_out_when_it_starts(own_nats_server, rank_engines, frames):
+    # NATS is down when the engine starts: the rank's relay keeps retrying, and the events vLLM
+    # put on the stats wait for it. They go out when it starts, not at the engine's next step.
+    server = own_nats_server
+    await asyncio.to_thread(server.kill)
+    (e0,) = rank_engines(1)
+    cfg = vllm_config(e0.port, e0.replay_port, served="late-m", dp_size=1)
+    logger = kv_vllm.logger_factory(servers=[server.url], heartbeat_s=0)(vllm_config=cfg, engine_indexes=[0])
+    rt = kv_vllm._runtime
+    (spec,) = logger.plan.relays
+    stats = SchedulerStats()
+    stats.kv_cache_events = decode_batch(frames[0][2])
+    logger.record(stats, None, engine_idx=0)
+    sink = rt.sinks[f"late-m/{HOST}-dp0"]
+    await wait_until(lambda: not sink.scheduled, WAIT, "the sink's first drain")
+    assert rt.relays.relay(spec.endpoint) is None and len(sink.pending) == 1  # the fault: no relay yet
+    await asyncio.to_thread(server.start)  # same port
+    await wait_until(lambda: rt.relays.relay(spec.endpoint) is not None, 60, "the relay, once NATS is up")
+    await wait_until(lambda: sink.stats["batches"] == 1, WAIT, "the waiting events published")
+    assert not sink.pending
+
+
 async def test_stats_carried_events_the_view_cannot_read_are_still_published(nats_server, nats_sub):
     # An extra key nested 40 deep: decodable, beyond the native view's reader (32 levels).
     deep: tuple = ("x",)

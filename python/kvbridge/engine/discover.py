@@ -94,10 +94,12 @@ class RelaySet:
     ``add(spec)`` starts one in the background (False if that endpoint already has one),
     ``sync(specs)`` makes the set equal to ``specs``, ``await remove(endpoint)`` stops one,
     ``await close()`` stops all: each forwards what its engine already sent, then closes.
+    ``on_start(endpoint)`` is called on the loop each time a relay has (re)started.
     """
 
-    def __init__(self, logger: logging.Logger | None = None) -> None:
+    def __init__(self, logger: logging.Logger | None = None, *, on_start: Callable[[str], None] | None = None) -> None:
         self.log = logger or log
+        self.on_start = on_start
         self._entries: dict[str, _Entry] = {}
         self._closed = False
         self.stats = {"started": 0, "start_failures": 0, "stopped": 0, "crashed": 0}
@@ -175,6 +177,11 @@ class RelaySet:
                     return
                 entry.relay = relay
                 self.stats["started"] += 1
+                if self.on_start is not None:
+                    try:
+                        self.on_start(spec.endpoint)
+                    except Exception:  # the relay runs on whatever a listener does
+                        self.log.exception("kvbridge: %s: on_start failed", what)
                 try:
                     await relay.wait()
                 except asyncio.CancelledError:

@@ -262,7 +262,7 @@ class _Runtime:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.relays = RelaySet(log)
+        self.relays = RelaySet(log, on_start=self._relay_started)
         # (engine config, DP rank) -> the load subject its reporter publishes on: one reporter per
         # engine rank per process. Keyed by the config object's id (vLLM hands every logger of one
         # engine the same one), which is held so that the id stays its.
@@ -276,6 +276,12 @@ class _Runtime:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+
+    def _relay_started(self, endpoint: str) -> None:  # loop
+        """Stats-carried events that waited for this rank's relay go out now, not at the next step."""
+        for sink in list(self.sinks.values()):
+            if sink.relay_endpoint == endpoint and sink.pending:
+                sink._drain()
 
     def call(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop (from any thread)."""
