@@ -43,15 +43,25 @@ def test_the_freshest_gauges_win_not_the_newest_report():
     assert got.prefix_cache_queries == 30
     # The engine went idle: both report again, neither had a step; API server 0's last step is
     # still the latest, so its gauges stand (not the newest report's).
-    loads.add(("m", "w"), report(0, 4.0, running=0, read=0.9), heard=13.0)
+    loads.add(("m", "w"), report(0, 4.0, running=2, read=0.9), heard=13.0)
     loads.add(("m", "w"), report(1, 4.5, running=9, read=0.2), heard=13.5)
     (got, _), = loads.latest(now=14.0).values()
-    assert (got.api_rank, got.running) == (0, 0)
+    assert (got.api_rank, got.running) == (0, 2)
     # A report without gauges_ts (an older producer) read them at its ts.
     loads.add(("m", "w"), report(0, 5.0, running=3), heard=14.0)
     loads.add(("m", "w"), report(1, 5.5, running=9, read=0.2), heard=14.5)
     (got, _), = loads.latest(now=14.6).values()
     assert (got.api_rank, got.running) == (0, 3)
+
+
+def test_fresh_gauges_of_a_report_no_longer_current_do_not_count():
+    # API server 0 stopped reporting (gone) right after a step: its last report is older than two
+    # of its intervals, so API server 1's gauges stand however old they are.
+    loads = LoadReports()
+    loads.add(("m", "w"), report(0, 1.0, running=2, read=0.99), heard=10.0)
+    loads.add(("m", "w"), report(1, 4.0, running=5, read=0.5), heard=13.0)
+    (got, _), = loads.latest(now=13.1).values()
+    assert (got.api_rank, got.running) == (1, 5)
 
 
 def test_a_forgotten_worker_has_no_load():

@@ -619,6 +619,13 @@ async def test_a_second_logger_under_another_model_name_does_not_report_the_engi
     second = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=vllm_config(publisher="null", served="second-m"),
                                                                engine_indexes=[0])  # fmt: skip
     assert second._slots[0] is not None and second._slots[0].subject.startswith("kv.load.second-m.")
+    # A third engine under the names of the second (same model, same default worker name) would
+    # mix two engines' loads and events on one stream: not reported, and said.
+    third = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=vllm_config(publisher="null", served="second-m"),
+                                                              engine_indexes=[0])  # fmt: skip
+    assert third._slots[0] is None
+    assert any("another engine of this process already reports on kv.load.second-m." in r.getMessage()
+               for r in caplog.records)  # fmt: skip
 
 
 def test_watch_load_columns():

@@ -5,8 +5,9 @@ publishes its own :class:`~kvbridge.wire.events.LoadReport` (``api_rank``). An A
 report is current while it is at most two of its own intervals older than the newest (one that
 stopped reporting stops counting). Per worker the combined report is the current one with the
 freshest gauges (KV-cache usage, running, waiting: read last, by ``gauges_ts``; an API server the
-steps have not reached lately still reports its last step's) with the prefix-cache counters of
-all current ones added up; its age is the newest's (how lately the worker was heard). No I/O: the
+steps have not reached lately still reports its last step's), its other fields that report's
+too (``ts``, ``interval_s``, ``api_rank``), with the prefix-cache counters of all current ones
+added up; its age is the newest's (how lately the worker was heard). No I/O: the
 subscriber hands each report over as it arrives; ``routing.router.ReportLoads`` turns the result
 into a router's load term.
 """

@@ -287,9 +287,9 @@ class KvEventSubscriber(Liveness, Resync):
     @property
     def loads(self) -> dict[tuple[str, str], tuple[LoadReport, float]]:
         """Each ``(model, worker)``'s latest :class:`LoadReport` and its age in seconds. When several
-        API servers report one worker (each sees part of the steps), the gauges are the newest
-        report's and the prefix-cache counters add up each API server's latest report that is at
-        most two of its intervals older than the newest (kvbridge.bus.loads)."""
+        API servers report one worker (each sees part of the steps), the gauges are the freshest
+        (``gauges_ts``) and the prefix-cache counters add up each API server's latest report that
+        is at most two of its intervals older than the newest (kvbridge.bus.loads)."""
         return self._loads.latest()
 
     async def _on_load(self, msg: Any) -> None:

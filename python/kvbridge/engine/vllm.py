@@ -528,6 +528,12 @@ class KvBridgeStatLogger(_AggregateBase):
                                 "engine (the plugin and a logger_factory both attached?): not also on %s",
                                 e.dp_rank, owner, subject)  # fmt: skip
                 continue
+            if any(subject == s for _, s in rt.claimed.values()):  # another engine, the same names
+                self._slots[idx] = None
+                log.warning("kvbridge: another engine of this process already reports on %s (DP rank %d): this "
+                            "one is not reported; give it another model or worker name (worker_id=...)",
+                            subject, e.dp_rank)  # fmt: skip
+                continue
             rt.claimed[claim] = (self.vllm_config, subject)
             sink = None
             if p.api_rank == 0:

@@ -175,8 +175,8 @@ class Router:
     and which are being repaired, and which restarted (see :attr:`stats`); ``model`` picks its
     workers when it follows several models.
 
-    Load (``cost="blocks"``): with ``loads=report_loads(...)`` a worker's load is its newest report's running +
-    waiting plus the requests routed to it after that report's timestamp and still in flight
+    Load (``cost="blocks"``): with ``loads=report_loads(...)`` a worker's load is its freshest report's running +
+    waiting plus the requests routed to it after those gauges were read and still in flight
     (this router's, and its peers' with :class:`kvbridge.routing.sync.RouteSync`); with other
     ``loads`` the number as given; without a number, the requests in flight.
     """
@@ -696,7 +696,7 @@ class ReportLoads:
     workers' ``LoadReport`` s, as a
     :class:`kvbridge.KvEventSubscriber` collects them (``subscriber.loads``): a worker's load is its
     ``running + waiting`` requests, the same unit as the router's in-flight count, and
-    :meth:`as_of` tells the router when the report was taken, so it adds what it routed there
+    :meth:`as_of` tells the router when its gauges were read, so it adds what it routed there
     since. A worker without a report younger than ``max_age_s`` gets None (the router counts its
     requests in flight). ``model``: the model whose workers are routed (needed when the
     subscriber follows several). The reports are read at most every ``refresh_s`` seconds, not
@@ -747,9 +747,11 @@ class ReportLoads:
         return None if found is None else float(found.running + found.waiting)
 
     def as_of(self, worker: str) -> float | None:
-        """The wall-clock time of the report :meth:`__call__` answers from."""
+        """The wall-clock time the gauges :meth:`__call__` answers from were read."""
         found = self._fresh().get(worker)
-        return None if found is None else found.ts
+        if found is None:
+            return None
+        return found.ts if found.gauges_ts is None else found.gauges_ts
 
     def report(self, worker: str) -> Any:
         """The worker's latest :class:`kvbridge.LoadReport` younger than ``max_age_s``, or None

@@ -240,7 +240,7 @@ def decode_batch(payload: bytes | bytearray | memoryview, format: Format = "msgp
 
 
 class LoadReport(msgspec.Struct, kw_only=True, gc=False):
-    """One engine's load as vLLM's scheduler counts it, at ``ts`` (wall clock, seconds).
+    """One engine's load as vLLM's scheduler counts it, reported at ``ts`` (wall clock, seconds).
 
     ``kv_cache_usage`` (0..1), ``running`` and ``waiting`` (vLLM's waiting gauge: waiting plus
     skipped-waiting requests) are gauges, the latest values. ``prefix_cache_queries`` and
@@ -248,8 +248,8 @@ class LoadReport(msgspec.Struct, kw_only=True, gc=False):
     (``api_rank``), over ``interval_s`` seconds: with several API servers each step's stats reach
     one of them, so a consumer takes the freshest gauges and adds the counters: ``gauges_ts`` is
     when the gauges were read (the wall time of the last step whose stats reached this API
-    server; None: at ``ts``), which for an API server the steps have not reached lately is well
-    before ``ts``. ``dp_rank`` and ``url`` say where a request for this worker goes: ``url``, with
+    server, or of its start while none has: zeros; None: at ``ts``), which for an API server the
+    steps have not reached lately is well before ``ts``. ``dp_rank`` and ``url`` say where a request for this worker goes: ``url``, with
     vLLM's ``X-data-parallel-rank: <dp_rank>`` header.
     """
 
