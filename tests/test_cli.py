@@ -263,23 +263,25 @@ def test_demo_on_a_3_node_cluster_converges_and_leaves_nothing_running():
     assert left.stdout == "", left.stdout
 
 
-@pytest.mark.parametrize("http", [False, True], ids=["engines", "http"])
-def test_a_demo_stopped_by_sigterm_takes_its_nats_server_with_it(http):
+@pytest.mark.parametrize("flags", [[], ["--http"], ["--cluster", "3"]], ids=["engines", "http", "cluster"])
+def test_a_demo_stopped_by_sigterm_takes_its_nats_servers_with_it(flags):
     import re
     import signal
     import socket
 
-    # A session of its own: if this test fails, its whole group (its nats-server too) is killed.
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", *(["--http"] if http else [])],
+    # A session of its own: if this test fails, its whole group (its nats-servers too) is killed.
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "demo", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
         lines = []
-        while not (m := re.search(r"nats-server (?:started )?on nats://127\.0\.0\.1:(\d+)", lines[-1] if lines else "")):
+        while not re.search(r"nats-server (?:started )?on nats://", lines[-1] if lines else ""):
             lines.append(proc.stdout.readline())  # type: ignore[union-attr]
             assert lines[-1], "".join(lines)
-        port = int(m.group(1))
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # its server is up
+        ports = [int(p) for p in re.findall(r"nats://127\.0\.0\.1:(\d+)", lines[-1].split(" (watch")[0])]
+        assert len(ports) == (3 if "--cluster" in flags else 1), lines[-1]
+        for port in ports:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()  # its servers are up
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -288,8 +290,9 @@ def test_a_demo_stopped_by_sigterm_takes_its_nats_server_with_it(http):
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
     assert "Traceback" not in rest, rest
-    with pytest.raises(ConnectionRefusedError):  # and went with the demo (not orphaned)
-        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    for port in ports:  # and went with the demo (not orphaned)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_relay_names_its_worker_from_a_dp_rank_template(monkeypatch):
