@@ -375,15 +375,16 @@ class Router:
             tokens, lora_name=lora_name, extra_keys=extra_keys, by_medium=True, remote=self.remote
         )
 
-    def _hit_part(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any) -> tuple[Any, list[int]]:
+    def _hit_part(self, tokens: Sequence[int], lora_name: str | None, extra_keys: Any,
+                  want_keys: bool) -> tuple[Any, list[int] | None]:  # fmt: skip
         """The Python path's ask, as the native core asks a kvbridge.Index: the scores by tier
-        and the block keys of the part of the prompt vLLM can hit
+        and (``want_keys``) the block keys of the part of the prompt vLLM can hit
         (:func:`~kvbridge.routing.work.hit_tokens`)."""
         part = hit_tokens(tokens, self.block_size)
         if extra_keys is not None and len(part) < len(tokens):
             extra_keys = extra_keys[: len(part) // self.block_size]
         scores = self.tier_scores(part, lora_name=lora_name, extra_keys=extra_keys)
-        return scores, self.block_keys(part, lora_name=lora_name, extra_keys=extra_keys)
+        return scores, self.block_keys(part, lora_name=lora_name, extra_keys=extra_keys) if want_keys else None
 
     def _index(self) -> Any:
         if self.index is None:
@@ -405,7 +406,7 @@ class Router:
     ) -> dict[str, float]:
         """``{worker: cost}`` for this prompt (what :meth:`choose` minimises)."""
         if not self._native_index:
-            scores, keys = self._hit_part(tokens, lora_name, extra_keys)
+            scores, keys = self._hit_part(tokens, lora_name, extra_keys, True)
             n = len(tokens)
             with self._lock:
                 return self._decide(None, _as_dict(scores), n // self.block_size, n, keys, None, None, workers, True,
@@ -436,10 +437,10 @@ class Router:
         :class:`NoWorkersError` when there is none."""
         use_keys = self._provisional_on or bool(self.listeners)
         if not self._native_index:
-            scores, keys = self._hit_part(tokens, lora_name, extra_keys)
+            scores, keys = self._hit_part(tokens, lora_name, extra_keys, use_keys)
             n = len(tokens)
-            return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys if use_keys else None,
-                                      num_tokens=n, request_id=request_id)  # fmt: skip
+            return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,
+                                      request_id=request_id)  # fmt: skip
         with self._lock:
             if request_id is not None and request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already in flight")
