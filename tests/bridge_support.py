@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 from kvbridge.bus.subscriber import Update
+from kvbridge.wire.subjects import HDR_SEQ
 
 
 def pool_hashes(manager: Any) -> set:
@@ -151,6 +152,19 @@ def views_match(subscriber: Any, engines: dict) -> bool:
         if view.blocks != expected:
             return False
     return True
+
+
+class Collector:
+    """The raw event messages as `nats sub` shows them."""
+
+    def __init__(self) -> None:
+        self.msgs: list = []
+
+    async def on_msg(self, msg: Any) -> None:
+        self.msgs.append(msg)
+
+    def seqs(self) -> list[int]:
+        return [int(m.headers[HDR_SEQ]) for m in self.msgs]
 
 
 class Recorder:

@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 
 def _vectors_dir() -> Path:
@@ -38,6 +39,23 @@ def nats_server():
 
     with NatsServer(jetstream=True) as server:
         yield server
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def nats_sub(nats_server):
+    """subscribe(subject) -> a Collector of the raw messages on it, over one shared connection."""
+    from bridge_support import Collector, nats_connect
+
+    nc = await nats_connect(nats_server.url)
+
+    async def subscribe(subject: str) -> Collector:
+        c = Collector()
+        await nc.subscribe(subject, cb=c.on_msg)
+        await nc.flush()
+        return c
+
+    yield subscribe
+    await nc.close()
 
 
 @pytest.fixture

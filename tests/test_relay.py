@@ -19,7 +19,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from bridge_support import nats_connect, stop_process, wait_until
+from bridge_support import Collector, nats_connect, stop_process, wait_until
 from hybrid_support import Stream
 from engine_shapes import (
     SglAllBlocksCleared,
@@ -130,34 +130,6 @@ async def zctx():
     for e in engines:
         await e.aclose()
     ctx.term()
-
-
-class Collector:
-    """The raw event messages as `nats sub` shows them."""
-
-    def __init__(self) -> None:
-        self.msgs: list = []
-
-    async def on_msg(self, msg) -> None:
-        self.msgs.append(msg)
-
-    def seqs(self) -> list[int]:
-        return [int(m.headers[HDR_SEQ]) for m in self.msgs]
-
-
-@pytest_asyncio.fixture(loop_scope="function")
-async def nats_sub(nats_server):
-    nc = await nats_connect(nats_server.url)
-    subs = []
-
-    async def subscribe(subject: str) -> Collector:
-        c = Collector()
-        subs.append(await nc.subscribe(subject, cb=c.on_msg))
-        await nc.flush()
-        return c
-
-    yield subscribe
-    await nc.close()
 
 
 def relay_config(server, worker: str, **kw) -> Config:

@@ -35,7 +35,7 @@ from kvbridge import Config, ConfigError, KvEventSubscriber, decode_batch
 from kvbridge.engine.discover import Discovery
 from kvbridge.wire.events import BlockStored, KVEventBatch, LoadReport, decode_load_report
 from kvbridge.wire.subjects import HDR_SEQ, sanitize_token
-from test_relay import WAIT, FakeEngine, nats_sub  # noqa: F401  (nats_sub is a fixture)
+from test_relay import WAIT, FakeEngine
 
 HOST = sanitize_token(socket.gethostname())
 
