@@ -47,6 +47,7 @@ __all__ = [
     "specs_from_sources",
     "start_retrying",
     "worker_name",
+    "worker_template",
 ]
 
 log = logging.getLogger("kvbridge.discover")
@@ -60,6 +61,12 @@ def worker_name(template: str, dp_rank: int, ranks: int = 1) -> str:
     if "{dp_rank}" in template:
         return template.replace("{dp_rank}", str(dp_rank))
     return f"{template}-dp{dp_rank}" if ranks > 1 else template
+
+
+def worker_template(given: str | None, host: str, env: Any = os.environ) -> str:
+    """The template the ranks' worker ids are made from: ``given``, else ``KVBRIDGE_WORKER_ID``,
+    else ``<host>-dp{dp_rank}`` (one name per rank, stable across restarts)."""
+    return given or env.get(ENV_PREFIX + "WORKER_ID") or f"{host}-dp{{dp_rank}}"
 
 
 @dataclass(frozen=True)
@@ -355,7 +362,7 @@ class Discovery:
         self.host = parts.hostname
         self.config = config if model is None else config.replace(model=model)
         self._model_given = model is not None or config.model != Config.__dataclass_fields__["model"].default
-        self.worker = worker or os.environ.get(ENV_PREFIX + "WORKER_ID") or f"{_node_name(self.host)}-dp{{dp_rank}}"
+        self.worker = worker_template(worker, _node_name(self.host))
         self.interval_s = interval_s
         self.relays = RelaySet()
         self._fetch = fetch

@@ -66,7 +66,15 @@ import msgspec
 
 from kvbridge.config import ENV_PREFIX, Config, ConfigError
 from kvbridge.bus.connection import connect
-from kvbridge.engine.discover import RateLimitedLog, RelaySet, RelaySpec, close_quietly, start_retrying, worker_name
+from kvbridge.engine.discover import (
+    RateLimitedLog,
+    RelaySet,
+    RelaySpec,
+    close_quietly,
+    start_retrying,
+    worker_name,
+    worker_template,
+)
 from kvbridge.wire.events import DecodeError, KVEventBatch, LoadReport, decode_batch, encode_load_report
 from kvbridge.bus.publisher import KvEventPublisher
 from kvbridge.metrics import tally
@@ -205,7 +213,7 @@ def plan(vllm_config: Any, engine_indexes: list[int] | None, options: dict[str, 
     model_given = "model" in options or ENV_PREFIX + "MODEL" in env
     extra = {} if model_given else {"model": _served_model(vllm_config) or "default"}
     config = Config.from_env(env, **options, **extra)
-    template = options.get("worker_id") or env.get(ENV_PREFIX + "WORKER_ID") or f"{socket.gethostname()}-dp{{dp_rank}}"
+    template = worker_template(options.get("worker_id"), socket.gethostname(), env)
 
     p = Plan(config=config, api_rank=api_rank, url=advertise_url(env))
     for idx in indexes:
