@@ -442,8 +442,7 @@ class Router:
             return self.choose_scores(scores, n // self.block_size, workers=workers, keys=keys, num_tokens=n,
                                       request_id=request_id)  # fmt: skip
         with self._lock:
-            if request_id is not None and request_id in self._requests:
-                raise ValueError(f"request {request_id!r} is already in flight")
+            self._check_new(request_id)
             if self._simple and workers is None:  # the common case: one call
                 now = self.clock()
                 if self._report_source is not None and abs(now - self._reports_read) >= self._reports_every:
@@ -454,13 +453,8 @@ class Router:
                     raise NoWorkersError(_NO_WORKERS)
             else:
                 made, now = self._decide(tokens, None, 0, 0, None, lora_name, extra_keys, workers, use_keys)
-            worker, leading, ident, keys = made
-            if request_id is not None:
-                self._requests[request_id] = ident
-                self._request_of[ident] = request_id
-        if self.listeners:
-            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
-        return worker, leading
+            self._name_request(made, request_id)
+        return self._routed(made, now)
 
     def choose_scores(
         self,
@@ -482,13 +476,8 @@ class Router:
             self._check_new(request_id)
             made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, None, None, workers,
                                      keys is not None)  # fmt: skip
-            worker, leading, ident, made_keys = made
-            if request_id is not None:
-                self._requests[request_id] = ident
-                self._request_of[ident] = request_id
-        if self.listeners:
-            self._tell(Decision("route", self.replica, ident, worker, now, made_keys or []))
-        return worker, leading
+            self._name_request(made, request_id)
+        return self._routed(made, now)
 
     def _sizes(self, num_blocks: int, num_tokens: int | None) -> int:
         """``num_tokens`` checked against ``num_blocks`` (default: the blocks' tokens)."""
@@ -503,6 +492,19 @@ class Router:
     def _check_new(self, request_id: Hashable | None) -> None:
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in flight")
+
+    def _name_request(self, made: Any, request_id: Hashable | None) -> None:
+        """(Under the lock.) ``request_id`` names decision ``made`` for first_token() and done()."""
+        if request_id is not None:
+            self._requests[request_id] = made[2]
+            self._request_of[made[2]] = request_id
+
+    def _routed(self, made: Any, now: float) -> tuple[str, int]:
+        """(Outside the lock: a listener may be slow.) Tells the listeners; ``(worker, leading)``."""
+        worker, leading, ident, keys = made
+        if self.listeners:
+            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
+        return worker, leading
 
     def _decide(
         self,
