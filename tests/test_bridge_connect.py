@@ -72,6 +72,13 @@ def test_config_from_env_and_keywords():
         ({"request_timeout_s": float("nan")}, {}, "request_timeout_s .*> 0"),
         ({"subject_prefix": "kv..x"}, {}, "subject_prefix"),
         ({"metrics_addr": ""}, {}, "metrics_addr"),
+        ({"stream_max_age_s": float("inf")}, {}, r"stream_max_age_s .*finite number > 0"),
+        ({}, {"KVBRIDGE_CONNECT_TIMEOUT_S": "inf"}, r"connect_timeout_s \(KVBRIDGE_CONNECT_TIMEOUT_S\).*finite"),
+        ({"inbox_prefix": "_INBOX.a\nb"}, {}, "inbox_prefix"),
+        ({"inbox_prefix": 5}, {}, "inbox_prefix"),
+        ({"jetstream": True, "stream_name": 5}, {}, "stream_name"),
+        ({"max_reconnect_attempts": True}, {}, "max_reconnect_attempts .*got True"),
+        ({"dp_rank": True}, {}, "dp_rank .*got True"),
     ],
 )
 def test_config_errors_are_clear(kwargs, env, words):

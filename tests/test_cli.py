@@ -4,6 +4,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -138,6 +139,9 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
         (["demo", "--burst-size", "0"], "argument --burst-size: must be a positive integer"),
         (["demo", "--cluster", "x"], "argument --cluster: must be an integer >= 0, got 'x'"),
         (["relay", "--interval", "-1"], "argument --interval: must be a finite number > 0"),
+        (["proxy", "--model", "m", "--listen", "127.0.0.1:99999"], "argument --listen: expected HOST:PORT with a port of 0-65535"),
+        (["proxy", "--model", "m", "--engine-prefill", "nan,1,2"], "argument --engine-prefill: expected three finite numbers"),
+        (["proxy", "--model", "m", "--engine-decode", "1,inf,2"], "argument --engine-decode: expected three finite numbers"),
     ],
 )
 def test_out_of_range_flags_are_usage_errors_naming_the_flag(argv, words, capsys):
@@ -165,6 +169,33 @@ def test_proxy_on_a_port_in_use_says_so(capsys):
         port = taken.getsockname()[1]
         code = main(["proxy", "--model", "m", "--listen", f"127.0.0.1:{port}", "--servers", "nats://127.0.0.1:1"])
     assert code == 2 and f"--listen 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+def test_proxy_with_a_tokenizer_it_cannot_load_says_which(tmp_path, capsys):
+    from kvbridge.tools.cli import main
+
+    missing, garbage = tmp_path / "missing.json", tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    for path in (missing, garbage):
+        code = main(["proxy", "--model", "m", "--tokenizer", str(path), "--listen", "127.0.0.1:0",
+                     "--servers", "nats://127.0.0.1:1"])  # fmt: skip
+        assert code == 2
+        assert f"tokenizer {str(path)!r}: not a tokenizer.json that tokenizers can load" in capsys.readouterr().err
+
+
+def test_index_on_a_metrics_port_in_use_says_so_and_keeps_nothing(nats_server, capsys):
+    """The exporter is bound once NATS is up; its failure closes what start() opened."""
+    import socket
+
+    from kvbridge.tools.cli import main
+
+    threads = set(threading.enumerate())
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = main(["index", "--metrics-port", str(port), "--servers", nats_server.url])
+    assert code == 2
+    assert f"metrics_port (KVBRIDGE_METRICS_PORT) 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert set(threading.enumerate()) <= threads
 
 
 def test_demo_prefill_ms_per_block_goes_with_http(capsys):

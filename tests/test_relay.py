@@ -673,3 +673,5 @@ async def test_an_endpoint_zmq_refuses_is_named_as_typed_before_anything_starts(
     # A dp rank's offset that cannot be made names the endpoint it was asked of.
     with pytest.raises(ConfigError, match=r"relay replay_endpoint 'ipc:///tmp/kv': a dp rank offsets only"):
         Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:5557", replay_endpoint="ipc:///tmp/kv", dp_rank=1)
+    with pytest.raises(ConfigError, match=r"relay endpoint 'tcp://127.0.0.1:15557': port 15557 \+ dp rank 70000 is past 65535"):
+        Relay(Config(worker_id="w"), endpoint="tcp://127.0.0.1:15557", dp_rank=70000)

@@ -160,9 +160,10 @@ class Config:
                 _fail(name, f"file not found: {path}")
         if self.encoding not in CONTENT_TYPES:
             _fail("encoding", f"must be one of {sorted(CONTENT_TYPES)}, got {self.encoding!r}")
-        value = self.subject_prefix
-        if not isinstance(value, str) or any(c in value for c in " *>\t\r\n") or "" in value.split("."):
-            _fail("subject_prefix", f"{value!r} is not a valid subject prefix (dot-separated tokens, no wildcards)")
+        for name in ("subject_prefix", "inbox_prefix"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or any(c in value for c in " *>\t\r\n") or "" in value.split("."):
+                _fail(name, f"{value!r} is not a valid subject prefix (dot-separated tokens, no wildcards)")
         for name in ("model", "worker_id"):
             value = getattr(self, name)
             if not isinstance(value, str):
@@ -188,14 +189,14 @@ class Config:
                 _fail(name, f"must be a finite number >= 0, got {value!r}")
         for name in ("connect_timeout_s", "request_timeout_s", "stream_max_age_s", "ping_interval_s"):
             value = getattr(self, name)
-            if not _number(value) or not value > 0:
-                _fail(name, f"must be a number > 0, got {value!r}")
-        if not math.isfinite(self.ping_interval_s):
-            _fail("ping_interval_s", f"must be a finite number of seconds > 0, got {self.ping_interval_s!r}")
-        if not isinstance(self.max_reconnect_attempts, int) or self.max_reconnect_attempts < -1:
-            _fail("max_reconnect_attempts", "must be -1 (forever) or a count >= 0")
-        if self.dp_rank is not None and (not isinstance(self.dp_rank, int) or self.dp_rank < 0):
-            _fail("dp_rank", f"must be a non-negative integer, got {self.dp_rank!r}")
+            if not _number(value) or not 0 < value < math.inf:
+                _fail(name, f"must be a finite number > 0, got {value!r}")
+        value = self.max_reconnect_attempts
+        if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+            _fail("max_reconnect_attempts", f"must be -1 (forever) or a count >= 0, got {value!r}")
+        value = self.dp_rank
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            _fail("dp_rank", f"must be a non-negative integer, got {value!r}")
         if not isinstance(self.jetstream, bool):
             _fail("jetstream", f"must be True or False, got {self.jetstream!r}")
         port = self.metrics_port
@@ -203,13 +204,12 @@ class Config:
             _fail("metrics_port", f"must be a TCP port (an int from 0 to 65535) or None, got {port!r}")
         if not isinstance(self.metrics_addr, str) or not self.metrics_addr:
             _fail("metrics_addr", f"must be a host address, got {self.metrics_addr!r}")
-        if not self.inbox_prefix or any(c in self.inbox_prefix for c in "*> \t") or "" in self.inbox_prefix.split("."):
-            _fail("inbox_prefix", f"must be a subject without wildcards or empty tokens, got {self.inbox_prefix!r}")
         if not isinstance(self.stream_replicas, int) or isinstance(self.stream_replicas, bool) or not (
             1 <= self.stream_replicas <= 5
         ):
             _fail("stream_replicas", f"must be an integer from 1 to 5 (JetStream's limit), got {self.stream_replicas!r}")
-        if self.jetstream and not self.stream_name.replace("_", "").replace("-", "").isalnum():
+        name = self.stream_name
+        if self.jetstream and (not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum()):
             _fail("stream_name", f"{self.stream_name!r} is not a valid stream name")
 
     # -- what nats-py needs ---------------------------------------------------------------------

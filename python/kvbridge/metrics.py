@@ -15,6 +15,8 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbridge.config import ConfigError
+
 __all__ = ["INDEX_METRICS", "PUBLISHER_METRICS", "RELAY_METRICS", "SUBSCRIBER_METRICS", "register", "start_exporter"]
 
 # stat key -> (metric name, help, kind)
@@ -181,11 +183,16 @@ def register(role: str, obj: Any) -> None:
 
 
 def start_exporter(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve /metrics on ``addr:port`` once per process (port 0 picks one); returns the port."""
+    """Serve /metrics on ``addr:port`` once per process (port 0 picks one); returns the port.
+    A port that cannot be bound is a :class:`~kvbridge.config.ConfigError` naming it."""
     with _module_lock:
         key = (addr, port)
         if key not in _exporters:
-            server, thread = start_http_server(port, addr=addr)
+            try:
+                server, thread = start_http_server(port, addr=addr)
+            except (OSError, OverflowError) as exc:  # in use, no such address, out of range
+                why = getattr(exc, "strerror", None) or exc
+                raise ConfigError(f"metrics_port (KVBRIDGE_METRICS_PORT) {addr}:{port}: {why}") from None
             _exporters[key] = (server, thread)
         return _exporters[key][0].server_port
 

@@ -101,14 +101,14 @@ class KvEventPublisher(Sender, Answers):
             self._permissions.raise_if_denied(
                 publish=publish_probe, subscribe=(self.subjects.replay, self.subjects.snapshot)
             )
+            if self.config.metrics_port is not None:
+                start_exporter(self.config.metrics_port, self.config.metrics_addr)
         except BaseException:
             if self._js is not None:
                 await self._js.stop()
             await self._nc.close()
             self._nc = self._js = None
             raise
-        if self.config.metrics_port is not None:
-            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         self._sender = asyncio.create_task(self._run_sender(), name=f"kvbridge-sender-{self.config.worker_id}")
         return self
 

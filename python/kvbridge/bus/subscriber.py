@@ -162,6 +162,8 @@ class KvEventSubscriber(Liveness, Resync):
             # A refused subscription is reported asynchronously, ahead of the PONG ending a flush.
             await self._nc.flush()
             self._permissions.raise_if_denied(subscribe=(self.subject,))
+            if self.config.metrics_port is not None:
+                start_exporter(self.config.metrics_port, self.config.metrics_addr)
         except BaseException:
             if self._stream_reader is not None:
                 await self._stream_reader.close()
@@ -169,8 +171,6 @@ class KvEventSubscriber(Liveness, Resync):
             self._nc = None
             raise
         self._expiry = asyncio.create_task(self._expire_loop(), name=f"kvbridge-expiry-{self.subject}")
-        if self.config.metrics_port is not None:
-            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:

@@ -110,6 +110,8 @@ def engine_endpoint(endpoint: str, dp_rank: int | None = None, *, what: str = "r
             raise ConfigError(
                 f"{what} {given!r}: expected tcp://host:port to offset by the dp rank {dp_rank}"
             ) from None
+        if number != 0 and number + dp_rank > 65535:  # vLLM would fail to bind it
+            raise ConfigError(f"{what} {given!r}: port {number} + dp rank {dp_rank} is past 65535")
         return endpoint if number == 0 else f"{base}:{number + dp_rank}"
     raise ConfigError(f"{what} {given!r}: a dp rank offsets only tcp:// ports and inproc:// names")
 

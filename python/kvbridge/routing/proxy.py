@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from kvbridge.bus.connection import AuthenticationError, ConnectError
 from kvbridge.bus.subscriber import KvEventSubscriber
-from kvbridge.config import Config
+from kvbridge.config import Config, ConfigError
 from kvbridge.routing.record import TraceRecorder
 from kvbridge.routing.router import Router, report_loads
 from kvbridge.routing.upstreams import ProxyMetrics, Target, TokenCache, Upstreams, parse_worker
@@ -182,7 +182,7 @@ class KvProxy:
         *,
         model: str,
         host: str = "127.0.0.1",
-        port: int = 8000,
+        port: int = 8080,
         workers: Mapping[str, Target | str] | None = None,
         block_size: int = 16,
         tokenizer: Any = None,
@@ -686,10 +686,14 @@ class KvProxy:
 
 
 def _load_tokenizer(tokenizer: Any) -> Any:
-    if tokenizer is None or not isinstance(tokenizer, str):
+    if tokenizer is None or not isinstance(tokenizer, (str, PathLike)):
         return tokenizer
+    tokenizer = str(tokenizer)
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ImportError("a local tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
-    return Tokenizer.from_file(tokenizer)
+    try:
+        return Tokenizer.from_file(tokenizer)
+    except Exception as exc:  # tokenizers raises a bare Exception, for a missing file too
+        raise ConfigError(f"tokenizer {tokenizer!r}: not a tokenizer.json that tokenizers can load ({exc})") from None

@@ -207,14 +207,14 @@ class IndexService:
             nc = await connect(self.config)
             await nc.subscribe(self.subject, queue=self.queue_group, cb=self._on_query)
             await nc.flush()
+            if self.config.metrics_port is not None:
+                start_exporter(self.config.metrics_port, self.config.metrics_addr)
         except BaseException:  # nothing kept: a second start() tries again
             if nc is not None:
                 await nc.close()
             await self.subscriber.close()
             raise
         self._nc = nc
-        if self.config.metrics_port is not None:
-            start_exporter(self.config.metrics_port, self.config.metrics_addr)
         return self
 
     async def close(self) -> None:

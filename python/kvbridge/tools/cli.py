@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -266,8 +267,8 @@ async def _index(args: argparse.Namespace) -> int:
 
 def _listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port of 0-65535, got {value!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -318,8 +319,8 @@ def _coefficients(value: str) -> tuple[float, float, float]:
         parts = tuple(float(x) for x in value.split(","))
     except ValueError:
         parts = ()
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"expected three numbers C0,C1,C2, got {value!r}")
+    if len(parts) != 3 or not all(math.isfinite(c) for c in parts):
+        raise argparse.ArgumentTypeError(f"expected three finite numbers C0,C1,C2, got {value!r}")
     return parts
 
 
@@ -463,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGINT/SIGTERM.",
     )  # fmt: skip
     x.add_argument("--model", required=True, help="the served model name clients ask for (and the subjects' <model>)")
-    x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8000), metavar="HOST:PORT",
-                   help="where to serve (default 127.0.0.1:8000)")  # fmt: skip
+    x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
+                   help="where to serve (default 127.0.0.1:8080, beside a vLLM server on its 8000)")  # fmt: skip
     x.add_argument("--worker", action="append", default=[], metavar="ID=URL[@RANK]",
                    help="a worker and its API server (repeat); @RANK pins that DP rank with X-data-parallel-rank; "
                    "adds to, and overrides, what load reports say")  # fmt: skip
