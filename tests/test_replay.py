@@ -59,6 +59,8 @@ def test_a_trace_of_token_ids_is_read_as_given():
         (_line(timestamp=0, input_length=-5, output_length=1, hash_ids=[1]), "input_length must be >= 1, got -5"),
         (_line(timestamp=0, input_length=10, output_length=0, hash_ids=[1]), "output_length must be >= 1, got 0"),
         (_line(timestamp=-1, input_length=10, output_length=1, hash_ids=[1]), "timestamp must be >= 0"),
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+         "timestamp must be a finite number of ms, got an integer of 401 digits"),
         (_line(timestamp=0, input_length=600, output_length=1, hash_ids=[1, 2, 3]),
          "3 hash_ids for input_length 600: 2 expected"),
         (_line(timestamp=0, input_length=600, output_length=1, hash_ids=[1]), "1 hash_ids for input_length 600: 2 expected"),
@@ -147,6 +149,19 @@ def test_the_table_names_every_policy_and_the_fleet():
     assert proc.returncode == 0, proc.stderr
     assert "40 requests, 3 workers, arrivals x2" in proc.stdout
     assert "| kv |" in proc.stdout and "| rr |" in proc.stdout and "requests per worker, rr: 14 13 13" in proc.stdout
+
+
+def test_the_table_says_when_a_worker_refused_a_request(tmp_path):
+    """200 prompt tokens + 500 output outgrow a 4 x 64-token pool while decoding: the worker
+    refuses that request; its TTFT is in no figure, and the table says so."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(_line(timestamp=0, input_length=200, output_length=500, hash_ids=[1]) + "\n"
+                    + _line(timestamp=5, input_length=50, output_length=2, hash_ids=[2]) + "\n")  # fmt: skip
+    proc = _replay(str(path), "--policy", "rr", "--workers", "1", "--num-blocks", "4")
+    assert proc.returncode == 0, proc.stderr
+    head, rule, row = proc.stdout[proc.stdout.index("| policy"):].splitlines()[:3]
+    assert dict(zip(head.split("|"), row.split("|")))[" refused "].strip() == "1"
+    assert "rr: 1 of 2 requests not completed (1 refused" in proc.stdout
 
 
 def test_cli_errors_are_clear(tmp_path):

@@ -149,7 +149,8 @@ class Engine:
     when the worker is idle and has work, and :meth:`end_pass` at the time it returned.
 
     Decoding is kept in aggregate, not walked per request per pass: every decoding request gets
-    one token per pass (seats <= 256 never exhaust the budget, and a request mid-prefill is
+    one token per pass (seats never exhaust the budget: ``EngineConfig`` holds ``max_num_seqs <=
+    max_num_batched_tokens``, as vLLM's SchedulerConfig does; and a request mid-prefill is
     always last in running order: nobody is admitted behind it until its prompt is done), so
     a decoder's output count is the engine's pass count (``tick``) minus its ``base``, the
     decoders' context ``S`` is ``sum(L - base) + n * tick``, and the passes at which each

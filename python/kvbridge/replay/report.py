@@ -52,7 +52,7 @@ class Summary:
     e2e_mean: float
     rps: float  # completed / (last completion - first arrival), simulated seconds
     preemptions: int
-    rejected: int  # prompts larger than a worker's whole pool, refused
+    rejected: int  # requests a worker refused (prompt, or prompt and output, larger than its pool): no figures
     prefill_tokens: int  # prompt tokens the fleet computed
     per_worker: list[int] = field(default_factory=list)  # requests routed per worker
     wall_s: float = 0.0
@@ -108,6 +108,7 @@ _COLUMNS = (
     ("e2e_mean", "e2e mean", "{:,.0f}"),
     ("rps", "req/s", "{:.2f}"),
     ("preemptions", "preempt", "{}"),
+    ("rejected", "refused", "{}"),
     ("wall_s", "wall s", "{:.2f}"),
 )
 
@@ -123,4 +124,9 @@ def format_table(summaries: Sequence[Summary]) -> str:
     rows.append("")
     for s in summaries:
         rows.append(f"requests per worker, {s.policy}: {' '.join(map(str, s.per_worker))}")
+    for s in summaries:
+        if s.completed < s.requests:
+            rows.append(f"{s.policy}: {s.requests - s.completed} of {s.requests} requests not completed ({s.rejected} "
+                        f"refused: prompt, or prompt and output, larger than a worker's pool); the figures are the "
+                        f"{s.completed} completed")  # fmt: skip
     return "\n".join(rows)

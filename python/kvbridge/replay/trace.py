@@ -81,7 +81,10 @@ def _timestamp(obj: dict[str, Any], where: str) -> float:
         raise TraceError(f"{where}: timestamp must be a finite number of ms, got {v!r}")
     if v < 0:
         raise TraceError(f"{where}: timestamp must be >= 0, got {v}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int past a float's range
+        raise TraceError(f"{where}: timestamp must be a finite number of ms, got an integer of {len(str(v))} digits") from None
 
 
 def parse_trace(lines: Iterable[str | bytes], *, name: str = "<trace>", trace_block_size: int = MOONCAKE_BLOCK) -> Iterator[Request]:

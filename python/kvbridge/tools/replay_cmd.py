@@ -28,7 +28,7 @@ def add_parser(sub: Any) -> None:
         "worker a vLLM engine model (scheduler, prefix cache, chunked prefill, preemption) timed by NVIDIA Dynamo "
         "1.6.1's polynomial model, the router fed the production signals (KV events as the pool emits them, load "
         "reports, first token, completion). Prints per policy: prefix reuse, TTFT/ITL/e2e in simulated ms, "
-        "requests/s, preemptions, requests per worker, wall time. Deterministic for a --seed. docs/routing.md.",
+        "requests/s, preemptions, requests refused, requests per worker, wall time. Deterministic for a --seed. docs/routing.md.",
     )  # fmt: skip
     r.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s), each replayed on its own")
     r.add_argument("--policy", default="kv,kv-reports,dynamo,rr,random",
