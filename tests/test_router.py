@@ -184,6 +184,12 @@ def test_clear_errors():
         Router(Index(BS), loads=3)
     with pytest.raises(TypeError, match="workers: a worker is a non-empty str"):
         Router(Index(BS), workers=[1])
+    with pytest.raises(TypeError, match="clock must be a callable"):
+        Router(Index(BS), clock=5)
+    from kvbridge.routing.router import ReportLoads
+
+    with pytest.raises(TypeError, match="refresh_s must be a finite number, got 'x'"):
+        ReportLoads(None, refresh_s="x")
     router = Router(Index(BS), workers=["a"], loads={"a": "busy"})
     with pytest.raises(TypeError, match="load of worker 'a' must be a finite number"):
         router.choose(PROMPT)

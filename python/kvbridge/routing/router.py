@@ -236,6 +236,8 @@ class Router:
             raise TypeError(f"engine must be an EngineModel, got {type(engine).__name__}")
         if reports is not None and not callable(reports):
             raise TypeError(f"reports must be a callable worker -> LoadReport | None, got {type(reports).__name__}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable () -> seconds, got {type(clock).__name__}")
         self.cost = cost
         self.backlog_weight = _check_number("backlog_weight", backlog_weight)
         self.engine = EngineModel() if engine is None else engine
@@ -609,8 +611,10 @@ class Router:
 
     def apply_peer(self, decision: Decision) -> None:
         """A peer router's decision (see :class:`kvbridge.routing.sync.RouteSync`): its worker
-        holds the blocks provisionally for what is left of the TTL, and counts in that worker's
-        load until the peer says it is done. This router's own decisions are ignored."""
+        holds the blocks provisionally for what is left of the TTL, and, under ``cost="blocks"``,
+        the request counts in that worker's :meth:`load` until the peer says it is done (the time
+        cost learns a peer's work from LoadReports, not from its decisions). This router's own
+        decisions are ignored."""
         if decision.replica == self.replica:
             return
         key = (decision.replica, decision.id)
@@ -717,6 +721,7 @@ class ReportLoads:
         live: Callable[[], bool] | None = None,
     ) -> None:
         _check_number("max_age_s", max_age_s, positive=True)
+        _check_number("refresh_s", refresh_s)
         if live is not None and not callable(live):
             raise TypeError(f"live must be a callable () -> bool, got {type(live).__name__}")
         self.subscriber = subscriber
