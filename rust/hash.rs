@@ -52,7 +52,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// One chained hash per full block of `tokens`; see kvbridge.hashing for the algorithms.
+/// One chained hash per full block of `tokens`; see kvbridge.wire.hashing for the algorithms.
 /// With `out`, the 64-bit hashes go into that uint64 buffer and the block count is returned.
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size, *, algo = "xxh3", seed = None, parent = None,
