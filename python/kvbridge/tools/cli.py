@@ -132,6 +132,23 @@ def json_line(u: Any, loads: dict) -> str:
     return msgspec.json.encode(line).decode()
 
 
+def _watch_parser(sub: Any) -> None:
+    w = sub.add_parser(
+        "watch", help="print the event stream, per worker, in order, gaps repaired",
+        description="Print each worker's event batches in order, gaps repaired; when the worker publishes load "
+        "reports (the vLLM stat logger does), each line ends with its latest: [kv <KV-cache usage> run <running> "
+        "wait <waiting> hit <prefix-cache hit rate>, <age> ago]. A worker holding blocks in more than one medium or "
+        "KV-cache group (hybrid attention, offloading): each event names its medium/group (GPU/g1) and the line "
+        "shows the blocks held in each: [held: GPU/g0 <n>, GPU/g1 <n>, ...].",
+    )  # fmt: skip
+    w.add_argument("--model", help="only this model (default: all)")
+    w.add_argument("--worker", help="only this worker (default: all)")
+    w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
+    w.add_argument("--count", type=non_negative_int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
+    w.add_argument("--heartbeats", action="store_true", help="also print heartbeats (empty batches idle publishers send)")
+    _connection_args(w)
+
+
 async def _watch(args: argparse.Namespace) -> int:
     from kvbridge.bus.subscriber import KvEventSubscriber
 
@@ -172,6 +189,35 @@ async def _watch(args: argparse.Namespace) -> int:
 
 
 # --- relay -----------------------------------------------------------------------------------------
+
+
+def _relay_parser(sub: Any) -> None:
+    r = sub.add_parser(
+        "relay", help="publish a stock vLLM/SGLang engine's ZMQ KV events on NATS (a sidecar), gaps repaired by replay",
+        description="Subscribe to the engine's ZMQ KV events (vLLM: --kv-events-config '{\"enable_kv_cache_events\": "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\", "
+        "\"topic\": \"kv\"}') and publish every batch, unchanged, on <prefix>.events.<model>.<worker>. "
+        "With --discover, one relay per data-parallel rank that a vLLM API server lists at /kv_event_sources, "
+        "following ranks that appear or go away. Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
+    )  # fmt: skip
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--endpoint", help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (* means this host)")
+    src.add_argument(
+        "--discover", metavar="URL",
+        help="a vLLM API server, http://HOST:PORT: relay every rank its /kv_event_sources lists (* there means HOST); "
+        "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
+    )  # fmt: skip
+    r.add_argument("--interval", type=positive, default=2.0, help="with --discover: seconds between polls (default 2)")
+    r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5567; without it a gap is a loss")
+    r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
+    r.add_argument("--dp-rank", type=non_negative_int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
+    r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL; with --discover, default: the served "
+                   "model name from /v1/models)")
+    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>), "
+                   "{dp_rank} replaced by --dp-rank (0 without it); with --discover a template for every rank "
+                   "(default <HOST>-dp{dp_rank}; this machine's name for a loopback HOST)")  # fmt: skip
+    r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
+    _connection_args(r)
 
 
 async def _discover(args: argparse.Namespace) -> int:
@@ -239,6 +285,31 @@ async def _relay(args: argparse.Namespace) -> int:
 # --- index -----------------------------------------------------------------------------------------
 
 
+def _index_parser(sub: Any) -> None:
+    i = sub.add_parser(
+        "index", help="keep a KV index of a model's workers and answer overlap queries on NATS (replicas share them)",
+        description="Subscribe to <prefix>.events.<model>.*, keep an index of every worker's cached blocks, and "
+        "answer queries on <prefix>.query.<model> in a queue group (run several for load sharing and failover). "
+        "Request: {\"tokens\": [...]} or {\"block_hashes\": [...]}, optionally with \"lora_name\", \"extra_keys\" "
+        "(one entry per block: null or a list), \"medium\", \"remote\" (also credit copies on another node) and "
+        "\"by_medium\" (the reply then adds \"media\": {worker: {medium: leading blocks held there}}, \"\" for a "
+        "medium the engine did not name); JSON, or msgpack with Content-Type: "
+        "application/msgpack. Reply: {\"scores\": {worker: leading blocks held}, \"workers\": N} in the same "
+        "encoding, or {\"error\": \"...\"}. Try: nats req kv.query.MODEL '{\"tokens\": [1, 2, 3]}'. "
+        "Runs until SIGINT/SIGTERM.",
+    )  # fmt: skip
+    i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL; default: default)")
+    i.add_argument("--block-size", type=positive_int, default=16, help="tokens per block, as the engines use (default 16)")
+    i.add_argument(
+        "--key", choices=("tokens", "engine"), default="tokens",
+        help="tokens (default): the index hashes token ids itself, queries send tokens; engine: keyed by the "
+        "engines' own block hashes, queries send block_hashes",
+    )  # fmt: skip
+    i.add_argument("--queue-group", default=QUERY_QUEUE_GROUP, help=f"NATS queue group shared by replicas (default {QUERY_QUEUE_GROUP})")
+    i.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (KVBRIDGE_METRICS_PORT)")
+    _connection_args(i)
+
+
 async def _index(args: argparse.Namespace) -> int:
     from kvbridge.routing.service import IndexService
 
@@ -263,6 +334,63 @@ async def _index(args: argparse.Namespace) -> int:
 
 
 # --- proxy -----------------------------------------------------------------------------------------
+
+
+def _proxy_parser(sub: Any) -> None:
+    x = sub.add_parser(
+        "proxy", help="an OpenAI-compatible gateway that sends each request to the vLLM server caching its prompt",
+        description="Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, streaming or not; GET "
+        "/v1/models, /health, /metrics) and forward each request, unchanged, to the worker predicted to give it "
+        "its first token soonest: the prompt's tokens it does not hold cached, behind the prompt work already sent "
+        "there, timed by an engine model (docs/proxy.md). Workers and their URLs come from the vLLM plugin's load "
+        "reports on NATS (KVBRIDGE_ADVERTISE_URL, or vllm serve's --host/--port) and from --worker. Runs until "
+        "SIGINT/SIGTERM.",
+    )  # fmt: skip
+    x.add_argument("--model", required=True, help="the served model name clients ask for (and the subjects' <model>)")
+    x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
+                   help="where to serve (default 127.0.0.1:8080, beside a vLLM server on its 8000)")  # fmt: skip
+    x.add_argument("--worker", action="append", default=[], metavar="ID=URL[@RANK]",
+                   help="a worker and its API server (repeat); @RANK pins that DP rank with X-data-parallel-rank; "
+                   "adds to, and overrides, what load reports say")  # fmt: skip
+    x.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block, as the engines use (default 16)")
+    x.add_argument("--tokenizer", metavar="PATH", help="a tokenizers JSON file (tokenizer.json) to tokenize completions' "
+                   "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
+    x.add_argument("--index-service", action="store_true",
+                   help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process "
+                   "(they must run --key tokens, the default, with the proxy's --block-size)")  # fmt: skip
+    x.add_argument("--policy", choices=("kv", "rr", "random"), default="kv",
+                   help="kv (default): the KV-aware router; rr: round robin; random: a seeded random pick (to "
+                   "compare, or to --record traffic as a blind policy sees it)")  # fmt: skip
+    x.add_argument("--seed", type=int, help="seed of the router's tie-breaks and of --policy random (default: random)")
+    x.add_argument("--record", metavar="FILE", help="append each routed request to FILE as a Mooncake trace line "
+                   "(arrival ms, input and output tokens, the prompt's 512-token block hashes; no text) for "
+                   "`kvbridge replay`")  # fmt: skip
+    x.add_argument("--overlap-weight", type=non_negative, default=1.0, help="weight of the prompt's own uncached tokens "
+                   "against the prompt work queued ahead of it on a worker (default 1)")  # fmt: skip
+    e = x.add_argument_group("engine model: how the router times a worker's work (default: Dynamo 1.6.1's replay "
+                             "model of a vLLM engine; docs/proxy.md)")  # fmt: skip
+    from kvbridge.routing.work import EngineModel
+
+    model = EngineModel()
+    e.add_argument("--engine-prefill", type=_coefficients, metavar="C0,C1,C2",
+                   help="a pass's prefill ms for T new prompt tokens: C0 + C1 T + C2 T^2 (default "
+                   f"{','.join(map(str, model.prefill))})")  # fmt: skip
+    e.add_argument("--engine-decode", type=_coefficients, metavar="D0,D1,D2",
+                   help="a decode step's ms at KV-cache use u in [0, 1]: D0 + D1 u + D2 u^2 (default "
+                   f"{','.join(map(str, model.decode))})")  # fmt: skip
+    e.add_argument("--engine-max-batched-tokens", type=positive_int, metavar="N",
+                   help=f"prompt tokens per pass, vLLM's max_num_batched_tokens (default {model.max_num_batched_tokens})")
+    e.add_argument("--engine-kv-tokens", type=non_negative_int, metavar="N",
+                   help=f"tokens of KV cache per worker (default {model.kv_capacity_tokens}; 0: unknown, KV-cache use "
+                   "does not slow the decode step)")  # fmt: skip
+    x.add_argument("--max-body-bytes", type=positive_int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
+    x.add_argument("--connect-timeout", type=positive, default=5.0, help="seconds to connect to a worker (default 5)")
+    x.add_argument("--read-timeout", type=positive, default=600.0,
+                   help="seconds a worker may stay silent, prefill included (default 600)")
+    x.add_argument("--tokenize-timeout", type=positive, default=5.0, help="seconds for a /tokenize answer or an index-service query (default 5)")
+    x.add_argument("--down-s", type=non_negative, default=5.0, help="seconds a failed worker is left out (default 5)")
+    x.add_argument("--tokenize-cache", type=non_negative_int, default=4096, help="prompts whose token ids are kept (default 4096)")
+    _connection_args(x)
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -335,84 +463,10 @@ def _engine_model(args: argparse.Namespace) -> Any:
     return EngineModel(**given) if given else None
 
 
-# --- entry point -----------------------------------------------------------------------------------
+# --- demo ------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvbridge",
-        description="Watch the KV-cache event stream on NATS, relay a stock vLLM/SGLang engine's ZMQ KV events to "
-        "NATS, serve overlap queries from a KV index, run a KV-aware OpenAI-compatible gateway (proxy), compare "
-        "routing policies by time on a request trace (replay), print least-privilege NATS users (auth-config), or "
-        "run the end-to-end demo.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    w = sub.add_parser(
-        "watch", help="print the event stream, per worker, in order, gaps repaired",
-        description="Print each worker's event batches in order, gaps repaired; when the worker publishes load "
-        "reports (the vLLM stat logger does), each line ends with its latest: [kv <KV-cache usage> run <running> "
-        "wait <waiting> hit <prefix-cache hit rate>, <age> ago]. A worker holding blocks in more than one medium or "
-        "KV-cache group (hybrid attention, offloading): each event names its medium/group (GPU/g1) and the line "
-        "shows the blocks held in each: [held: GPU/g0 <n>, GPU/g1 <n>, ...].",
-    )  # fmt: skip
-    w.add_argument("--model", help="only this model (default: all)")
-    w.add_argument("--worker", help="only this worker (default: all)")
-    w.add_argument("--json", action="store_true", help="one JSON object per batch instead of a summary line")
-    w.add_argument("--count", type=non_negative_int, default=0, help="stop after this many updates (default: run until Ctrl-C)")
-    w.add_argument("--heartbeats", action="store_true", help="also print heartbeats (empty batches idle publishers send)")
-    _connection_args(w)
-
-    r = sub.add_parser(
-        "relay", help="publish a stock vLLM/SGLang engine's ZMQ KV events on NATS (a sidecar), gaps repaired by replay",
-        description="Subscribe to the engine's ZMQ KV events (vLLM: --kv-events-config '{\"enable_kv_cache_events\": "
-        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\", "
-        "\"topic\": \"kv\"}') and publish every batch, unchanged, on <prefix>.events.<model>.<worker>. "
-        "With --discover, one relay per data-parallel rank that a vLLM API server lists at /kv_event_sources, "
-        "following ranks that appear or go away. Runs until SIGINT/SIGTERM, then forwards what has arrived and exits.",
-    )  # fmt: skip
-    src = r.add_mutually_exclusive_group(required=True)
-    src.add_argument("--endpoint", help="the engine's ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557 (* means this host)")
-    src.add_argument(
-        "--discover", metavar="URL",
-        help="a vLLM API server, http://HOST:PORT: relay every rank its /kv_event_sources lists (* there means HOST); "
-        "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
-    )  # fmt: skip
-    r.add_argument("--interval", type=positive, default=2.0, help="with --discover: seconds between polls (default 2)")
-    r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5567; without it a gap is a loss")
-    r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
-    r.add_argument("--dp-rank", type=non_negative_int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
-    r.add_argument("--model", help="the subject's <model> token (KVBRIDGE_MODEL; with --discover, default: the served "
-                   "model name from /v1/models)")
-    r.add_argument("--worker", help="the subject's <worker> token (KVBRIDGE_WORKER_ID, default <host>-<pid>), "
-                   "{dp_rank} replaced by --dp-rank (0 without it); with --discover a template for every rank "
-                   "(default <HOST>-dp{dp_rank}; this machine's name for a loopback HOST)")  # fmt: skip
-    r.add_argument("--encoding", choices=("msgpack", "json"), help="wire encoding (KVBRIDGE_ENCODING, default msgpack: the engine's bytes)")
-    _connection_args(r)
-
-    i = sub.add_parser(
-        "index", help="keep a KV index of a model's workers and answer overlap queries on NATS (replicas share them)",
-        description="Subscribe to <prefix>.events.<model>.*, keep an index of every worker's cached blocks, and "
-        "answer queries on <prefix>.query.<model> in a queue group (run several for load sharing and failover). "
-        "Request: {\"tokens\": [...]} or {\"block_hashes\": [...]}, optionally with \"lora_name\", \"extra_keys\" "
-        "(one entry per block: null or a list), \"medium\", \"remote\" (also credit copies on another node) and "
-        "\"by_medium\" (the reply then adds \"media\": {worker: {medium: leading blocks held there}}, \"\" for a "
-        "medium the engine did not name); JSON, or msgpack with Content-Type: "
-        "application/msgpack. Reply: {\"scores\": {worker: leading blocks held}, \"workers\": N} in the same "
-        "encoding, or {\"error\": \"...\"}. Try: nats req kv.query.MODEL '{\"tokens\": [1, 2, 3]}'. "
-        "Runs until SIGINT/SIGTERM.",
-    )  # fmt: skip
-    i.add_argument("--model", help="the model whose workers to index (KVBRIDGE_MODEL; default: default)")
-    i.add_argument("--block-size", type=positive_int, default=16, help="tokens per block, as the engines use (default 16)")
-    i.add_argument(
-        "--key", choices=("tokens", "engine"), default="tokens",
-        help="tokens (default): the index hashes token ids itself, queries send tokens; engine: keyed by the "
-        "engines' own block hashes, queries send block_hashes",
-    )  # fmt: skip
-    i.add_argument("--queue-group", default=QUERY_QUEUE_GROUP, help=f"NATS queue group shared by replicas (default {QUERY_QUEUE_GROUP})")
-    i.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (KVBRIDGE_METRICS_PORT)")
-    _connection_args(i)
-
+def _demo_parser(sub: Any) -> None:
     d = sub.add_parser(
         "demo", help="start a local nats-server and simulated workers; compare KV-aware, round-robin and random routing "
         "by time to first token; kill the broker mid-run",
@@ -454,60 +508,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--cluster", type=non_negative_int, default=0, metavar="N",
                    help="run on an N-node NATS cluster (every client gets every URL); the node holding the "
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
-    x = sub.add_parser(
-        "proxy", help="an OpenAI-compatible gateway that sends each request to the vLLM server caching its prompt",
-        description="Serve the OpenAI API (POST /v1/completions, /v1/chat/completions, streaming or not; GET "
-        "/v1/models, /health, /metrics) and forward each request, unchanged, to the worker predicted to give it "
-        "its first token soonest: the prompt's tokens it does not hold cached, behind the prompt work already sent "
-        "there, timed by an engine model (docs/proxy.md). Workers and their URLs come from the vLLM plugin's load "
-        "reports on NATS (KVBRIDGE_ADVERTISE_URL, or vllm serve's --host/--port) and from --worker. Runs until "
-        "SIGINT/SIGTERM.",
-    )  # fmt: skip
-    x.add_argument("--model", required=True, help="the served model name clients ask for (and the subjects' <model>)")
-    x.add_argument("--listen", type=_listen, default=("127.0.0.1", 8080), metavar="HOST:PORT",
-                   help="where to serve (default 127.0.0.1:8080, beside a vLLM server on its 8000)")  # fmt: skip
-    x.add_argument("--worker", action="append", default=[], metavar="ID=URL[@RANK]",
-                   help="a worker and its API server (repeat); @RANK pins that DP rank with X-data-parallel-rank; "
-                   "adds to, and overrides, what load reports say")  # fmt: skip
-    x.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block, as the engines use (default 16)")
-    x.add_argument("--tokenizer", metavar="PATH", help="a tokenizers JSON file (tokenizer.json) to tokenize completions' "
-                   "prompts locally; default (and always for chat): the engines' POST /tokenize, cached")  # fmt: skip
-    x.add_argument("--index-service", action="store_true",
-                   help="ask `kvbridge index` replicas for overlap scores instead of keeping an index in-process "
-                   "(they must run --key tokens, the default, with the proxy's --block-size)")  # fmt: skip
-    x.add_argument("--policy", choices=("kv", "rr", "random"), default="kv",
-                   help="kv (default): the KV-aware router; rr: round robin; random: a seeded random pick (to "
-                   "compare, or to --record traffic as a blind policy sees it)")  # fmt: skip
-    x.add_argument("--seed", type=int, help="seed of the router's tie-breaks and of --policy random (default: random)")
-    x.add_argument("--record", metavar="FILE", help="append each routed request to FILE as a Mooncake trace line "
-                   "(arrival ms, input and output tokens, the prompt's 512-token block hashes; no text) for "
-                   "`kvbridge replay`")  # fmt: skip
-    x.add_argument("--overlap-weight", type=non_negative, default=1.0, help="weight of the prompt's own uncached tokens "
-                   "against the prompt work queued ahead of it on a worker (default 1)")  # fmt: skip
-    e = x.add_argument_group("engine model: how the router times a worker's work (default: Dynamo 1.6.1's replay "
-                             "model of a vLLM engine; docs/proxy.md)")  # fmt: skip
-    e.add_argument("--engine-prefill", type=_coefficients, metavar="C0,C1,C2",
-                   help="a pass's prefill ms for T new prompt tokens: C0 + C1 T + C2 T^2 (default "
-                   "16.50142,0.01518344,4.209989e-07)")  # fmt: skip
-    e.add_argument("--engine-decode", type=_coefficients, metavar="D0,D1,D2",
-                   help="a decode step's ms at KV-cache use u in [0, 1]: D0 + D1 u + D2 u^2 (default 5.74,54.01,-25.74)")
-    e.add_argument("--engine-max-batched-tokens", type=positive_int, metavar="N",
-                   help="prompt tokens per pass, vLLM's max_num_batched_tokens (default 8192)")
-    e.add_argument("--engine-kv-tokens", type=non_negative_int, metavar="N",
-                   help="tokens of KV cache per worker (default 1048576; 0: unknown, KV-cache use does not slow the decode step)")
-    x.add_argument("--max-body-bytes", type=positive_int, default=16 << 20, help="larger requests get 413 (default 16 MiB)")
-    x.add_argument("--connect-timeout", type=positive, default=5.0, help="seconds to connect to a worker (default 5)")
-    x.add_argument("--read-timeout", type=positive, default=600.0,
-                   help="seconds a worker may stay silent, prefill included (default 600)")
-    x.add_argument("--tokenize-timeout", type=positive, default=5.0, help="seconds for a /tokenize answer or an index-service query (default 5)")
-    x.add_argument("--down-s", type=non_negative, default=5.0, help="seconds a failed worker is left out (default 5)")
-    x.add_argument("--tokenize-cache", type=non_negative_int, default=4096, help="prompts whose token ids are kept (default 4096)")
-    _connection_args(x)
 
-    from kvbridge.tools import replay_cmd
 
-    replay_cmd.add_parser(sub)
+def _demo(args: argparse.Namespace) -> int:
+    if args.num_blocks is None:
+        args.num_blocks = 2048 if args.http else 16384
+    if args.prefill_ms_per_block is None:
+        args.prefill_ms_per_block = 2.0
+    elif not args.http:
+        print("kvbridge demo: --prefill-ms-per-block goes with --http (the simulated engines are timed by "
+              "the replay's engine model)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.http:
+        from kvbridge.tools.demo_http import run_http_demo
 
+        return _run_to_the_end(run_http_demo(args))
+    from kvbridge.tools.demo import run_demo
+
+    return _run_to_the_end(run_demo(args))
+
+
+# --- auth-config -----------------------------------------------------------------------------------
+
+
+def _auth_parser(sub: Any) -> None:
     a = sub.add_parser(
         "auth-config",
         help="print a least-privilege nats-server authorization block for one model's workers and routers",
@@ -522,7 +546,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--stream-name", default="KV_EVENTS", help="JetStream stream name (default KV_EVENTS)")
     a.add_argument("--password-env", metavar="VAR", help="write passwords as $VAR_<USER>, read by nats-server from "
                    "its environment, instead of generating random ones")  # fmt: skip
-    return parser
 
 
 def _auth_config(args: argparse.Namespace) -> int:
@@ -539,38 +562,38 @@ def _auth_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- entry point -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="Watch the KV-cache event stream on NATS, relay a stock vLLM/SGLang engine's ZMQ KV events to "
+        "NATS, serve overlap queries from a KV index, run a KV-aware OpenAI-compatible gateway (proxy), compare "
+        "routing policies by time on a request trace (replay), print least-privilege NATS users (auth-config), or "
+        "run the end-to-end demo.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_watch_parser, _relay_parser, _index_parser, _demo_parser, _proxy_parser):
+        add(sub)
+    from kvbridge.tools import replay_cmd
+
+    replay_cmd.add_parser(sub)
+    _auth_parser(sub)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "watch":
-            return asyncio.run(_watch(args))
-        if args.command == "relay":
-            return asyncio.run(_relay(args))
-        if args.command == "index":
-            return asyncio.run(_index(args))
-        if args.command == "auth-config":
-            return _auth_config(args)
         if args.command == "replay":
             from kvbridge.tools import replay_cmd
 
             return replay_cmd.run(args)
-        if args.command == "proxy":
-            return asyncio.run(_proxy(args))
-        if args.num_blocks is None:
-            args.num_blocks = 2048 if args.http else 16384
-        if args.prefill_ms_per_block is None:
-            args.prefill_ms_per_block = 2.0
-        elif not args.http:
-            print("kvbridge demo: --prefill-ms-per-block goes with --http (the simulated engines are timed by "
-                  "the replay's engine model)", file=sys.stderr)  # fmt: skip
-            return 2
-        if args.http:
-            from kvbridge.tools.demo_http import run_http_demo
-
-            return _run_to_the_end(run_http_demo(args))
-        from kvbridge.tools.demo import run_demo
-
-        return _run_to_the_end(run_demo(args))
+        run = {"watch": _watch, "relay": _relay, "index": _index, "proxy": _proxy}.get(args.command)
+        if run is not None:
+            return asyncio.run(run(args))
+        return _auth_config(args) if args.command == "auth-config" else _demo(args)
     except ConfigError as exc:
         print(f"kvbridge: configuration error: {exc}", file=sys.stderr)
         return 2
