@@ -449,7 +449,11 @@ impl RouterCore {
         time_costs(
             &self.engine,
             &cands,
-            |i, rate| slots[order[i] as usize].work.queued(now, rate),
+            |i, step| {
+                slots[order[i] as usize]
+                    .work
+                    .queued(now, &self.engine, step)
+            },
             num_tokens,
             self.block_size,
             self.overlap_weight,
@@ -473,7 +477,6 @@ impl RouterCore {
     ) -> PyResult<u64> {
         let id = self.next_id;
         self.next_id += 1;
-        let rate = self.engine.routing_rate();
         let flight = Flight {
             id,
             prompt: num_tokens,
@@ -481,7 +484,7 @@ impl RouterCore {
             sent: now,
             first_token: None,
         };
-        self.slots[s as usize].work.add(flight, now, rate);
+        self.slots[s as usize].work.add(flight, now, &self.engine);
         if use_keys && !self.keys.is_empty() {
             let prov = self.provisional.clone_ref(py);
             let mut prov = prov.bind(py).borrow_mut();

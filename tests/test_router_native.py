@@ -1,6 +1,6 @@
 """The router's native core (rust/route.rs) against a plain model of the time cost written from
 routing/work.py's module doc with :class:`EngineModel`'s formulas: every worker's requests in
-flight, its queued prompt work (drained at the engine's speed, reset by first tokens), its decode
+flight, its queued prompt work (drained as the engine computes it, reset by first tokens), its decode
 step, the hit capped as vLLM caps it; and provisional residency read from where a worker's own
 hit ends."""
 
@@ -39,10 +39,14 @@ class Worker:
     queued: float = 0.0
     anchor: float = 0.0
 
-    def drained(self, now: float, rate: float) -> float:
+    def drained(self, now: float, step: float) -> float:
+        """Past a pass's worth at the full passes' speed; within one pass, over its whole time."""
         q = self.queued
         if q > 0 and now > self.anchor:
-            q = max(0.0, q - (now - self.anchor) * rate)
+            if q > ENGINE.max_num_batched_tokens:
+                q = max(0.0, q - (now - self.anchor) * (ENGINE.tokens_per_ms(step) * 1000.0))
+            else:
+                q = max(0.0, q * (1.0 - (now - self.anchor) * 1000.0 / ENGINE.prompt_ms(q, step)))
         return q
 
     def requeue(self, now: float) -> None:
@@ -70,7 +74,7 @@ def model_costs(
         if rep is not None and rep.running:
             decoding = max(decoding, rep.kv_cache_usage * ENGINE.kv_capacity_tokens)
         step = ENGINE.decode_ms(decoding) if decoding else 0.0
-        queued = work.drained(now, ENGINE.tokens_per_ms(step) * 1000.0) if work.flights else 0.0
+        queued = work.drained(now, step) if work.flights else 0.0
         rows[w] = (todo, queued, step)
     weight = 1.0
     if not idle:
@@ -111,8 +115,7 @@ def test_the_core_weighs_and_keeps_what_the_model_does(ops, stored):
             worker, hit = router.choose(prompt, request_id=rid)
             assert costs[worker] == min(costs.values()) and hit == held.get(worker, 0)
             work = fleet[worker]
-            rate = ENGINE.tokens_per_ms(ENGINE.decode_ms(0.0)) * 1000.0
-            work.queued, work.anchor = work.drained(clock.t, rate) + expected[worker][1], clock.t
+            work.queued, work.anchor = work.drained(clock.t, ENGINE.decode_ms(0.0)) + expected[worker][1], clock.t
             work.flights[rid] = Sent(len(prompt), expected[worker][1])
             where[rid] = worker
         elif kind in ("first", "done") and where:

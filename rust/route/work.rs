@@ -64,10 +64,10 @@ impl Engine {
         self.budget / (self.full_pass_ms + step)
     }
 
-    /// Prompt tokens per second a worker drains while it is sent more (the decode step of an
-    /// idle batch: what the router knows at a routing).
-    pub fn routing_rate(&self) -> f64 {
-        self.tokens_per_ms(self.decode_ms(0.0)) * 1000.0
+    /// The decode step a worker's queue drains with while it is sent more (an idle batch's:
+    /// what the router knows at a routing).
+    pub fn routing_step(&self) -> f64 {
+        self.decode_ms(0.0)
     }
 }
 
@@ -95,12 +95,19 @@ pub struct Work {
 }
 
 impl Work {
-    /// Prompt tokens still to compute before a prompt routed at `now` (`rate` tokens per
-    /// second drained since the last event).
-    pub fn queued(&self, now: f64, rate: f64) -> f64 {
+    /// Prompt tokens still to compute before a prompt routed at `now`, the queue drained since
+    /// the last event as the engine computes it, each pass taking a decode step of `step` ms:
+    /// past a pass's worth, at the full passes' speed; within one pass, over that pass's whole
+    /// time, its fixed cost included (at the full passes' speed, a short queue would be done
+    /// well before its pass ends, and its worker taken for idle while it is still busy).
+    pub fn queued(&self, now: f64, engine: &Engine, step: f64) -> f64 {
         let mut q = self.queued;
         if q > 0.0 && now > self.anchor {
-            q -= (now - self.anchor) * rate;
+            if q > engine.budget {
+                q -= (now - self.anchor) * (engine.tokens_per_ms(step) * 1000.0);
+            } else {
+                q *= 1.0 - (now - self.anchor) * 1000.0 / engine.prompt_ms(q, step);
+            }
             if q < 0.0 {
                 q = 0.0;
             }
@@ -108,8 +115,8 @@ impl Work {
         q
     }
 
-    pub fn add(&mut self, flight: Flight, now: f64, rate: f64) {
-        self.queued = self.queued(now, rate) + flight.uncached;
+    pub fn add(&mut self, flight: Flight, now: f64, engine: &Engine) {
+        self.queued = self.queued(now, engine, engine.routing_step()) + flight.uncached;
         self.anchor = now;
         self.flights.push_back(flight);
     }
@@ -192,8 +199,8 @@ pub struct Cost {
     pub idle: bool,
 }
 
-/// Per candidate (in order) its [`Cost`] for a prompt of `num_tokens`; `queued(i, rate)` reads
-/// candidate i's queued work.
+/// Per candidate (in order) its [`Cost`] for a prompt of `num_tokens`; `queued(i, step)` reads
+/// candidate i's queued work, drained with decode steps of `step` ms.
 #[allow(clippy::too_many_arguments)]
 pub fn time_costs(
     engine: &Engine,
@@ -238,11 +245,7 @@ pub fn time_costs(
             last_step = (decoding, engine.decode_ms(decoding));
             last_step.1
         };
-        let q = if c.busy {
-            queued(i, engine.tokens_per_ms(step) * 1000.0)
-        } else {
-            0.0
-        };
+        let q = if c.busy { queued(i, step) } else { 0.0 };
         backlog = backlog.min(q);
         rows.push((todo, q, step));
     }
@@ -293,7 +296,7 @@ mod tests {
     #[test]
     fn a_first_token_resets_the_queue_to_the_prompts_still_waiting() {
         let mut w = Work::default();
-        let rate = dynamo().routing_rate();
+        let e = dynamo();
         for id in 0..3 {
             w.add(
                 Flight {
@@ -304,19 +307,51 @@ mod tests {
                     first_token: None,
                 },
                 0.0,
-                rate,
+                &e,
             );
         }
-        assert_eq!(w.queued(0.0, rate), 1500.0);
+        assert_eq!(w.queued(0.0, &e, 0.0), 1500.0);
         assert!(w.first_token(Some(1), 0.01));
-        assert_eq!(w.queued(0.01, rate), 1000.0);
+        assert_eq!(w.queued(0.01, &e, 0.0), 1000.0);
         assert_eq!(w.decoding, 1000);
         assert!(!w.first_token(Some(1), 0.02));
         assert_eq!(w.done(Some(1), 0.02).map(|f| f.id), Some(1));
         assert_eq!(w.decoding, 0);
         assert!(w.done(None, 0.03).is_some());
         assert!(w.done(None, 0.03).is_some());
-        assert!(w.flights.is_empty() && w.queued(1.0, rate) == 0.0);
+        assert!(w.flights.is_empty() && w.queued(1.0, &e, 0.0) == 0.0);
+    }
+
+    #[test]
+    fn a_queue_within_one_pass_drains_over_the_pass_its_fixed_cost_included() {
+        let e = dynamo();
+        let mut w = Work::default();
+        let flight = Flight {
+            id: 0,
+            prompt: 654,
+            uncached: 654.0,
+            sent: 0.0,
+            first_token: None,
+        };
+        w.add(flight, 0.0, &e);
+        let pass_ms = e.prompt_ms(654.0, 0.0); // ~26.6 ms, 16.5 of them fixed
+        let half = w.queued(pass_ms / 2000.0, &e, 0.0);
+        assert!((half - 327.0).abs() < 1e-9, "{half}");
+        // at the full passes' speed it would be gone in ~13.5 ms, half the pass
+        assert!(654.0 / e.tokens_per_ms(0.0) < pass_ms / 2.0 + 0.5);
+        assert_eq!(w.queued(pass_ms / 1000.0, &e, 0.0), 0.0);
+        // past a pass's worth the full passes' speed holds
+        w.add(
+            Flight {
+                id: 1,
+                uncached: 20000.0,
+                ..flight
+            },
+            0.0,
+            &e,
+        );
+        let rate = e.tokens_per_ms(0.0) * 1000.0;
+        assert_eq!(w.queued(0.1, &e, 0.0), 20654.0 - 0.1 * rate);
     }
 
     #[test]

@@ -7,8 +7,8 @@ The default cost (``cost="time"``) is a predicted time to first token in ms
 
 ``uncached(w)``: the prompt's tokens ``w`` does not hold, its hit counted as vLLM counts it
 (at most ``floor((L - 1) / block_size)`` blocks); ``queued(w)``: the prompt tokens routed to
-``w`` that have not produced their first token yet, drained at the engine's speed between
-signals; ``T``: the engine model's time for that many prompt tokens, its passes slowed by the
+``w`` that have not produced their first token yet, drained as the engine computes them
+between signals (a pass's fixed cost included); ``T``: the engine model's time for that many prompt tokens, its passes slowed by the
 decode steps of ``w``'s active requests; ``backlog``: the shortest queue among the candidates, in
 passes (when every worker has one, prefill added anywhere also delays the requests that will
 queue behind it, so the prompt's own work weighs more). The signals are the production ones: the index's
