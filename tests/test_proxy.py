@@ -536,10 +536,12 @@ def test_worker_specs_and_token_lru():
 
 async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
     """--record: one Mooncake line per routed request; the replay's loader reads it, lengths are the
-    engines' own, and prompts sharing a prefix share exactly its leading 512-token blocks' ids."""
+    engines' own, and prompts sharing a prefix share exactly its leading blocks' ids, at the
+    engines' block size by default (the line says so: ``hash_block_size``)."""
     from kvbridge.replay.trace import load_trace
-    from kvbridge.routing.record import TRACE_BLOCK
     from kvbridge.tools.standin import render_chat
+
+    TRACE_BLOCK = BS  # the proxy's --block-size
 
     path = tmp_path / "trace.jsonl"
     system = "Answer as a pirate would, in one sentence, about the sea and ships. " * 30  # ~2,000 tokens
@@ -566,7 +568,9 @@ async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
     text = path.read_text()
     assert "pirate" not in text and "brig" not in text  # no prompt text
     lines = [json.loads(line) for line in text.splitlines()]
-    assert [set(line) for line in lines] == [{"timestamp", "input_length", "output_length", "hash_ids"}] * 4
+    assert [set(line) for line in lines] == [{"timestamp", "input_length", "output_length", "hash_ids",
+                                              "hash_block_size"}] * 4  # fmt: skip
+    assert {line["hash_block_size"] for line in lines} == {BS}
     assert lines[0]["timestamp"] == 0 and all(a["timestamp"] <= b["timestamp"] for a, b in zip(lines, lines[1:]))
     prompts = [render_chat(m).encode() for m in chats]
     assert [line["input_length"] for line in lines] == [len(p) for p in prompts]
@@ -583,7 +587,7 @@ async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
                 shared = common(prompts[i], prompts[j]) // TRACE_BLOCK
                 assert ids[i][:shared] == ids[j][:shared]
                 assert len(ids[i]) == shared or len(ids[j]) == shared or ids[i][shared] != ids[j][shared]
-    assert common(prompts[0], prompts[1]) // TRACE_BLOCK >= 3  # the system prompt's blocks are shared
+    assert common(prompts[0], prompts[1]) // TRACE_BLOCK >= 100  # the system prompt's blocks are shared
 
     requests = load_trace(path)
     assert [(r.input_length, r.output_length) for r in requests] == [(len(p), n) for p, n in zip(prompts, max_tokens)]
@@ -599,6 +603,57 @@ async def test_record_writes_a_replayable_trace(nats_server, tmp_path):
                            "--policy", "kv,rr", "--json"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [p["completed"] for p in json.loads(proc.stdout)["policies"]] == [4, 4]
+
+
+async def test_record_keeps_what_an_engine_served_one_prompt_a_line(tmp_path):
+    """An engine's refusal (a 4xx it answered: a prompt over its context, say) and a batch of
+    prompts (a line carries one) are not recorded; the answered single prompt is. A 448-token
+    prefix shared below Mooncake's 512-token block survives at the engines' block size."""
+    from aiohttp import web
+
+    from kvbridge.replay.trace import load_trace
+    from kvbridge.routing.record import TraceRecorder
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        if len(body["prompt"]) > 1000:
+            return web.json_response({"error": {"message": "over the context", "code": 400}}, status=400)
+        return web.json_response({"choices": [{"text": "x"}], "usage": {"completion_tokens": 3}})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    path = tmp_path / "t.jsonl"
+    shared = list(range(448))
+    try:
+        async with KvProxy(None, model="m", port=0, workers={"a": url}, block_size=BS, record=path) as proxy:
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="-", max_retries=0)
+            await client.completions.create(model="m", prompt=shared + [1, 2], max_tokens=3)
+            with pytest.raises(openai.BadRequestError):
+                await client.completions.create(model="m", prompt=list(range(2000)), max_tokens=3)
+            await client.completions.create(model="m", prompt=[shared + [5], shared + [6]], max_tokens=3)
+            await client.completions.create(model="m", prompt=shared + [3, 4, 5], max_tokens=3)
+            await client.close()
+            skipped = {s.labels["kind"]: s.value for m in proxy.metrics.errors.collect() for s in m.samples
+                       if s.name.endswith("_total")}  # fmt: skip
+    finally:
+        await runner.cleanup()
+    assert skipped.get("record_not_answered") == 1 and skipped.get("record_batch") == 1, skipped
+    a, b = load_trace(path)
+    assert (a.input_length, b.input_length, a.output_length) == (450, 451, 3)
+    common = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+    assert common == 448  # 28 blocks of 16: all of the shared prefix
+    # Mooncake's 512-token blocks would have kept none of it
+    rec = TraceRecorder(tmp_path / "m.jsonl", block=512)
+    for tokens in (shared + [1, 2], shared + [3, 4, 5]):
+        rec.finish(rec.arrive(), tokens, 3)
+    rec.close()
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert "hash_block_size" not in lines[0] and lines[0]["hash_ids"] != lines[1]["hash_ids"]
 
 
 def test_record_appends_on_its_timeline_and_refuses_a_bad_path(tmp_path, capsys):

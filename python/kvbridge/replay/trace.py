@@ -8,11 +8,13 @@ them (``aisimulate-core`` ``replay/loadgen/trace.rs``, ``HashIdInterner`` and
 ``synthesize_validated_trace_tokens``): every distinct hash id gets a canonical number in order of
 first appearance, and token ``p`` of the prompt is the canonical number of ``hash_ids[p //
 trace_block_size]``. So two prompts share exactly the leading blocks whose ids they share, and
-the engine's blocks (of any size dividing the trace block) chain the same way.
+the engine's blocks (of any size dividing the trace block) chain the same way. A line may say
+its own block (``hash_block_size``, as ``kvbridge proxy --record`` writes when it records finer
+blocks than Mooncake's); it overrides ``trace_block_size``.
 
 Token ids: one JSON object per line, ``timestamp`` (ms), ``output_length`` and ``tokens`` (the
 prompt's ids; ``input_length`` optional, must match). ``kvbridge proxy --record`` writes the
-Mooncake form (hash ids of the prompt's blocks, no text).
+Mooncake form (hash ids of the prompt's blocks, no text: :mod:`kvbridge.routing.record`).
 
 A bad line is a :class:`TraceError` naming the file, the line and what was expected.
 """
@@ -120,7 +122,8 @@ def parse_trace(lines: Iterable[str | bytes], *, name: str = "<trace>", trace_bl
             yield Request(index, ts - first, len(tokens), out_len, tokens, runs=False)
         else:
             in_len = _int(obj, "input_length", where, 1)
-            runs = _from_hash_ids(obj, in_len, trace_block_size, canon, where)
+            tbs = _int(obj, "hash_block_size", where, 1) if "hash_block_size" in obj else trace_block_size
+            runs = _from_hash_ids(obj, in_len, tbs, canon, where)
             yield Request(index, ts - first, in_len, out_len, runs)
         index += 1
 

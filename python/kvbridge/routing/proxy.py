@@ -103,13 +103,14 @@ class _Failed(Exception):
 
 
 class _Answer:
-    """What the client got from the chosen worker: the completion's tokens (``usage``, else the
-    streamed chunks that carried text), for ``record=``."""
+    """What the client got from the chosen worker: whether it was an answer (a 2xx) and the
+    completion's tokens (``usage``, else the streamed chunks that carried text), for ``record=``."""
 
-    __slots__ = ("chunks", "usage")
+    __slots__ = ("chunks", "ok", "usage")
 
     def __init__(self) -> None:
         self.chunks = 0
+        self.ok = False
         self.usage: int | None = None
 
     @property
@@ -174,7 +175,8 @@ class KvProxy:
     :class:`kvbridge.routing.work.EngineModel` the router predicts with (default: Dynamo 1.6.1's
     replay model of a vLLM engine). ``overlap_weight``: the weight of the prompt's own uncached
     tokens against the work queued ahead of it. ``record``: a file to append the routed requests
-    to, as a trace (:mod:`kvbridge.routing.record`)."""
+    to, as a trace (:mod:`kvbridge.routing.record`), their prompts' hash ids one per
+    ``record_block_size`` tokens (default ``block_size``: the grain the engines can share at)."""
 
     def __init__(
         self,
@@ -198,6 +200,7 @@ class KvProxy:
         policy: Literal["kv", "rr", "random"] = "kv",
         engine: EngineModel | None = None,
         record: str | PathLike[str] | None = None,
+        record_block_size: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -231,7 +234,9 @@ class KvProxy:
         self._rng = random.Random(seed)  # policy="random"
         self._turn = itertools.count()  # policy="rr"
         self._request_ids = itertools.count()
-        self.recorder = None if record is None else TraceRecorder(record)
+        self.recorder = None
+        if record is not None:
+            self.recorder = TraceRecorder(record, block=block_size if record_block_size is None else record_block_size)
         self._timeouts = (connect_timeout_s, read_timeout_s, tokenize_timeout_s)
         # Bound now, so that ``url`` is known (port 0: any free port) before start().
         try:
@@ -385,11 +390,15 @@ class KvProxy:
             tokens = await self._tokens(kind, body)
             return await self._route(request, raw, tokens, answer)
         finally:
-            if tokens:
+            # What an engine served, one prompt a line: not an engine's refusal (a prompt over its
+            # context, say) nor a batch, whose other prompts the line could not carry.
+            why = "record_no_tokens" if not tokens else "record_not_answered" if not answer.ok else (
+                "record_batch" if _batch(kind, body) else None)  # fmt: skip
+            if tokens and why is None:
                 recorder.finish(slot, tokens, answer.output_tokens)
             else:
                 recorder.skip(slot)
-                self.metrics.errors.labels("record_no_tokens").inc()
+                self.metrics.errors.labels(why).inc()
 
     def _check(self, raw: bytes, kind: str) -> tuple[Any, web.Response | None]:
         """The request's JSON body, or the 4xx that answers it."""
@@ -520,6 +529,7 @@ class KvProxy:
         if resp.status >= 500:
             raise _Failed(f"{target.url} answered {resp.status}", out)
         if self.recorder is not None and resp.status < 300:
+            answer.ok = True
             answer.read_body(data)
         return out
 
@@ -530,6 +540,7 @@ class KvProxy:
         out = web.StreamResponse(status=resp.status, headers=_copy_headers(resp.headers))
         completed = False
         count = self.recorder is not None
+        answer.ok = resp.status < 300
         try:
             await out.prepare(request)
             tail = b""
@@ -683,6 +694,12 @@ class KvProxy:
             return _error(405, f"{request.method} is not allowed on {request.path}: use {allowed}", headers={"Allow": allowed})
         return _error(404, f"no such endpoint: {request.method} {request.path} (this gateway serves "
                       f"{', '.join(f'{m} {p}' for p, m in _ROUTES.items())})")  # fmt: skip
+
+
+def _batch(kind: str, body: Any) -> bool:
+    """Whether a completions request carries several prompts (strings, or lists of token ids)."""
+    prompt = body.get("prompt") if kind == "completions" and isinstance(body, dict) else None
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
 
 
 def _load_tokenizer(tokenizer: Any) -> Any:

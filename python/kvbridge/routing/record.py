@@ -10,11 +10,18 @@ One JSON line per routed request, in arrival order, in Mooncake's form
 * ``input_length``: the prompt's tokens, as the engine counts them (the ids the proxy routes by);
 * ``output_length``: the completion's tokens, from the answer's ``usage`` (a stream's last
   chunk, or the JSON body), else the streamed chunks that carried text; at least 1;
-* ``hash_ids``: one id per 512-token block of the prompt, the last one possibly partial: the
-  chained xxh3 hash of :func:`kvbridge.hash_blocks` over the full blocks, and for a partial last
-  block the same chain continued over its tokens. Two prompts share exactly the leading ids whose
-  blocks, and everything before them, are equal; a replay rebuilds prompts that share exactly
-  those blocks. No prompt text or token id is written.
+* ``hash_ids``: one id per ``block``-token block of the prompt, the last one possibly partial:
+  the chained xxh3 hash of :func:`kvbridge.hash_blocks` over the full blocks, and for a partial
+  last block the same chain continued over its tokens. Two prompts share exactly the leading ids
+  whose blocks, and everything before them, are equal; a replay rebuilds prompts that share
+  exactly those blocks. No prompt text or token id is written.
+* ``hash_block_size``: ``block``, on every line unless it is Mooncake's 512 (then the file is
+  Mooncake's form exactly, which Dynamo's replay reads too).
+
+The block is the grain of sharing the replay sees: prompts that share less than a block share
+nothing in the file. ``kvbridge proxy`` records at its ``--block-size`` (the engines' block, what
+vLLM can reuse) unless ``--record-block-size`` says otherwise; 512 loses, for example, every
+system prompt shorter than 512 tokens.
 
 A line is written when its request ends (its output length is known then) and every request
 that arrived before it has been written, so the file's timestamps never go back; writes go to a
@@ -37,7 +44,8 @@ from kvbridge.wire.hashing import hash_blocks
 
 __all__ = ["TRACE_BLOCK", "TraceRecorder", "prompt_hash_ids"]
 
-#: The tokens per ``hash_ids`` entry: Mooncake's block, what ``kvbridge replay`` assumes.
+#: Mooncake's tokens per ``hash_ids`` entry, what ``kvbridge replay`` assumes of a line that
+#: does not say (``hash_block_size``).
 TRACE_BLOCK = 512
 
 _encode = msgspec.json.Encoder().encode
@@ -56,11 +64,15 @@ class TraceRecorder:
     """Appends routed requests to ``path`` (module doc): :meth:`arrive` when a request is taken,
     :meth:`finish` (or :meth:`skip`) when it ends, :meth:`close` at the end.
 
-    A path that cannot be opened for appending, or a non-empty file whose last line is not a trace
-    line, is a :class:`kvbridge.ConfigError` naming it."""
+    ``block``: the tokens per ``hash_ids`` entry (default Mooncake's 512). A path that cannot be
+    opened for appending, or a non-empty file whose last line is not a trace line, is a
+    :class:`kvbridge.ConfigError` naming it."""
 
-    def __init__(self, path: str | PathLike[str], *, clock: Any = time.monotonic) -> None:
+    def __init__(self, path: str | PathLike[str], *, block: int = TRACE_BLOCK, clock: Any = time.monotonic) -> None:
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ConfigError(f"record block must be a positive int (tokens per hash id), got {block!r}")
         self.path = os.fspath(path)
+        self.block = block
         self.clock = clock
         start = _last_timestamp(self.path)
         try:
@@ -89,7 +101,9 @@ class TraceRecorder:
         """The request of ``slot`` ended: its prompt's ``tokens`` and the tokens it generated."""
         ts = self._arrived.pop(slot)
         line = {"timestamp": round(ts, 3), "input_length": len(tokens), "output_length": max(1, output_length),
-                "hash_ids": prompt_hash_ids(tokens)}  # fmt: skip
+                "hash_ids": prompt_hash_ids(tokens, self.block)}  # fmt: skip
+        if self.block != TRACE_BLOCK:
+            line["hash_block_size"] = self.block
         self._ready[slot] = _encode(line) + b"\n"
         self._flush()
 

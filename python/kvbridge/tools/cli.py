@@ -363,8 +363,11 @@ def _proxy_parser(sub: Any) -> None:
                    "compare, or to --record traffic as a blind policy sees it)")  # fmt: skip
     x.add_argument("--seed", type=int, help="seed of the router's tie-breaks and of --policy random (default: random)")
     x.add_argument("--record", metavar="FILE", help="append each routed request to FILE as a Mooncake trace line "
-                   "(arrival ms, input and output tokens, the prompt's 512-token block hashes; no text) for "
-                   "`kvbridge replay`")  # fmt: skip
+                   "(arrival ms, input and output tokens, the prompt's block hashes; no text) for `kvbridge replay`")
+    x.add_argument("--record-block-size", type=positive_int, metavar="N",
+                   help="with --record: tokens per recorded block hash, the grain of sharing a replay sees (default "
+                   "--block-size; 512: Mooncake's own form, which Dynamo's replay reads, but prompts sharing less than "
+                   "512 tokens then share nothing)")  # fmt: skip
     x.add_argument("--overlap-weight", type=non_negative, default=1.0, help="weight of the prompt's own uncached tokens "
                    "against the prompt work queued ahead of it on a worker (default 1)")  # fmt: skip
     e = x.add_argument_group("engine model: how the router times a worker's work (default: Dynamo 1.6.1's replay "
@@ -424,6 +427,7 @@ async def _proxy(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes, connect_timeout_s=args.connect_timeout,
             read_timeout_s=args.read_timeout, tokenize_timeout_s=args.tokenize_timeout, down_s=args.down_s,
             tokenize_cache=args.tokenize_cache, seed=args.seed, policy=args.policy, engine=engine, record=args.record,
+            record_block_size=args.record_block_size,
         )  # fmt: skip
     except OSError as exc:  # the listening socket is bound here (or --record's file opened)
         where = f"--record {args.record}" if exc.filename else f"--listen {host}:{port}"
