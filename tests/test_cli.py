@@ -142,6 +142,7 @@ def test_demo_without_nats_server_is_a_clear_error(monkeypatch, capsys):
         (["proxy", "--model", "m", "--listen", "127.0.0.1:99999"], "argument --listen: expected HOST:PORT with a port of 0-65535"),
         (["proxy", "--model", "m", "--engine-prefill", "nan,1,2"], "argument --engine-prefill: expected three finite numbers"),
         (["proxy", "--model", "m", "--engine-decode", "1,inf,2"], "argument --engine-decode: expected three finite numbers"),
+        (["replay", "t.jsonl", "--report-interval-ms", "0"], "argument --report-interval-ms: must be a finite number > 0"),
     ],
 )
 def test_out_of_range_flags_are_usage_errors_naming_the_flag(argv, words, capsys):

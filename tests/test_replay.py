@@ -170,7 +170,7 @@ def test_the_table_names_every_policy_and_the_fleet():
     assert "| kv |" in proc.stdout and "| rr |" in proc.stdout and "requests per worker, rr: 14 13 13" in proc.stdout
 
 
-def test_the_table_says_when_a_worker_refused_a_request(tmp_path):
+def test_the_table_says_when_a_worker_rejected_a_request(tmp_path):
     """200 prompt tokens + 500 output outgrow a 4 x 64-token pool while decoding: the worker
     refuses that request; its TTFT is in no figure, and the table says so."""
     path = tmp_path / "t.jsonl"
@@ -179,8 +179,10 @@ def test_the_table_says_when_a_worker_refused_a_request(tmp_path):
     proc = _replay(str(path), "--policy", "rr", "--workers", "1", "--num-blocks", "4")
     assert proc.returncode == 0, proc.stderr
     head, rule, row = proc.stdout[proc.stdout.index("| policy"):].splitlines()[:3]
-    assert dict(zip(head.split("|"), row.split("|")))[" refused "].strip() == "1"
-    assert "rr: 1 of 2 requests not completed (1 refused" in proc.stdout
+    assert dict(zip(head.split("|"), row.split("|")))[" rejected "].strip() == "1"
+    assert "rr: 1 of 2 requests not completed (1 rejected" in proc.stdout
+    assert json.loads(_replay(str(path), "--policy", "rr", "--workers", "1", "--num-blocks", "4", "--json").stdout
+                      )["policies"][0]["rejected"] == 1  # the same name in both forms
 
 
 def test_cli_errors_are_clear(tmp_path):
@@ -197,7 +199,12 @@ def test_cli_errors_are_clear(tmp_path):
     proc = _replay(str(SAMPLE), "--workers", "0")
     assert proc.returncode == 2 and "must be a positive integer" in proc.stderr
     proc = _replay(str(SAMPLE), "--num-blocks", "10")
-    assert proc.returncode == 2 and "does not fit a worker's 10 blocks" in proc.stderr
+    assert proc.returncode == 2 and "request 1 (6758 tokens) does not fit a worker's 10 blocks" in proc.stderr
+    far = tmp_path / "far.jsonl"
+    far.write_text(_line(timestamp=0, input_length=10, output_length=1, hash_ids=[1]) + "\n"
+                   + _line(timestamp=1e308, input_length=10, output_length=1, hash_ids=[2]) + "\n")  # fmt: skip
+    proc = _replay(str(far), "--speedup", "0.5", "--policy", "rr")
+    assert proc.returncode == 2 and "request 2 arrives 1e+308 ms after the first: divided by --speedup 0.5" in proc.stderr
     proc = _replay(str(SAMPLE), "--max-num-seqs", "512", "--max-num-batched-tokens", "256")
     assert proc.returncode == 2 and "--max-num-batched-tokens (256) must be >= --max-num-seqs (512)" in proc.stderr
     proc = _replay(str(SAMPLE), "--workers", "abc")

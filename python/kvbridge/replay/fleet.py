@@ -19,6 +19,7 @@ What the policy hears (:class:`~kvbridge.replay.policies.Policy`):
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -94,6 +95,9 @@ def simulate(
     engines = fleet.engines
     policy.attach(fleet)
     speed = config.arrival_speedup
+    if requests and not math.isfinite(requests[-1].arrival_ms / speed):
+        raise ValueError(f"request {len(requests)} arrives {requests[-1].arrival_ms:g} ms after the first: divided by "
+                         f"arrival_speedup {speed:g}, past a float's range")  # fmt: skip
     seqs = [Seq(r) for r in requests]
     arrivals = deque(seqs)
     ends: list[tuple[float, int]] = []  # (pass end ms, worker)

@@ -1,7 +1,12 @@
 """What a replay reports per policy, computed the way Dynamo's replay reports it
 (``aisimulate-core`` ``replay/report.rs`` and ``report/bounded.rs``): exact samples, nearest-rank
 percentiles (``rank = round((n - 1) * p / 100)``), reuse as cached prompt tokens over all prompt
-tokens, ITL pooled over every gap of every request."""
+tokens, ITL pooled over every gap of every request.
+
+``reuse`` is Dynamo's ``prefix_cache_reused_ratio``: a request preempted and admitted again
+counts what it finds cached then, its own generated tokens included (the engine recomputes
+prompt and output), so under heavy preemption it rises for a reason unrelated to routing and can
+pass 100%; ``reuse_first_admission`` (Dynamo's ``first_admission_...``) is the routing's own."""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class Summary:
     policy: str
     requests: int
     completed: int
-    reuse: float  # per request the most cached tokens of its admissions, over prompt tokens
+    reuse: float  # per request the most cached tokens of its admissions (output too), over prompt tokens
     reuse_first_admission: float  # ... at the first admission only
     ttft_mean: float
     ttft_p50: float
@@ -108,7 +113,7 @@ _COLUMNS = (
     ("e2e_mean", "e2e mean", "{:,.0f}"),
     ("rps", "req/s", "{:.2f}"),
     ("preemptions", "preempt", "{}"),
-    ("rejected", "refused", "{}"),
+    ("rejected", "rejected", "{}"),
     ("wall_s", "wall s", "{:.2f}"),
 )
 
@@ -127,6 +132,6 @@ def format_table(summaries: Sequence[Summary]) -> str:
     for s in summaries:
         if s.completed < s.requests:
             rows.append(f"{s.policy}: {s.requests - s.completed} of {s.requests} requests not completed ({s.rejected} "
-                        f"refused: prompt, or prompt and output, larger than a worker's pool); the figures are the "
-                        f"{s.completed} completed")  # fmt: skip
+                        f"rejected: prompt and output outgrew a worker's pool); reuse, TTFT and e2e "
+                        f"are over the {s.completed} completed, ITL over every decode step, as Dynamo pools it")  # fmt: skip
     return "\n".join(rows)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -28,7 +29,7 @@ def add_parser(sub: Any) -> None:
         "worker a vLLM engine model (scheduler, prefix cache, chunked prefill, preemption) timed by NVIDIA Dynamo "
         "1.6.1's polynomial model, the router fed the production signals (KV events as the pool emits them, load "
         "reports, first token, completion). Prints per policy: prefix reuse, TTFT/ITL/e2e in simulated ms, "
-        "requests/s, preemptions, requests refused, requests per worker, wall time. Deterministic for a --seed. docs/routing.md.",
+        "requests/s, preemptions, requests rejected, requests per worker, wall time. Deterministic for a --seed. docs/routing.md.",
     )  # fmt: skip
     r.add_argument("traces", nargs="+", metavar="TRACE", help="trace file(s), each replayed on its own")
     r.add_argument("--policy", default="kv,kv-reports,dynamo,rr,random",
@@ -47,7 +48,7 @@ def add_parser(sub: Any) -> None:
                    help="tokens per hash_id in a Mooncake trace (default 512)")  # fmt: skip
     r.add_argument("--event-lag-ms", type=non_negative, default=0.0,
                    help="KV events reach the router this long after their pass ends (default 0)")  # fmt: skip
-    r.add_argument("--report-interval-ms", type=non_negative, default=100.0,
+    r.add_argument("--report-interval-ms", type=positive, default=100.0,
                    help="load reports every this many ms, for kv-reports (default 100; the vLLM plugin sends one "
                    "per load_interval_s, 1 s by default: 1000 matches it)")  # fmt: skip
     r.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
@@ -117,8 +118,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         too_long = next((r for r in requests if not engine.fits(r.input_length)), None)
         if too_long is not None:
-            print(f"kvbridge replay: {path}: request {too_long.index} ({too_long.input_length} tokens) does not fit "
+            print(f"kvbridge replay: {path}: request {too_long.index + 1} ({too_long.input_length} tokens) does not fit "
                   f"a worker's {args.num_blocks} blocks of {args.block_size} tokens", file=sys.stderr)  # fmt: skip
+            return 2
+        if not math.isfinite(requests[-1].arrival_ms / args.speedup):
+            print(f"kvbridge replay: {path}: request {len(requests)} arrives {requests[-1].arrival_ms:g} ms after the "
+                  f"first: divided by --speedup {args.speedup:g}, past a float's range", file=sys.stderr)  # fmt: skip
             return 2
         traces.append((path, requests))
     out = []
@@ -134,7 +139,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"kvbridge replay: cannot write {targets[n]}: {exc.strerror or exc}", file=sys.stderr)
                 return 2
         if args.json:
+            # Everything the figures depend on (wall_s aside: the only figure that is not simulated).
             out.append({"trace": path, "requests": len(requests), "workers": args.workers, "speedup": args.speedup,
+                        "seed": args.seed, "first": args.first, "trace_block_size": args.trace_block_size,
+                        "event_lag_ms": args.event_lag_ms, "report_interval_ms": args.report_interval_ms,
                         "engine": {k: getattr(engine, k) for k in engine.__slots__},
                         "policies": [s.as_dict() for s in summaries]})  # fmt: skip
         else:
