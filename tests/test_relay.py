@@ -63,16 +63,20 @@ class FakeEngine:
     """vLLM's ZmqEventPublisher on the wire: PUB frames, and a ROUTER answering replay requests
     from what it "published" (including what it dropped, as vLLM's buffer holds those too)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, replay: bool = True, replay_topic: bool = True) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, *, replay: bool = True, replay_topic: bool = True,
+                 host: str = "127.0.0.1") -> None:  # fmt: skip
+        self.host = host  # "[::1]": bound as vLLM binds on an IPv6 node (zmq.IPV6 set)
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.linger = 0
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.pub.ipv6 = host.startswith("[")
+        self.port = self.pub.bind_to_random_port(f"tcp://{host}")
         self.router = None
         self.replay_port = None
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.linger = 0
-            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.router.ipv6 = host.startswith("[")
+            self.replay_port = self.router.bind_to_random_port(f"tcp://{host}")
         self.replay_topic = replay_topic  # vLLM 0.33 puts the topic in replies; older vLLM/SGLang do not
         self.held: list[tuple[bytes, int, bytes]] = []
         self.replay_requests: list[int] = []
@@ -80,11 +84,11 @@ class FakeEngine:
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     @property
     def replay_endpoint(self) -> str | None:
-        return f"tcp://127.0.0.1:{self.replay_port}" if self.replay_port else None
+        return f"tcp://{self.host}:{self.replay_port}" if self.replay_port else None
 
     async def wait_subscribed(self) -> bytes:
         assert await self.pub.poll(WAIT * 1000), "the relay never subscribed"
@@ -250,6 +254,22 @@ async def test_a_gap_is_repaired_through_the_engines_replay(zctx, nats_sub, nats
     assert col.seqs() == list(range(len(frames)))
     assert relay.stats["replayed"] == 2 and relay.stats["lost_batches"] == 0
     assert relay.stats["replay_requests"] == 1
+
+
+async def test_an_engine_on_ipv6_is_relayed_and_its_gaps_replayed(zctx, nats_sub, nats_server, vllm_frames):
+    """vLLM on an IPv6 node binds and lists tcp://[addr]:port; a relay without zmq.IPV6 connected
+    to nothing and said nothing."""
+    frames, _ = vllm_frames
+    engine = zctx(host="[::1]")
+    col = await nats_sub("kv.events.m-relay.w-v6")
+    async with Relay(relay_config(nats_server, "w-v6"), endpoint=engine.endpoint,
+                     replay_endpoint=engine.replay_endpoint) as relay:  # fmt: skip
+        await engine.wait_subscribed()
+        for topic, seq, payload in frames:
+            await engine.send(topic, seq, payload, drop=seq == 2)
+        await wait_until(lambda: len(col.msgs) == len(frames), WAIT, "every frame on NATS")
+    assert engine.endpoint.startswith("tcp://[::1]:")
+    assert [m.data for m in col.msgs] == [p for _, _, p in frames] and relay.stats["replayed"] == 1
 
 
 async def test_a_relay_started_late_recovers_the_engines_history(zctx, nats_sub, nats_server, vllm_frames):

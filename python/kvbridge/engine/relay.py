@@ -320,6 +320,9 @@ class Relay:
             return self
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
+        # An engine on an IPv6 node binds and lists tcp://[addr]:port (vLLM sets IPV6 on its
+        # socket then): without it ZMQ connects to nothing, and says nothing. Harmless for IPv4.
+        sub.setsockopt(zmq.IPV6, 1)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, _RCVHWM)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
@@ -330,6 +333,7 @@ class Relay:
                 # Checked now, not at the first gap: a typo there would only ever show as loss.
                 what = _named("relay replay_endpoint", self._given_replay or "", self.replay_endpoint)
                 with ctx.socket(zmq.DEALER) as probe:
+                    probe.setsockopt(zmq.IPV6, 1)
                     probe.setsockopt(zmq.LINGER, 0)
                     probe.connect(self.replay_endpoint)
                 what = "relay"
@@ -570,6 +574,7 @@ class Relay:
         got: dict[int, bytes] = {}
         # A socket per request: a late answer to an abandoned request cannot be mistaken for this one.
         sock = self._ctx.socket(zmq.DEALER)  # type: ignore[union-attr]
+        sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self.replay_endpoint)
