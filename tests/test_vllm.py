@@ -321,6 +321,24 @@ async def test_record_both_call_forms_publish_load_reports_the_subscriber_expose
     assert logger.stats["record_errors"] == 0 and logger.stats["loads_published"] >= 2
 
 
+async def test_a_gauge_that_is_not_a_number_costs_a_report_not_the_reports(nats_server):
+    """record()'s fast path stores the gauges as they come; a kv_cache_usage of None (stats of
+    another shape) made the report task die, and no report went out again."""
+    cfg = vllm_config(publisher="null", served="gauge-m")
+    logger = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.05)(vllm_config=cfg, engine_indexes=[0])
+    nc = await nats_connect(nats_server.url)
+    col = LoadCollector()
+    await nc.subscribe("kv.load.gauge-m.*", cb=col.on_msg)
+    try:
+        logger.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=None), None, engine_idx=0)
+        await wait_until(lambda: logger.stats["load_failures"] >= 1, WAIT, "the bad report counted")
+        logger.record(SchedulerStats(num_running_reqs=4, kv_cache_usage=0.5), None, engine_idx=0)
+        await wait_until(lambda: any(r.running == 4 for _, r in col.reports), WAIT, "reports going out again")
+    finally:
+        await nc.close()
+    assert all(r.kv_cache_usage == 0.5 for _, r in col.reports)  # none with the bad gauge
+
+
 async def test_subscriber_adds_counters_across_api_servers(nats_server):
     async with KvEventSubscriber(servers=[nats_server.url], model="multi") as sub:
         nc = await nats_connect(nats_server.url)

@@ -671,13 +671,16 @@ class KvBridgeStatLogger(_AggregateBase):
                 now = time.time()
                 queries, hits = slot.queries, slot.hits
                 e = slot.engine
-                report = LoadReport(
-                    ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
-                    prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
-                    interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
-                    dp_rank=e.dp_rank, url=self.plan.url, gauges_ts=slot.read_at,
-                )  # fmt: skip
                 try:
+                    # Inside the try: record()'s fast path stores the stats' gauges as they come, and
+                    # a gauge that is not a number (stats of another shape) must cost this report,
+                    # not the task that sends them all.
+                    report = LoadReport(
+                        ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
+                        prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
+                        interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
+                        dp_rank=e.dp_rank, url=self.plan.url, gauges_ts=slot.read_at,
+                    )  # fmt: skip
                     await nc.publish(slot.subject, encode_load_report(report, config.encoding), headers=headers)
                 except Exception as exc:
                     self.stats["load_failures"] += 1
