@@ -646,6 +646,40 @@ async def test_a_second_logger_under_another_model_name_does_not_report_the_engi
                for r in caplog.records)  # fmt: skip
 
 
+async def test_an_engine_created_again_is_reported_and_the_gone_ones_reports_stop(nats_server):
+    """vLLM gives stat loggers no shutdown call: when an engine (and its logger) is gone, its
+    ranks are free again, and its load reports stop; an engine created again under the same
+    names (a notebook, an RL loop re-creating LLM) is reported. Before, the first engine's claim
+    and report task lived forever: the new engine was refused, the dead one's gauges went on."""
+    import gc
+
+    def build(usage: float):
+        logger = kv_vllm.logger_factory(servers=[nats_server.url], load_interval_s=0.05)(
+            vllm_config=vllm_config(publisher="null", served="again-m"), engine_indexes=[0])  # fmt: skip
+        logger.record(SchedulerStats(kv_cache_usage=usage), None, engine_idx=0)
+        return logger
+
+    first = build(0.25)
+    rt = kv_vllm._runtime
+    stats = first.stats
+    await wait_until(lambda: stats["loads_published"] >= 1, WAIT, "the first engine's reports")
+    tasks = lambda: [t for t in rt.tasks if t.get_name() == "kvbridge-vllm-loads" and not t.done()]  # noqa: E731
+    before = len(tasks())
+    del first
+    gc.collect()
+    await wait_until(lambda: len(tasks()) == before - 1, WAIT, "the gone engine's report task to end")
+    second = build(0.75)
+    assert second._slots[0] is not None  # not refused as "another engine under the same names"
+    nc = await nats_connect(nats_server.url)
+    col = LoadCollector()
+    await nc.subscribe("kv.load.again-m.*", cb=col.on_msg)
+    try:
+        await wait_until(lambda: len(col.reports) >= 3, WAIT, "reports from the engine created again")
+    finally:
+        await nc.close()
+    assert {r.kv_cache_usage for _, r in col.reports} == {0.75}  # none left from the gone engine
+
+
 def test_watch_load_columns():
     from kvbridge.tools.cli import load_columns
 

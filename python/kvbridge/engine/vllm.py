@@ -57,6 +57,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -525,6 +526,7 @@ class KvBridgeStatLogger(_AggregateBase):
         _share_vllm_handlers()
         rt = _get_runtime()
         relay_of = {s.rank: s.endpoint for s in p.relays}
+        mine: list[tuple[int, int]] = []
         for idx, e in p.engines.items():
             subject = load_subject(p.config.subject_prefix, p.config.model, e.worker_id)
             claim = (id(self.vllm_config), e.dp_rank)
@@ -543,6 +545,7 @@ class KvBridgeStatLogger(_AggregateBase):
                             subject, e.dp_rank)  # fmt: skip
                 continue
             rt.claimed[claim] = (self.vllm_config, subject)
+            mine.append(claim)
             sink = None
             if p.api_rank == 0:
                 key = f"{p.config.model}/{e.worker_id}"
@@ -553,9 +556,13 @@ class KvBridgeStatLogger(_AggregateBase):
         new = [s for s in p.relays if s.endpoint not in rt.relays]
         for spec in new:
             rt.call(rt.relays.add, spec)
+        # vLLM gives stat loggers no shutdown call: when the engine is gone, so is its logger, and
+        # its ranks may be claimed again (a notebook, an RL loop re-creating the engine).
+        weakref.finalize(self, _release, rt, [(c, rt.claimed[c]) for c in mine])
         reporting = [s for s in self._slots.values() if s is not None]
         if reporting and p.config.load_interval_s > 0:
-            rt.call(lambda: rt.spawn(self._report_loads(rt), "kvbridge-vllm-loads"))
+            me = weakref.ref(self)  # the task must not keep the logger, and its engine's claim, alive
+            rt.call(lambda: rt.spawn(KvBridgeStatLogger._report_loads(me, rt), "kvbridge-vllm-loads"))
         workers = ", ".join(f"dp{e.dp_rank}={e.worker_id}" for e in p.engines.values())
         what = (f"relaying DP ranks {[s.rank for s in p.relays]} "
                 f"({', '.join(s.endpoint for s in p.relays)})" if p.relays else f"no relay ({p.no_relay or 'none to run here'})")
@@ -654,19 +661,28 @@ class KvBridgeStatLogger(_AggregateBase):
 
     # -- the background thread's side -----------------------------------------------------------------
 
-    async def _report_loads(self, rt: _Runtime) -> None:
-        config = self.plan.config
+    @staticmethod
+    async def _report_loads(me: weakref.ref[KvBridgeStatLogger], rt: _Runtime) -> None:
+        """Reports every ``load_interval_s`` until the logger is gone (its engine with it)."""
+        logger = me()
+        if logger is None:
+            return
+        plan, stats, warn = logger.plan, logger.stats, logger._warn
+        config = plan.config
         assert config is not None
+        slots = [s for s in logger._slots.values() if s is not None]
+        del logger
         conn = rt.connection(config)
         headers = {HDR_CONTENT_TYPE: CONTENT_TYPES[config.encoding]}
-        slots = [s for s in self._slots.values() if s is not None]
         while True:
             await asyncio.sleep(config.load_interval_s)
+            if me() is None:
+                return
             nc = conn.nc
             if nc is None or not nc.is_connected:
                 continue  # counters keep growing: the next report covers the outage
             for slot in slots:
-                if not slot.records and self.plan.url is None:
+                if not slot.records and plan.url is None:
                     continue  # with a URL an idle engine reports too: a gateway must know it to send it work
                 now = time.time()
                 queries, hits = slot.queries, slot.hits
@@ -678,16 +694,23 @@ class KvBridgeStatLogger(_AggregateBase):
                     report = LoadReport(
                         ts=now, kv_cache_usage=float(slot.usage), running=int(slot.running), waiting=int(slot.waiting),
                         prefix_cache_queries=queries - slot.sent_queries, prefix_cache_hits=hits - slot.sent_hits,
-                        interval_s=now - slot.sent_at, api_rank=self.plan.api_rank, engine_index=e.engine_index,
-                        dp_rank=e.dp_rank, url=self.plan.url, gauges_ts=slot.read_at,
+                        interval_s=now - slot.sent_at, api_rank=plan.api_rank, engine_index=e.engine_index,
+                        dp_rank=e.dp_rank, url=plan.url, gauges_ts=slot.read_at,
                     )  # fmt: skip
                     await nc.publish(slot.subject, encode_load_report(report, config.encoding), headers=headers)
                 except Exception as exc:
-                    self.stats["load_failures"] += 1
-                    self._warn.warning("load", "kvbridge: load report not published: %r", exc)
+                    stats["load_failures"] += 1
+                    warn.warning("load", "kvbridge: load report not published: %r", exc)
                     continue
                 slot.sent_queries, slot.sent_hits, slot.sent_at = queries, hits, now
-                self.stats["loads_published"] += 1
+                stats["loads_published"] += 1
+
+
+def _release(rt: _Runtime, claims: list[tuple[tuple[int, int], Any]]) -> None:
+    """A logger is gone: the ranks it claimed are free (unless claimed again since)."""
+    for key, entry in claims:
+        if rt.claimed.get(key) is entry:
+            del rt.claimed[key]
 
 
 def _number(obj: Any, name: str, default: Any) -> Any:
