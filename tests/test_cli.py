@@ -159,6 +159,8 @@ def test_relay_discover_refuses_what_it_would_ignore(capsys):
     code = main(["relay", "--discover", "http://127.0.0.1:1", "--dp-rank", "1", "--topic", "kv"])
     assert code == 2
     assert "--discover takes --topic, --dp-rank from the server's /kv_event_sources: drop them" in capsys.readouterr().err
+    assert main(["relay", "--endpoint", "tcp://127.0.0.1:1", "--api-key", "k"]) == 2
+    assert "--api-key goes with --discover" in capsys.readouterr().err
 
 
 def test_proxy_on_a_port_in_use_says_so(capsys):

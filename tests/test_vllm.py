@@ -460,14 +460,19 @@ class SourcesServer:
 
     def __init__(self) -> None:
         self.sources: dict = {}
+        self.api_key: str | None = None  # as `vllm serve --api-key`: /v1/* wants it, /kv_event_sources not
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802
                 body = {"/kv_event_sources": outer.sources,
                         "/v1/models": {"object": "list", "data": [{"id": "disc-m", "object": "model"}]}}.get(self.path)  # fmt: skip
+                status = 200 if body is not None else 404
+                if outer.api_key and self.path.startswith("/v1/") and (
+                        self.headers.get("Authorization") != f"Bearer {outer.api_key}"):  # fmt: skip
+                    body, status = {"error": "Unauthorized"}, 401
                 data = json.dumps(body).encode()
-                self.send_response(200 if body is not None else 404)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -525,6 +530,24 @@ async def test_cli_relay_discover_relays_both_ranks(nats_server, rank_engines, n
         assert [m.data for m in c.msgs] == [p for _, _, p in frames]
     assert e0.replay_requests == [1]
     assert "relaying DP ranks [0, 1]" in err.decode()
+
+
+async def test_discovery_asks_a_guarded_server_its_model_with_the_api_key(nats_server, rank_engines, sources_server,
+                                                                          monkeypatch, caplog):  # fmt: skip
+    (e0,) = rank_engines(1)
+    sources_server.set_ranks([(0, e0)])
+    sources_server.api_key = "sk-test"
+    cfg = Config(servers=[nats_server.url], heartbeat_s=0)
+    for given, env in (("sk-test", None), (None, "sk-test")):
+        if env:
+            monkeypatch.setenv("VLLM_API_KEY", env)
+        async with Discovery(sources_server.url, cfg, interval_s=0.1, api_key=given) as disc:
+            await wait_until(lambda: disc.config.model == "disc-m", WAIT, "the served model, asked with the key")
+    monkeypatch.delenv("VLLM_API_KEY")
+    async with Discovery(sources_server.url, cfg, interval_s=0.1) as disc:  # without: refused, and said why
+        await wait_until(lambda: any("--api-key or VLLM_API_KEY" in r.getMessage() for r in caplog.records), WAIT,
+                         "the refused /v1/models said")  # fmt: skip
+        assert disc.config.model != "disc-m"
 
 
 async def test_discovery_follows_ranks_that_appear_and_go_away(nats_server, rank_engines, sources_server):

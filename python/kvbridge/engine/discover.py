@@ -271,9 +271,13 @@ async def close_quietly(obj: Any, what: str, logger: logging.Logger) -> None:
 # --- /kv_event_sources ---------------------------------------------------------------------------
 
 
-def fetch_json(url: str, timeout: float) -> Any:
-    """GET ``url`` and parse its JSON body (blocking: run it in a thread)."""
-    req = urllib.request.Request(url, headers={"Accept": "application/json"})
+def fetch_json(url: str, timeout: float, api_key: str | None = None) -> Any:
+    """GET ``url`` and parse its JSON body (blocking: run it in a thread); with ``api_key``, as
+    the bearer of it (a ``vllm serve --api-key`` server guards ``/v1/*``)."""
+    headers = {"Accept": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
@@ -340,7 +344,14 @@ class Discovery:
     model name is read from ``/v1/models``. ``worker``: the worker id template (``{dp_rank}``
     replaced; default ``KVBRIDGE_WORKER_ID``, else ``<HOST>-dp{dp_rank}``, HOST being this machine's
     hostname when the URL names a loopback address: the name the vLLM plugin gives the same ranks,
-    and distinct per node where every node's relay asks its own ``127.0.0.1``). Polls every ``interval_s``. Async context manager.
+    and distinct per node where every node's relay asks its own ``127.0.0.1``). ``api_key``: the
+    server's ``--api-key`` (default ``VLLM_API_KEY``, as vLLM reads it), sent as a bearer token:
+    vLLM guards ``/v1/models`` with it. Polls every ``interval_s``. Async context manager.
+
+    Every rank listed is taken to run on HOST (``*`` in an endpoint becomes HOST): with data
+    parallelism across nodes the API server lists the other nodes' ranks too, and their relays
+    would wait on HOST for nothing; relay those with a sidecar on their own node (``kvbridge relay
+    --endpoint ... --dp-rank R``) or the vLLM plugin, which relays each rank from its node.
     """
 
     def __init__(
@@ -351,6 +362,7 @@ class Discovery:
         model: str | None = None,
         worker: str | None = None,
         interval_s: float = 2.0,
+        api_key: str | None = None,
         fetch: Callable[[str, float], Any] = fetch_json,
     ) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -365,7 +377,8 @@ class Discovery:
         self.worker = worker_template(worker, _node_name(self.host))
         self.interval_s = interval_s
         self.relays = RelaySet()
-        self._fetch = fetch
+        api_key = api_key or os.environ.get("VLLM_API_KEY")
+        self._fetch = (lambda u, t: fetch_json(u, t, api_key)) if api_key and fetch is fetch_json else fetch
         self._task: asyncio.Task | None = None
         self.stats = {"polls": 0, "poll_failures": 0}
         self._failing = False
@@ -402,8 +415,9 @@ class Discovery:
             models = await self._get(f"{self.base}/v1/models")
             name = models["data"][0]["id"]
         except (DiscoveryError, KeyError, IndexError, TypeError) as exc:
-            self._warn.warning("model", "kvbridge: served model name not read from %s/v1/models (%s); using %r "
-                               "(--model sets it)", self.base, exc, self.config.model)  # fmt: skip
+            key = "; a server started with --api-key wants it: --api-key or VLLM_API_KEY" if "401" in str(exc) else ""
+            self._warn.warning("model", "kvbridge: served model name not read from %s/v1/models (%s%s); using %r "
+                               "(--model sets it)", self.base, exc, key, self.config.model)  # fmt: skip
             return
         self.config = self.config.replace(model=name)
         self._model_given = True

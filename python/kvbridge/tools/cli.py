@@ -208,6 +208,8 @@ def _relay_parser(sub: Any) -> None:
         "--endpoint, --replay-endpoint, --topic and --dp-rank then come from it",
     )  # fmt: skip
     r.add_argument("--interval", type=positive, default=2.0, help="with --discover: seconds between polls (default 2)")
+    r.add_argument("--api-key", help="with --discover: the API server's --api-key, which guards its /v1/models "
+                   "(default: VLLM_API_KEY)")  # fmt: skip
     r.add_argument("--replay-endpoint", help="the engine's ZMQ replay (ROUTER) endpoint, e.g. tcp://127.0.0.1:5567; without it a gap is a loss")
     r.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to, as the engine's 'topic' (default: all)")
     r.add_argument("--dp-rank", type=non_negative_int, help="the engine's data-parallel rank: connect to the ports + rank, as the engine binds them")
@@ -231,7 +233,7 @@ async def _discover(args: argparse.Namespace) -> int:
     logging.getLogger("kvbridge").setLevel(logging.INFO)
     extra = {"encoding": args.encoding} if args.encoding else {}
     discovery = Discovery(args.discover, _config(args, **extra), model=args.model, worker=args.worker,
-                          interval_s=args.interval)  # fmt: skip
+                          interval_s=args.interval, api_key=args.api_key)  # fmt: skip
     stop = _stop_on_signals()
     async with discovery:
         print(f"following {discovery.url} every {args.interval}s (Ctrl-C to stop)", file=sys.stderr, flush=True)
@@ -250,6 +252,8 @@ async def _relay(args: argparse.Namespace) -> int:
             raise ConfigError(f"--discover takes {', '.join(given)} from the server's /kv_event_sources: drop "
                               f"{'it' if len(given) == 1 else 'them'}")  # fmt: skip
         return await _discover(args)
+    if args.api_key:
+        raise ConfigError("--api-key goes with --discover (it is the API server's)")
 
     extra = {k: v for k, v in (("model", args.model), ("encoding", args.encoding)) if v}
     # A worker template (the vLLM plugin's KVBRIDGE_WORKER_ID may hold {dp_rank}) names this rank.
