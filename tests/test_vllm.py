@@ -627,15 +627,21 @@ async def test_at_exit_the_relays_forward_what_was_sent_then_stop(nats_server, n
     assert [int(m.headers[HDR_SEQ]) for m in col.msgs] == list(range(len(frames)))
 
 
-async def test_plugin_and_logger_factory_in_one_engine_share_one_relay_per_rank(monkeypatch, nats_server, rank_engines):
+async def test_plugin_and_logger_factory_in_one_engine_share_one_relay_per_rank(monkeypatch, nats_server, rank_engines,
+                                                                                 caplog):  # fmt: skip
+    caplog.set_level(logging.INFO)
     e0, e1 = rank_engines(2)
     monkeypatch.setenv("KVBRIDGE_SERVERS", nats_server.url)
     cfg = vllm_config(e0.port, e0.replay_port, served="share-m")
     plugin = kv_vllm.KvBridgeStatLogger(vllm_config=cfg, engine_indexes=[0, 1])
     rt = kv_vllm._runtime
+    # Built at once, as vLLM builds an engine's loggers: before the loop has run the first's relays.
+    coded = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=cfg, engine_indexes=[0, 1])
+    attached = [r.getMessage() for r in caplog.records if "kvbridge: attached" in r.getMessage()]
+    assert "(2 already run by another kvbridge logger)" not in attached[0]
+    assert "(2 already run by another kvbridge logger)" in attached[1], attached
     await wait_until(lambda: len(rt.relays) == 2 and all(rt.relays.relay(s.endpoint) for s in plugin.plan.relays),
                      WAIT, "the plugin's relays")  # fmt: skip
-    coded = kv_vllm.logger_factory(servers=[nats_server.url])(vllm_config=cfg, engine_indexes=[0, 1])
     # A barrier: the loop runs callbacks in order, so the second logger's requests, if any, have run.
     await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), rt.loop))
     assert kv_vllm._runtime is rt and len(rt.relays) == 2

@@ -276,6 +276,9 @@ class _Runtime:
         # engine rank per process. Keyed by the config object's id (vLLM hands every logger of one
         # engine the same one), which is held so that the id stays its.
         self.claimed: dict[tuple[int, int], tuple[Any, str]] = {}
+        # Endpoints a logger has asked a relay for, on its own thread: the loop adds them to
+        # ``relays`` later, and a second logger built meanwhile must not count them as its own.
+        self.relayed: set[str] = set()
         self.sinks: dict[str, _EventSink] = {}  # by worker events subject
         self.connections: dict[tuple, _LoadConnection] = {}
         self.tasks: set[asyncio.Task] = set()
@@ -553,8 +556,9 @@ class KvBridgeStatLogger(_AggregateBase):
                 if sink is None:
                     sink = rt.sinks[key] = _EventSink(rt, e, relay_of.get(e.dp_rank))
             self._slots[idx] = _Slot(e, subject, sink)
-        new = [s for s in p.relays if s.endpoint not in rt.relays]
+        new = [s for s in p.relays if s.endpoint not in rt.relayed]
         for spec in new:
+            rt.relayed.add(spec.endpoint)
             rt.call(rt.relays.add, spec)
         # vLLM gives stat loggers no shutdown call: when the engine is gone, so is its logger, and
         # its ranks may be claimed again (a notebook, an RL loop re-creating the engine).
