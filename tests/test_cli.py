@@ -186,6 +186,13 @@ def test_proxy_with_a_tokenizer_it_cannot_load_says_which(tmp_path, capsys):
         assert f"tokenizer {str(path)!r}: not a tokenizer.json that tokenizers can load" in capsys.readouterr().err
 
 
+def test_proxy_record_block_size_goes_with_record(capsys):
+    from kvbridge.tools.cli import main
+
+    assert main(["proxy", "--model", "m", "--record-block-size", "64", "--listen", "127.0.0.1:0"]) == 2
+    assert "--record-block-size goes with --record" in capsys.readouterr().err
+
+
 def test_index_on_a_metrics_port_in_use_says_so_and_keeps_nothing(nats_server, capsys):
     """The exporter is bound once NATS is up; its failure closes what start() opened."""
     import socket
@@ -197,7 +204,7 @@ def test_index_on_a_metrics_port_in_use_says_so_and_keeps_nothing(nats_server, c
         port = taken.getsockname()[1]
         code = main(["index", "--metrics-port", str(port), "--servers", nats_server.url])
     assert code == 2
-    assert f"metrics_port (KVBRIDGE_METRICS_PORT) 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert f"metrics_port (--metrics-port, KVBRIDGE_METRICS_PORT) 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
     assert set(threading.enumerate()) <= threads
 
 

@@ -517,6 +517,29 @@ async def test_nats_unreachable_at_start_with_workers_given():
             pass
 
 
+async def test_a_metrics_port_taken_when_nats_comes_is_said_not_swallowed(caplog):
+    """The proxy connects in the background when NATS was down at start; a configuration error
+    then (its metrics port taken meanwhile) ended that task without a word."""
+    import logging
+    import socket
+
+    from kvbridge.tools.server import NatsServer
+
+    caplog.set_level(logging.INFO)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        config = Config(servers=[f"nats://127.0.0.1:{port}"], connect_timeout_s=0.5, reconnect_wait_s=0.2,
+                        metrics_port=taken.getsockname()[1])  # fmt: skip
+        async with StandinEngine(model="early") as engine:
+            async with KvProxy(config, model="early", port=0, workers={"only": engine.url}) as proxy:
+                with NatsServer(port=port):
+                    await wait_until(lambda: any("not connecting to NATS: metrics_port" in r.getMessage()
+                                                 for r in caplog.records), 10, "the error said")  # fmt: skip
+                assert not proxy.nats_up
+
+
 def test_worker_specs_and_token_lru():
     from kvbridge.routing.upstreams import TokenCache, parse_worker
 

@@ -46,7 +46,8 @@ class Worker:
             if q > ENGINE.max_num_batched_tokens:
                 q = max(0.0, q - (now - self.anchor) * (ENGINE.tokens_per_ms(step) * 1000.0))
             else:
-                q = max(0.0, q * (1.0 - (now - self.anchor) * 1000.0 / ENGINE.prompt_ms(q, step)))
+                pass_ms = ENGINE.prompt_ms(q, step)
+                q = max(0.0, q * (1.0 - (now - self.anchor) * 1000.0 / pass_ms)) if pass_ms > 0 else 0.0
         return q
 
     def requeue(self, now: float) -> None:

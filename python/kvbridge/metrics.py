@@ -192,7 +192,7 @@ def start_exporter(port: int, addr: str = "127.0.0.1") -> int:
                 server, thread = start_http_server(port, addr=addr)
             except (OSError, OverflowError) as exc:  # in use, no such address, out of range
                 why = getattr(exc, "strerror", None) or exc
-                raise ConfigError(f"metrics_port (KVBRIDGE_METRICS_PORT) {addr}:{port}: {why}") from None
+                raise ConfigError(f"metrics_port (--metrics-port, KVBRIDGE_METRICS_PORT) {addr}:{port}: {why}") from None
             _exporters[key] = (server, thread)
         return _exporters[key][0].server_port
 

@@ -106,7 +106,13 @@ impl Work {
             if q > engine.budget {
                 q -= (now - self.anchor) * (engine.tokens_per_ms(step) * 1000.0);
             } else {
-                q *= 1.0 - (now - self.anchor) * 1000.0 / engine.prompt_ms(q, step);
+                let pass_ms = engine.prompt_ms(q, step);
+                // (a fitted model may say a short pass takes no time: then it is done)
+                q = if pass_ms > 0.0 {
+                    q * (1.0 - (now - self.anchor) * 1000.0 / pass_ms)
+                } else {
+                    0.0
+                };
             }
             if q < 0.0 {
                 q = 0.0;
@@ -352,6 +358,19 @@ mod tests {
         );
         let rate = e.tokens_per_ms(0.0) * 1000.0;
         assert_eq!(w.queued(0.1, &e, 0.0), 20654.0 - 0.1 * rate);
+        // a fitted model whose short pass takes no time: that queue is done, not growing
+        let fitted = Engine::new([-30.0, 0.05, 0.0], [5.74, 54.01, -25.74], 8192.0, None);
+        let mut w = Work::default();
+        w.add(
+            Flight {
+                id: 2,
+                uncached: 100.0,
+                ..flight
+            },
+            0.0,
+            &fitted,
+        );
+        assert_eq!(w.queued(1.0, &fitted, 0.0), 0.0);
     }
 
     #[test]

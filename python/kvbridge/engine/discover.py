@@ -415,7 +415,7 @@ class Discovery:
             models = await self._get(f"{self.base}/v1/models")
             name = models["data"][0]["id"]
         except (DiscoveryError, KeyError, IndexError, TypeError) as exc:
-            key = "; a server started with --api-key wants it: --api-key or VLLM_API_KEY" if "401" in str(exc) else ""
+            key = "; a server started with --api-key wants it: --api-key or VLLM_API_KEY" if "HTTPError 401" in str(exc) else ""
             self._warn.warning("model", "kvbridge: served model name not read from %s/v1/models (%s%s); using %r "
                                "(--model sets it)", self.base, exc, key, self.config.model)  # fmt: skip
             return

@@ -541,7 +541,7 @@ class KvBridgeStatLogger(_AggregateBase):
                                 "engine (the plugin and a logger_factory both attached?): not also on %s",
                                 e.dp_rank, owner, subject)  # fmt: skip
                 continue
-            if any(subject == s for _, s in rt.claimed.values()):  # another engine, the same names
+            if any(subject == s for _, s in list(rt.claimed.values())):  # (a gone logger may release meanwhile)  # another engine, the same names
                 self._slots[idx] = None
                 log.warning("kvbridge: another engine of this process already reports on %s (DP rank %d): this "
                             "one is not reported; give it another model or worker name (worker_id=...)",

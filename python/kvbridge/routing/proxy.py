@@ -310,6 +310,9 @@ class KvProxy:
             except ConnectError as exc:
                 log.debug("kvbridge proxy: NATS still unreachable: %s", exc)
                 continue
+            except ConfigError as exc:  # e.g. a metrics port taken since: retrying will not mend it
+                log.error("kvbridge proxy: not connecting to NATS: %s; routing by load alone", exc)
+                return
             log.warning("kvbridge proxy: connected to NATS: routing by KV overlap")
             return
 

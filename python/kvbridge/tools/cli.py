@@ -418,6 +418,8 @@ async def _proxy(args: argparse.Namespace) -> int:
         workers = dict(parse_worker(spec) for spec in args.worker)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.record_block_size is not None and args.record is None:
+        raise ConfigError("--record-block-size goes with --record")
     host, port = args.listen
     config = _config(args)
     try:
@@ -456,7 +458,7 @@ def _coefficients(value: str) -> tuple[float, float, float]:
     except ValueError:
         parts = ()
     if len(parts) != 3 or not all(math.isfinite(c) for c in parts):
-        raise argparse.ArgumentTypeError(f"expected three finite numbers C0,C1,C2, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected three finite numbers, comma-separated, got {value!r}")
     return parts
 
 

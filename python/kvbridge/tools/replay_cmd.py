@@ -45,7 +45,8 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--engine-speedup", type=positive, default=1.0,
                    help="divide the timing model's prefill and decode times by this (default 1)")  # fmt: skip
     r.add_argument("--trace-block-size", type=positive_int, default=512,
-                   help="tokens per hash_id in a Mooncake trace (default 512)")  # fmt: skip
+                   help="tokens per hash_id in a Mooncake trace (default 512); a line's own hash_block_size, as "
+                   "`kvbridge proxy --record` writes it, overrides it")  # fmt: skip
     r.add_argument("--event-lag-ms", type=non_negative, default=0.0,
                    help="KV events reach the router this long after their pass ends (default 0)")  # fmt: skip
     r.add_argument("--report-interval-ms", type=positive, default=100.0,
