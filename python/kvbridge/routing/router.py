@@ -455,8 +455,11 @@ class Router:
                     raise NoWorkersError(_NO_WORKERS)
             else:
                 made, now = self._decide(tokens, None, 0, 0, None, lora_name, extra_keys, workers, use_keys)
-            self._name_request(made, request_id)
-        return self._routed(made, now)
+            if request_id is not None:
+                self._name_request(made, request_id)
+        if self.listeners:
+            self._tell_route(made, now)
+        return made[0], made[1]
 
     def choose_scores(
         self,
@@ -478,8 +481,11 @@ class Router:
             self._check_new(request_id)
             made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, None, None, workers,
                                      keys is not None)  # fmt: skip
-            self._name_request(made, request_id)
-        return self._routed(made, now)
+            if request_id is not None:
+                self._name_request(made, request_id)
+        if self.listeners:
+            self._tell_route(made, now)
+        return made[0], made[1]
 
     def _sizes(self, num_blocks: int, num_tokens: int | None) -> int:
         """``num_tokens`` checked against ``num_blocks`` (default: the blocks' tokens)."""
@@ -495,18 +501,17 @@ class Router:
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in flight")
 
-    def _name_request(self, made: Any, request_id: Hashable | None) -> None:
+    # Both called only when there is something to do: a decision's own cost is what the fast
+    # path of choose() is measured by (bench/router.py).
+    def _name_request(self, made: Any, request_id: Hashable) -> None:
         """(Under the lock.) ``request_id`` names decision ``made`` for first_token() and done()."""
-        if request_id is not None:
-            self._requests[request_id] = made[2]
-            self._request_of[made[2]] = request_id
+        self._requests[request_id] = made[2]
+        self._request_of[made[2]] = request_id
 
-    def _routed(self, made: Any, now: float) -> tuple[str, int]:
-        """(Outside the lock: a listener may be slow.) Tells the listeners; ``(worker, leading)``."""
-        worker, leading, ident, keys = made
-        if self.listeners:
-            self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
-        return worker, leading
+    def _tell_route(self, made: Any, now: float) -> None:
+        """(Outside the lock: a listener may be slow.) Tells the listeners of decision ``made``."""
+        worker, _, ident, keys = made
+        self._tell(Decision("route", self.replica, ident, worker, now, keys or []))
 
     def _decide(
         self,
