@@ -62,7 +62,7 @@ def plot(path: str, runs: dict[str, Any], title: str) -> None:
     fig, axes = plt.subplots(1 + n, 1, figsize=(9, 3.2 * (1 + n)), squeeze=False)
     cdf = axes[0][0]
     for name, (seqs, _) in runs.items():
-        ttft = sorted(s.first_token_ms - s.routed_ms for s in seqs if s.first_token_ms >= 0)
+        ttft = sorted(s.first_token_ms - s.routed_ms for s in seqs if s.done_ms >= 0)  # the table's requests
         if ttft:
             cdf.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
     cdf.set_xscale("log")
