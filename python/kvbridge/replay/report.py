@@ -108,10 +108,10 @@ _COLUMNS = (
     ("ttft_p50", "p50", "{:,.0f}"),
     ("ttft_p90", "p90", "{:,.0f}"),
     ("ttft_p99", "p99", "{:,.0f}"),
-    ("itl_mean", "ITL mean", "{:.1f}"),
-    ("itl_p99", "ITL p99", "{:.1f}"),
+    ("itl_mean", "ITL mean", "{:,.1f}"),
+    ("itl_p99", "ITL p99", "{:,.1f}"),
     ("e2e_mean", "e2e mean", "{:,.0f}"),
-    ("rps", "req/s", "{:.2f}"),
+    ("rps", "req/s", "{:.3g}"),  # three digits: a slow replay's 0.00123 is not 0.00
     ("preemptions", "preempt", "{}"),
     ("rejected", "rejected", "{}"),
     ("wall_s", "wall s", "{:.2f}"),
