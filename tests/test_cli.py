@@ -215,6 +215,32 @@ def test_demo_prefill_ms_per_block_goes_with_http(capsys):
 
     assert main(["demo", "--prefill-ms-per-block", "1"]) == 2
     assert "--prefill-ms-per-block goes with --http" in capsys.readouterr().err
+    # and the other way round: what the --http demo does not run is not silently ignored
+    assert main(["demo", "--http", "--cluster", "3", "--encoding", "json"]) == 2
+    assert "--encoding, --cluster go with the simulated engines, not --http" in capsys.readouterr().err
+    assert main(["demo", "--http-turns", "5"]) == 2
+    assert "--http-turns goes with --http" in capsys.readouterr().err
+    assert main(["demo", "--cluster", "1"]) == 2
+    assert "a cluster needs 2 or more nodes" in capsys.readouterr().err
+
+
+def test_demo_on_pools_too_small_for_most_requests_reports_what_was_served(capsys):
+    """32 blocks of 16 tokens: most chats and every burst prompt (512 tokens and more) can never
+    fit. The report said the burst TTFT with a traceback (a mean of nothing, exit 1) and counted
+    the refused requests in each worker's column."""
+    from kvbridge.tools.cli import main
+
+    assert main(["demo", "--num-blocks", "32", "--duration", "1", "--no-kill", "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT mean: KV-aware n/a" in out and "could never fit in a worker's pool" in out
+    routing = _table(out, "routing")
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("fleet "))
+    served: dict[str, int] = {}
+    for line in lines[at + 1 : at + 7]:
+        cells = line.split()
+        served[cells[0]] = served.get(cells[0], 0) + int(cells[2])
+    assert served == {name: int(row[1]) for name, row in routing.items()}, (served, routing)
 
 
 def _table(out: str, head: str) -> dict[str, list[str]]:

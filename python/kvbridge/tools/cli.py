@@ -520,7 +520,25 @@ def _demo_parser(sub: Any) -> None:
                    "router's connection is SIGKILLed mid-run (default: one server)")  # fmt: skip
 
 
+# What the --http demo (stand-in engines behind the proxy) does not run: given with it, refused.
+_NOT_WITH_HTTP = ("duration", "no_kill", "encoding", "turns_per_s", "bursts", "burst_size", "sliding_window", "cluster")
+
+
 def _demo(args: argparse.Namespace) -> int:
+    defaults = build_parser().parse_args(["demo"])
+    given = [name for name in _NOT_WITH_HTTP if getattr(args, name) != getattr(defaults, name)]
+    if args.http and given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        print(f"kvbridge demo: {flags} {'goes' if len(given) == 1 else 'go'} with the simulated engines, not --http "
+              "(stand-in engines behind the proxy)", file=sys.stderr)  # fmt: skip
+        return 2
+    if not args.http and args.http_turns != defaults.http_turns:
+        print("kvbridge demo: --http-turns goes with --http", file=sys.stderr)
+        return 2
+    if args.cluster == 1:
+        print("kvbridge demo: --cluster 1 is one server (a cluster needs 2 or more nodes to fail over to)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.num_blocks is None:
         args.num_blocks = 2048 if args.http else 16384
     if args.prefill_ms_per_block is None:

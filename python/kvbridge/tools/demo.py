@@ -307,6 +307,7 @@ class _Fleet:
         self.skipped += 1
         if seq.first_token_ms < 0:  # else its first token was counted (it outgrew the pool since)
             self.awaiting_first -= 1
+            w.requests -= 1  # the worker's column counts what it served
         seq.done_ms = now  # ended without being served: left out of the TTFT figures
         if self.router is not None:
             self.router.done(w.name, seq.id)
@@ -459,7 +460,8 @@ async def _drive(
             server.start()
             restart_at = None
             catching_up = True
-            _say(t0, "broker restarted on the same port -- subscribers repair the hole by replay")
+            _say(t0, "broker restarted on the same port -- publishers re-send what they buffered; a hole left is "
+                 "repaired by replay")  # fmt: skip
         if catching_up and _caught_up(fleets):
             outage.end = time.time()
             catching_up = False
@@ -547,6 +549,11 @@ def _ttfts(seqs: list[Seq], end_ms: float) -> list[float]:
     return sorted((s.first_token_ms if s.first_token_ms >= 0 else end_ms) - s.routed_ms for s in _served(seqs))
 
 
+def _mean_ms(values: list[float]) -> str:
+    """A mean in ms, or "n/a" when nothing was served (a pool too small for every request)."""
+    return f"{statistics.fmean(values):.1f} ms" if values else "n/a"
+
+
 def _pct(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
@@ -561,6 +568,9 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
             ok = "yes" if f.view_equals_pool(w) else "NO"
             print(f"{f.policy:<12} {w.name:<10} {w.requests:>8} {w.engine.prefill_tokens:>10,} {s['events']:>9,} "
                   f"{s['messages']:>9,} {w.manager.pool.num_cached_blocks:>14,} {ok:>13}")  # fmt: skip
+    print("* requests: the turns and burst requests the worker served; computed: the prompt tokens it computed; "
+          "events, messages: the block events it published and the NATS messages that carried them; cached blocks: "
+          "its pool's at the end; view == pool: the fleet's subscriber sees exactly that pool.")  # fmt: skip
     print()
     print(f"{'routing':<12} {'turns':>6} {'hit rate':>9} {'TTFT ms: mean / p50 / p90 / p99':>32} {'computed':>10}")
     for f in fleets:
@@ -587,10 +597,11 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
     kv = fleets[0]
     if kv.bursts:
         def prefilled(f: _Fleet) -> str:
-            return f"{statistics.fmean(len({s.worker for s in b.seqs}) for b in f.bursts):.1f}"
+            served = [len({s.worker for s in _served(b.seqs)}) for b in f.bursts]
+            return f"{statistics.fmean(served):.1f}"
 
         def burst_ttft(f: _Fleet) -> str:
-            return f"{statistics.fmean(_ttfts([s for b in f.bursts for s in b.seqs], f.end_ms)):.1f} ms"
+            return _mean_ms(_ttfts([s for b in f.bursts for s in b.seqs], f.end_ms))
 
         print(f"  bursts: {len(kv.bursts)} of {args.burst_size} requests sharing a new {BURST_PREFIX}-token prefix, "
               f"arriving together. Workers that prefilled each prefix, mean: "
@@ -600,13 +611,13 @@ def _report(args: argparse.Namespace, fleets: list[_Fleet], elapsed: float, behi
         spread = [s for b in kv.bursts for s in b.spread]
         text = (f"  KV-aware kept {len(kept)} of the {len(kept) + len(spread)} later requests of a burst on a worker "
                 f"already given its prefix ({sum(b.provisional for b in kv.bursts)} on provisional residency alone: the "
-                f"prefix's events had not reached the index yet; TTFT mean {statistics.fmean(_ttfts(kept, kv.end_ms)):.1f} "
-                f"ms)" if kept else "  KV-aware kept no later request of a burst on a worker already given its prefix")  # fmt: skip
+                f"prefix's events had not reached the index yet; TTFT mean {_mean_ms(_ttfts(kept, kv.end_ms))})"
+                if kept else "  KV-aware kept no later request of a burst on a worker already given its prefix")  # fmt: skip
         if spread:
             there, holder = (statistics.fmean(x) for x in zip(*(p for b in kv.bursts for p in b.predicted)))
             text += (f" and sent {len(spread)} to another worker, where it predicted their first token sooner than "
                      f"queued behind the burst ({there:.1f} ms against {holder:.1f} ms, mean; measured: "
-                     f"{statistics.fmean(_ttfts(spread, kv.end_ms)):.1f} ms): there, waiting would have cost more "
+                     f"{_mean_ms(_ttfts(spread, kv.end_ms))}): there, waiting would have cost more "
                      f"than prefilling the prefix again")  # fmt: skip
         print(text + ".")
     if kv_chats := _served(kv.chats):
