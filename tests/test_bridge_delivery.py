@@ -277,3 +277,45 @@ async def test_a_native_pools_records_go_out_as_the_bytes_of_its_events(nats_ser
     assert None in written and sum(w is not None for w in written) > 50  # both ways were taken
     await close_all(pub)
     await nc.close()
+
+
+async def test_close_sends_what_was_handed_over_before_it_while_the_engine_keeps_publishing(nats_server):
+    """close() promises what was handed over before it, not what an engine hands over after: the
+    sender went on taking new hand-offs for as long as an engine thread published, without
+    yielding (close(timeout) ignored, the loop frozen, the sender cancelled at best). Here every
+    pass of the sender finds a new hand-off, as it does behind a busy engine thread."""
+    from kvbridge import decode_batch
+    from kvbridge.wire.events import BlockRemoved
+
+    got: list[int] = []
+
+    async def on_msg(msg) -> None:
+        got.extend(h for ev in decode_batch(msg.data).events for h in ev.block_hashes)
+
+    nc = await nats_connect(nats_server.url)
+    await nc.subscribe(f"kv.events.{MODEL}.w-busy", cb=on_msg)
+    await nc.flush()
+    pub = await KvEventPublisher(cfg(nats_server, "w-busy")).start()
+    handed = [0]
+
+    def publish() -> None:
+        pub.publish([BlockRemoved(block_hashes=[handed[0]], medium="GPU")])
+        handed[0] += 1
+
+    for _ in range(100):
+        publish()
+    drain = pub._drain
+
+    def drain_while_the_engine_publishes() -> int:
+        n = drain()
+        publish()  # handed over while the sender sends
+        return n
+
+    pub._drain = drain_while_the_engine_publishes  # type: ignore[method-assign]
+    before = handed[0]
+    await asyncio.wait_for(pub.close(timeout=5.0), 60)
+    try:
+        assert pub._sender.done() and not pub._sender.cancelled()  # it ended, not cut off at the timeout
+        await wait_until(lambda: set(range(before)) <= set(got), 30, "what was handed over before close()")
+    finally:
+        await nc.close()

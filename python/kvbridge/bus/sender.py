@@ -153,6 +153,7 @@ class Sender(Coalescer):
         # next messages. Idle: sleep until publish() wakes it, then send at once.
         last_busy = loop.time()
         ticking = False
+        closing_passes = 0
         while True:
             wake.clear()
             if self._beat_due:
@@ -164,7 +165,11 @@ class Sender(Coalescer):
             self._drain()
             await self._send_pending()
             if self._closing:
-                if self._queue:  # handed over while we were sending: close() promises those too
+                # close() promises what was handed over before it: one more pass takes all of that
+                # (close may have come while this one sent). Not more: an engine that keeps
+                # publishing would keep the sender, and close(timeout) with it, from ever ending.
+                if self._queue and closing_passes == 0:
+                    closing_passes = 1
                     continue
                 return
             now = loop.time()
