@@ -79,6 +79,11 @@ def test_config_from_env_and_keywords():
         ({"jetstream": True, "stream_name": 5}, {}, "stream_name"),
         ({"max_reconnect_attempts": True}, {}, "max_reconnect_attempts .*got True"),
         ({"dp_rank": True}, {}, "dp_rank .*got True"),
+        ({"servers": [1]}, {}, "servers .*list of str"),
+        ({"servers": 5}, {}, "servers .*list of str"),
+        ({"encoding": ["json"]}, {}, "encoding .*must be one of"),
+        ({"user": 1, "password": 2}, {}, "user .*must be a str, got int"),
+        ({"token": 5}, {}, "token .*must be a str"),
     ],
 )
 def test_config_errors_are_clear(kwargs, env, words):

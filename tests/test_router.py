@@ -184,6 +184,8 @@ def test_clear_errors():
         Router(Index(BS), loads=3)
     with pytest.raises(TypeError, match="workers: a worker is a non-empty str"):
         Router(Index(BS), workers=[1])
+    with pytest.raises(ValueError, match=r"block_size 32 differs from the index's \(16\)"):
+        Router(Index(16), block_size=32)  # its overlaps would be counted in the index's blocks
     with pytest.raises(TypeError, match="clock must be a callable"):
         Router(Index(BS), clock=5)
     from kvbridge.routing.router import ReportLoads

@@ -388,3 +388,53 @@ async def test_per_medium_answers_and_remote_blocks_over_nats(nats_server):
             router = Router(block_size=BS, workers=["gpu-cpu", "plain", "other"], provisional_ttl_s=0, cost="blocks")
             costs = router.costs_from_scores(media, 8)
             assert costs["gpu-cpu"] == 8 - (2 + 4 * 0.75) and costs["plain"] == 8 - 4
+
+
+async def test_lifecycle_and_argument_mistakes_get_clear_errors(own_nats_server):
+    """What a router author gets wrong: a service or subscriber started again after close (it
+    answered nothing, or kept a live connection), iterating a subscriber never started (it waited
+    forever), a queue group NATS refuses (a traceback from deep in nats-py), numpy hashes (an
+    ambiguous truth value), a client or a RouteSync closed with the broker gone (they raised)."""
+    import numpy as np
+
+    from kvbridge import KvEventSubscriber, Router
+    from kvbridge.routing.sync import RouteSync
+
+    url = own_nats_server.url
+    with pytest.raises(Exception, match="queue_group must be a NATS queue name"):
+        IndexService(servers=[url], model="life", queue_group="a b")
+    service = await IndexService(servers=[url], model="life").start()
+    await service.close()
+    with pytest.raises(RuntimeError, match="a closed IndexService cannot be started again"):
+        await service.start()
+    sub = KvEventSubscriber(servers=[url], model="life")
+    with pytest.raises(RuntimeError, match="start\\(\\) the KvEventSubscriber first"):
+        aiter(sub)
+    await sub.start()
+    await sub.close()
+    with pytest.raises(RuntimeError, match="a closed KvEventSubscriber cannot be started again"):
+        await sub.start()
+    with pytest.raises(TypeError, match="on_update must be a callable"):
+        KvEventSubscriber(servers=[url], model="life", on_update=5)
+    with pytest.raises(TypeError, match="index must be a kvbridge.Index"):
+        KvEventSubscriber(servers=[url], model="life", index=5)
+    with pytest.raises(TypeError, match="config must be a kvbridge.Config, got dict"):
+        KvEventSubscriber({"servers": [url]})
+
+    async with IndexService(servers=[url], model="life", block_size=4):
+        client = await IndexClient(servers=[url], model="life", timeout=0.5).start()
+        for hashes in (np.array([1, 2, 3], dtype=np.uint64), np.array([7], dtype=np.int64), np.array([], dtype=np.uint64)):
+            assert await client.find_matches(block_hashes=hashes) == {}
+        assert await client.find_matches(np.array([1, 2, 3, 4, 5], dtype=np.int64)) == {}
+        with pytest.raises(TypeError, match=r"block_hashes\[1\] must be an int, got 2.5"):
+            await client.find_matches(block_hashes=[1, 2.5])
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            await client.find_matches([1, 2], timeout=-1)
+        sync = await RouteSync(Router(block_size=4, workers=["a"]), servers=[url]).start()
+        own_nats_server.kill()
+        with pytest.raises(IndexUnavailableError):  # the fault: no broker to carry the query
+            await client.find_matches([1, 2, 3, 4])
+        await client.close()  # raised ConnectionResetError
+        await sync.close()  # raised ConnectionReconnectingError
+        with pytest.raises(RuntimeError, match="a closed RouteSync cannot be started again"):
+            await sync.start()

@@ -135,13 +135,22 @@ class Config:
         ``options`` applied, or (no ``config``) the environment with ``options`` applied."""
         if config is None:
             return cls.from_env(**options)
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a kvbridge.Config, got {type(config).__name__} (options go as keywords: "
+                            f"servers=..., model=...)")  # fmt: skip
         return config.replace(**options) if options else config
 
     # -- validation ---------------------------------------------------------------------------
 
     def _validate(self) -> None:
+        if not isinstance(self.servers, (list, tuple)) or not all(isinstance(u, str) for u in self.servers):
+            _fail("servers", f"must be NATS URLs (a list of str, or one str, comma-separated), got {self.servers!r}")
         if not self.servers:
             _fail("servers", "at least one NATS server URL is required")
+        for name in ("user", "password", "token"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                _fail(name, f"must be a str, got {type(value).__name__}")  # the value itself may be a secret
         for url in self.servers:
             scheme = url.split("://", 1)[0] if "://" in url else ""
             if scheme not in _SCHEMES:
@@ -158,7 +167,7 @@ class Config:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 _fail(name, f"file not found: {path}")
-        if self.encoding not in CONTENT_TYPES:
+        if not isinstance(self.encoding, str) or self.encoding not in CONTENT_TYPES:
             _fail("encoding", f"must be one of {sorted(CONTENT_TYPES)}, got {self.encoding!r}")
         for name in ("subject_prefix", "inbox_prefix"):
             value = getattr(self, name)

@@ -43,6 +43,11 @@ class Delivery:
         queue_size: int,
         index: Any,
     ) -> None:
+        if on_update is not None and not callable(on_update):
+            raise TypeError(f"on_update must be a callable (update) -> None or an awaitable, got {type(on_update).__name__}")
+        if index is not None and not all(callable(getattr(index, m, None)) for m in ("apply", "remove_worker")):
+            raise TypeError(f"index must be a kvbridge.Index (or have apply() and remove_worker()), got "
+                            f"{type(index).__name__}")  # fmt: skip
         self.config = config
         self.prefix = config.subject_prefix
         self.subject = subject

@@ -130,6 +130,8 @@ class KvEventSubscriber(Liveness, Resync):
 
     @on_update.setter
     def on_update(self, callback: Callable[[Update], Awaitable[None] | None] | None) -> None:
+        if callback is not None and not callable(callback):
+            raise TypeError(f"on_update must be a callable (update) -> None or an awaitable, got {type(callback).__name__}")
         if callback is not None and self._direct:
             raise RuntimeError(
                 "on_update must be given before start(): this subscriber started without one and handles "
@@ -140,6 +142,8 @@ class KvEventSubscriber(Liveness, Resync):
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> KvEventSubscriber:
+        if self._closed:
+            raise RuntimeError("a closed KvEventSubscriber cannot be started again: make a new one")
         if self._nc is not None:
             return self
         self._nc = await connect(self.config, reconnected_cb=self._on_reconnected, error_cb=self._permissions.on_error)
@@ -200,6 +204,8 @@ class KvEventSubscriber(Liveness, Resync):
         await self.close()
 
     def __aiter__(self) -> AsyncIterator[Update]:
+        if self._nc is None and not self._closed:  # it would wait forever for updates that never come
+            raise RuntimeError("start() the KvEventSubscriber first (or `async with` it), then iterate")
         if self._iter_queue is None:
             self._iter_queue = deque()
         return self._iterate(self._iter_queue)

@@ -223,6 +223,10 @@ class Router:
                 raise ValueError("block_size is required when the index does not say its block size")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        held_in = getattr(index, "block_size", None)
+        if isinstance(held_in, int) and held_in != block_size:  # overlaps would be in the index's blocks
+            raise ValueError(f"block_size {block_size} differs from the index's ({held_in}): the overlaps it answers "
+                             f"count its blocks")  # fmt: skip
         if loads is not None and not (isinstance(loads, Mapping) or callable(loads)):
             raise TypeError(f"loads must be a mapping worker -> load or a callable, got {type(loads).__name__}")
         if cost not in ("time", "blocks"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import operator
 import time
 from typing import Annotated, Any, Literal, Sequence
 
@@ -32,7 +33,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from kvbridge._native import Index, unpack_query_ints
 from kvbridge.metrics import register, start_exporter
-from kvbridge.config import Config
+from kvbridge.config import Config, ConfigError
 from kvbridge.errors import Error
 from kvbridge.bus.connection import connect
 from kvbridge.bus.subscriber import KvEventSubscriber
@@ -167,6 +168,8 @@ class IndexService:
         queue_group: str = DEFAULT_QUEUE_GROUP,
         **options: Any,
     ) -> None:
+        if not isinstance(queue_group, str) or not queue_group or any(c in queue_group for c in " \t\r\n*>"):
+            raise ConfigError(f"queue_group must be a NATS queue name (no spaces or wildcards), got {queue_group!r}")
         config = _config(config, model, options)
         if index is None:
             index = Index(block_size, key)
@@ -199,6 +202,8 @@ class IndexService:
         }
 
     async def start(self) -> IndexService:
+        if self._closed:
+            raise RuntimeError("a closed IndexService cannot be started again: make a new one")
         if self._nc is not None:
             return self
         await self.subscriber.start()
@@ -284,6 +289,25 @@ class IndexService:
         self._last_warning, self._unlogged = now, 0
 
 
+def _ints(name: str, values: Any, allow_bytes: bool = False) -> list[Any]:
+    """``values`` as a list of Python ints (and bytes digests, where allowed); a clear error naming
+    ``name`` and the position of anything else."""
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from None
+    out: list[Any] = []
+    for i, v in enumerate(items):
+        if allow_bytes and isinstance(v, (bytes, bytearray)):
+            out.append(bytes(v))
+            continue
+        try:
+            out.append(operator.index(v))  # ints and numpy integers; not floats, strs or bools' kin
+        except TypeError:
+            raise TypeError(f"{name}[{i}] must be an int, got {v!r}") from None
+    return out
+
+
 class IndexClient:
     """Asks an index service for overlap scores. An async context manager.
 
@@ -323,7 +347,10 @@ class IndexClient:
     async def close(self) -> None:
         nc, self._nc = self._nc, None
         if nc is not None:
-            await nc.close()
+            try:
+                await nc.close()
+            except Exception as exc:  # the broker gone mid-close: the connection is let go anyway
+                log.debug("kvbridge: IndexClient close: %r", exc)
 
     async def __aenter__(self) -> IndexClient:
         return await self.start()
@@ -350,11 +377,14 @@ class IndexClient:
             raise RuntimeError("IndexClient is not started: use 'async with IndexClient(...)' or await start()")
         if (tokens is None) == (block_hashes is None):
             raise ValueError("give exactly one of tokens and block_hashes")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         query: dict[str, Any] = {}
+        # Plain ints on the wire, whatever the caller holds them in (numpy arrays and scalars too).
         if tokens is not None:
-            query["tokens"] = tokens if isinstance(tokens, list) else [int(t) for t in tokens]
+            query["tokens"] = _ints("tokens", tokens)
         else:
-            query["block_hashes"] = block_hashes if isinstance(block_hashes, list) else list(block_hashes or ())
+            query["block_hashes"] = _ints("block_hashes", block_hashes, allow_bytes=True)
         for name, value in (("lora_name", lora_name), ("extra_keys", extra_keys), ("medium", medium)):
             if value is not None:
                 query[name] = value

@@ -97,6 +97,8 @@ class RouteSync:
         self._closing = False
 
     async def start(self) -> RouteSync:
+        if self._closing:
+            raise RuntimeError("a closed RouteSync cannot be started again: make a new one")
         if self._nc is not None:
             return self
         self._loop = asyncio.get_running_loop()
@@ -123,7 +125,14 @@ class RouteSync:
         if self._sender is not None:
             await self._sender  # sends what was decided before close()
         nc, self._nc = self._nc, None
-        await nc.drain()
+        try:
+            await nc.drain()
+        except Exception as exc:  # the broker down: nothing left to drain to; let the connection go
+            log.warning("kvbridge: RouteSync could not drain its connection (%r): closing it", exc)
+            try:
+                await nc.close()
+            except Exception:
+                pass
 
     async def __aenter__(self) -> RouteSync:
         return await self.start()
