@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvbridge import BlockStored, Index, KVEventBatch
+from kvbridge import BlockStored, Index, KVEventBatch, hit_tokens
 from kvbridge.routing.router import NoWorkersError, softmax_probabilities
 from kvbridge.routing.router import Router as _Router
 
@@ -251,6 +251,11 @@ def test_router_weighs_tiers_when_choosing():
     assert router.choose_scores(scores, 8) == ("gpu", 4)
     # the overlap a choice reports is the leading blocks held in any tier
     assert Router(block_size=BS, workers=["cpu"]).choose_scores({"cpu": {"GPU": 1, "CPU": 6}}, 8) == ("cpu", 6)
+    import numpy as np
+
+    assert Router(block_size=BS, workers=["cpu"]).choose_scores({"cpu": 6}, np.int64(8)) == ("cpu", 6)  # a numpy count
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        hit_tokens([1, 2, 3], 0)
     with pytest.raises(TypeError, match="medium_weights: a medium is a non-empty str"):
         Router(block_size=BS, medium_weights={1: 1.0})
     with pytest.raises(ValueError, match=r"medium_weights\['CPU'\] must be >= 0"):

@@ -40,6 +40,7 @@ load among near-equal workers; still deterministic for a given ``seed``.
 from __future__ import annotations
 
 import math
+import operator
 import random
 import threading
 import time
@@ -363,7 +364,7 @@ class Router:
         default ``num_blocks * block_size``) with these overlaps (per worker a block count, or
         ``{medium: block count}`` as ``by_medium`` answers give), as they are (no provisional
         residency)."""
-        num_tokens = self._sizes(num_blocks, num_tokens)
+        num_blocks, num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
             return self._decide(None, _as_dict(scores), num_blocks, num_tokens, None, None, None, workers, False,
                                 costs_only=True)[0]  # fmt: skip
@@ -480,7 +481,7 @@ class Router:
         prompt vLLM can hit, as :meth:`choose` asks) for a request of ``num_blocks`` full blocks
         (``num_tokens`` tokens: what the time cost weighs; default ``num_blocks * block_size``).
         ``keys``: that part's :meth:`block_keys`, for provisional residency (none without)."""
-        num_tokens = self._sizes(num_blocks, num_tokens)
+        num_blocks, num_tokens = self._sizes(num_blocks, num_tokens)
         with self._lock:
             self._check_new(request_id)
             made, now = self._decide(None, _as_dict(scores), num_blocks, num_tokens, keys, None, None, workers,
@@ -491,15 +492,20 @@ class Router:
             self._tell_route(made, now)
         return made[0], made[1]
 
-    def _sizes(self, num_blocks: int, num_tokens: int | None) -> int:
-        """``num_tokens`` checked against ``num_blocks`` (default: the blocks' tokens)."""
+    def _sizes(self, num_blocks: int, num_tokens: int | None) -> tuple[int, int]:
+        """``(num_blocks, num_tokens)`` checked, as Python ints (``num_tokens`` default: the
+        blocks' tokens)."""
+        if not isinstance(num_blocks, int) and hasattr(num_blocks, "__index__") and not isinstance(num_blocks, bool):
+            num_blocks = operator.index(num_blocks)  # a numpy integer, as a caller's arrays give it
+        if num_tokens is not None and not isinstance(num_tokens, int) and hasattr(num_tokens, "__index__"):
+            num_tokens = operator.index(num_tokens)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_tokens is None:
-            return num_blocks * self.block_size
+            return num_blocks, num_blocks * self.block_size
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < num_blocks * self.block_size:
             raise ValueError(f"num_tokens must be an int >= num_blocks * block_size, got {num_tokens!r}")
-        return num_tokens
+        return num_blocks, num_tokens
 
     def _check_new(self, request_id: Hashable | None) -> None:
         if request_id is not None and request_id in self._requests:

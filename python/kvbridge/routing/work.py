@@ -41,6 +41,8 @@ def hit_tokens(tokens: Any, block_size: int) -> Any:
     prompt (``get_computed_blocks``: ``max_cache_hit_length = num_tokens - 1``). A hybrid
     worker's window rule must hold at that length, so an index is asked about this part, not
     the whole prompt (rust/route/work.rs ``hit_cap`` is the same rule)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     n = len(tokens)
     return tokens[: (n - 1) // block_size * block_size] if n else tokens
 
