@@ -191,9 +191,18 @@ impl Index {
         by_medium: bool,
         remote: bool,
         lists: bool,
-        top_k: Option<usize>,
+        top_k: Option<i64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let medium = opt_str("medium", medium)?;
+        let top_k = match top_k {
+            Some(k) if k < 0 => {
+                return Err(PyValueError::new_err(format!(
+                    "top_k must be an int >= 0, got {k}"
+                )))
+            }
+            Some(k) => Some(k as usize),
+            None => None,
+        };
         if by_medium && (lists || top_k.is_some()) {
             return Err(PyValueError::new_err(
                 "by_medium answers per medium: not with lists or top_k",

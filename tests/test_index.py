@@ -233,6 +233,8 @@ def test_top_k_and_lists_exactly():
         assert idx.find_matches(block_hashes=query, top_k=k, lists=True) == expect(k), k
         assert idx.find_matches(block_hashes=query.tobytes(), top_k=k) == dict(zip(*expect(k))), k
     assert idx.find_matches(block_hashes=query, lists=True) == (order, [lengths[w] for w in order])
+    with pytest.raises(ValueError, match="top_k must be an int >= 0, got -1"):  # not an OverflowError
+        idx.find_matches(block_hashes=query, top_k=-1)
     # A removed worker's id named again by a new worker: the answer names the new one.
     idx.remove_worker("w3")
     idx.apply("new", encode_batch(KVEventBatch(0.0, [BlockStored(chain[:2], None, [1] * BS * 2, BS, None, "GPU", None)])))
@@ -779,7 +781,7 @@ def test_wrong_argument_types_raise_naming_the_argument():
         (lambda: idx.find_matches(block_hashes=b"ab"), TypeError, "block_hashes must be"),
         (lambda: idx.find_matches(block_hashes=array.array("I", [1, 2])), TypeError, "block_hashes must be"),
         (lambda: idx.find_matches(block_hashes="ab", lists=True), TypeError, "block_hashes must be"),
-        (lambda: idx.find_matches(block_hashes=[1], top_k=-1, lists=True), OverflowError, "negative"),
+        (lambda: idx.find_matches(block_hashes=[1], top_k=-1, lists=True), ValueError, "top_k must be an int >= 0"),
         (lambda: idx.find_matches([1, 2], by_medium=True, lists=True), ValueError, "not with lists or top_k"),
         (lambda: idx.find_matches(block_hashes=[1], lora_name="a"), ValueError, "go with tokens"),
         (lambda: Index(BS, key="engine").find_matches([1, 2]), ValueError, "block_hashes="),
