@@ -99,6 +99,11 @@ class NoWorkersError(Error, LookupError):
     """There is no worker to route to: the index knows none and none were given."""
 
 
+def _as_int(value: Any) -> Any:
+    """``value`` as a Python int when it is an integer of another type (numpy's); else as it is."""
+    return operator.index(value) if not isinstance(value, int) and hasattr(value, "__index__") else value
+
+
 def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {value!r}")
@@ -495,10 +500,7 @@ class Router:
     def _sizes(self, num_blocks: int, num_tokens: int | None) -> tuple[int, int]:
         """``(num_blocks, num_tokens)`` checked, as Python ints (``num_tokens`` default: the
         blocks' tokens)."""
-        if not isinstance(num_blocks, int) and hasattr(num_blocks, "__index__") and not isinstance(num_blocks, bool):
-            num_blocks = operator.index(num_blocks)  # a numpy integer, as a caller's arrays give it
-        if num_tokens is not None and not isinstance(num_tokens, int) and hasattr(num_tokens, "__index__"):
-            num_tokens = operator.index(num_tokens)
+        num_blocks, num_tokens = _as_int(num_blocks), _as_int(num_tokens)  # numpy integers, as arrays give them
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_tokens is None:

@@ -289,6 +289,12 @@ class IndexService:
         self._last_warning, self._unlogged = now, 0
 
 
+def _check_timeout(timeout: Any) -> None:
+    """A timeout given (None: the default) is a number of seconds > 0."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+
+
 def _ints(name: str, values: Any, allow_bytes: bool = False) -> list[Any]:
     """``values`` as a list of Python ints (and bytes digests, where allowed); a clear error naming
     ``name`` and the position of anything else."""
@@ -329,8 +335,7 @@ class IndexClient:
         **options: Any,
     ) -> None:
         config = _config(config, model, options)
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        _check_timeout(timeout)
         self.config = config
         self.subject = query_subject(config.subject_prefix, config.model)
         self.timeout = float(timeout) if timeout is not None else config.request_timeout_s
@@ -377,8 +382,7 @@ class IndexClient:
             raise RuntimeError("IndexClient is not started: use 'async with IndexClient(...)' or await start()")
         if (tokens is None) == (block_hashes is None):
             raise ValueError("give exactly one of tokens and block_hashes")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        _check_timeout(timeout)
         query: dict[str, Any] = {}
         # Plain ints on the wire, whatever the caller holds them in (numpy arrays and scalars too).
         if tokens is not None:
